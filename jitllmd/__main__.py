@@ -1,0 +1,5 @@
+"""python -m jitllmd"""
+
+from .cli import main
+
+main()

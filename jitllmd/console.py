@@ -1,0 +1,39 @@
+"""The terminal side of the CLI: one rich console, one-line errors with exit code 1, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+__all__ = ["console", "err_console", "fail", "progress_bar"]
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print `error: message` on stderr and return the Exit to raise."""
+    err_console.print(f"[red]error:[/] {message}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, *, as_bytes: bool = False, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on stderr; yields update(done, total)."""
+    if not enabled:
+        yield lambda done, total: None
+        return
+    columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
+    columns += [DownloadColumn()] if as_bytes else []
+    columns += [TimeRemainingColumn()]
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update

@@ -1,0 +1,258 @@
+"""Build a Hugging Face `tokenizers.Tokenizer` from the vocabulary stored in a GGUF file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+if TYPE_CHECKING:
+    import gguf
+
+__all__ = ["GGUFTokenizer", "tokenizer_from_gguf"]
+
+_SUPPORTED_MODELS = ("gpt2", "llama")
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> split regex applied before byte-level mapping. Any other value (gpt-2,
+# default, smollm, starcoder, ...) gets ByteLevel's built-in GPT-2 regex, as transformers does.
+_PRE_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+
+# Gemma files spell multi-space tokens with real spaces and their scores do not follow the merge
+# order (file position does).
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+# Phi-3's original tokenizer always prepends "▁" (even before a leading space), via a normalizer.
+_ALWAYS_PREPEND_ARCHS = frozenset({"phi3"})
+
+
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """A serialized tokenizer plus the special-token settings a GGUF file declares."""
+
+    tokenizer_json: str
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    eos_token_ids: list[int]
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in kept}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def _derive_merges(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a vocabulary: every split of a token into two tokens, best token first.
+
+    Ties go to the longer left part, then to file order, which is what transformers does.
+    """
+    ranked: list[tuple[float, int, int, int, str, str]] = []
+    for token, token_id in vocab.items():
+        size = len(token)
+        for cut in range(1, size):
+            left = token[:cut]
+            if left in vocab and (right := token[cut:]) in vocab:
+                ranked.append((-priority[token], -cut, cut - size, token_id, left, right))
+    ranked.sort()  # (token_id, cut) is unique, so the strings never decide the order
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _file_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        # A merge whose parts are not tokens would make the BPE model refuse to load.
+        if sep and left in vocab and right in vocab and left + right in vocab:
+            pairs.append((left, right))
+    return pairs
+
+
+def _add_vocab_tokens(tokenizer: Tokenizer, vocab: dict[str, int], tokens: list[str], types: list[int],
+                      special_ids: set[int]) -> None:
+    """Make control/unknown tokens special and user-defined ones plain added tokens, matched whole."""
+    special, plain = [], []
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if vocab.get(token) != i:
+            continue  # duplicate or respelled spelling: not a whole token of the text
+        if kind in (_CONTROL, _UNKNOWN) or i in special_ids:
+            special.append(AddedToken(token, normalized=False, special=True))
+        elif kind == _USER_DEFINED:
+            plain.append(AddedToken(token, normalized=False, special=False))
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+
+
+def _byte_level(tokens: list[str], types: list[int], merges: list[str] | None, pre: str | None,
+                special_ids: set[int]) -> Tokenizer:
+    """GPT-2 style byte-level BPE."""
+    spell = _byte_to_char()
+    alphabet = set(spell.values())
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        # Added tokens keep their raw text so they match in the input; a normal token outside the
+        # byte alphabet is re-spelled so BPE can reach it.
+        whole = kind in (_CONTROL, _USER_DEFINED, _UNKNOWN) or i in special_ids
+        if not whole and not set(token) <= alphabet:
+            token = "".join(spell[b] for b in token.encode("utf-8"))
+        vocab[token] = i
+    if merges is None:
+        pairs = _derive_merges(vocab, {t: -i for t, i in vocab.items()})
+    else:
+        pairs = _file_merges(merges, vocab)
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    split = _PRE_SPLITS.get(pre or "")
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    _add_vocab_tokens(tokenizer, vocab, tokens, types, special_ids)
+    return tokenizer
+
+
+def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], arch: str, add_space_prefix: bool,
+                   unk_token: str | None, special_ids: set[int]) -> Tokenizer:
+    """SentencePiece-style BPE: merges ranked by score, byte fallback, "▁" for spaces."""
+    spelled = tokens
+    if arch in _GEMMA_ARCHS:
+        spelled = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {token: i for i, token in enumerate(spelled)}
+    if arch in _GEMMA_ARCHS:
+        priority = {token: -float(i) for token, i in vocab.items()}
+    else:
+        priority = {token: float(scores[i]) for token, i in vocab.items()}
+    model = BPE(vocab=vocab, merges=_derive_merges(vocab, priority), unk_token=unk_token,
+                fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    if arch in _ALWAYS_PREPEND_ARCHS and add_space_prefix:
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        # "first": "▁" goes before the start of the text only, and not when the text already starts
+        # with a space. That is transformers' behaviour; sentencepiece and llama.cpp always add one.
+        scheme = "first" if add_space_prefix else "never"
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    _add_vocab_tokens(tokenizer, vocab, tokens, types, special_ids)
+    return tokenizer
+
+
+def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+    head = f"{bos[0]}:0 " if bos else ""
+    tail = f" {eos[0]}:0" if eos else ""
+    single = f"{head}$A:0{tail}"
+    pair = f"{single}{' ' + bos[0] + ':1' if bos else ''} $B:1{' ' + eos[0] + ':1' if eos else ''}"
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
+    """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model not in _SUPPORTED_MODELS:
+        raise ValueError(
+            f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: {', '.join(_SUPPORTED_MODELS)}"
+        )
+    tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF file has no vocabulary (tokenizer.ggml.tokens is missing or empty)")
+    n_vocab = len(tokens)
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * n_vocab
+
+    def token_id(name: str) -> int | None:
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        return int(value) if value is not None and 0 <= int(value) < n_vocab else None
+
+    ids = {name: token_id(name) for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    special_ids = {i for i in ids.values() if i is not None}
+    text = {name: tokens[i] if i is not None else None for name, i in ids.items()}
+
+    if model == "gpt2":
+        tokenizer = _byte_level(tokens, types, _field(reader, "tokenizer.ggml.merges"),
+                                _field(reader, "tokenizer.ggml.pre"), special_ids)
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * n_vocab
+        tokenizer = _sentencepiece(tokens, types, scores, _field(reader, "general.architecture", ""),
+                                   bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                                   text["unknown"], special_ids)
+
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    bos = (text["bos"], ids["bos"]) if add_bos and ids["bos"] is not None else None
+    eos = (text["eos"], ids["eos"]) if add_eos and ids["eos"] is not None else None
+    if bos or eos:
+        tokenizer.post_processor = _post_processor(bos, eos)
+
+    eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    return GGUFTokenizer(
+        tokenizer_json=tokenizer.to_str(),
+        bos_token=text["bos"],
+        eos_token=text["eos"],
+        unk_token=text["unknown"],
+        pad_token=text["padding"],
+        eos_token_ids=eos_ids,
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )

@@ -1,0 +1,63 @@
+"""What a converter reads from a source: the arch, config, tensors to write and the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..jlm import TensorSpec
+
+__all__ = ["ConvertError", "Source", "block_order"]
+
+
+class ConvertError(ValueError):
+    """A source cannot be converted: the message is one line that names the file and the reason."""
+
+
+@dataclass
+class Source:
+    arch: str
+    config: dict[str, Any]
+    tensors: list[TensorSpec]
+    tokenizer_json: str
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]
+    add_bos_token: bool
+    chat_template: str | None
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def meta(self) -> dict[str, Any]:
+        """The .jlm metadata document (see docs/format.md)."""
+        return {
+            "arch": self.arch,
+            "config": self.config,
+            "tokenizer": self.tokenizer_json,
+            "chat_template": self.chat_template,
+            "special_tokens": {
+                "bos_token": self.bos_token,
+                "bos_token_id": self._token_id(self.bos_token),
+                "eos_token": self.eos_token,
+                "eos_token_ids": self.eos_token_ids,
+                "add_bos_token": self.add_bos_token,
+            },
+            "quantization": {},
+            "source": self.source,
+        }
+
+    def _token_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.tokenizer_json).token_to_id(token)
+
+
+def block_order(spec: TensorSpec) -> tuple[int, int, str]:
+    """embed, blocks in order, head: each block's bytes stay contiguous in the file."""
+    n = spec.name
+    if n.startswith("embed."):
+        return (0, 0, n)
+    if n.startswith("blocks."):
+        return (1, int(n.split(".")[1]), n)
+    return (2, 0, n)

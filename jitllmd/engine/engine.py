@@ -1,0 +1,305 @@
+"""The step loop of one model on its own thread: pick rows -> run the model -> sample and hand out events."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .kv import RoomError, RowSpan
+from .loader import LoadedModel
+from .request import Delta, Done, Event, Failed, FinishReason, Request, RequestState
+from .sampler import Sampler, SamplingParams
+from .scheduler import Scheduler
+from .sessions import Session, SessionRegistry
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("jitllmd.engine")
+
+
+class Engine:
+    """Runs one loaded model. Thread-safe `submit`/`cancel`; events reach each request's `emit` from the engine thread."""
+
+    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512):
+        self.loaded = loaded
+        self.scheduler = Scheduler(max_batch, prompt_chunk)
+        self.sessions = SessionRegistry()
+        self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
+        self._eos = frozenset(loaded.eos_token_ids)
+        self._weight_bytes = loaded.model.weight_nbytes()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"engine-{self.loaded.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Cancel everything and end the thread."""
+        self._stopping = True
+        self._inbox.put(("wake", None))  # type: ignore[arg-type]
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def new_session(self, max_seq: int | None = None) -> Session:
+        """A named session that keeps its KV cache across requests."""
+        return self.sessions.create(self.loaded.name, self.loaded.new_kv(max_seq))
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit,
+        *,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        session: Session | None = None,
+    ) -> Request:
+        """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        vocab = self.loaded.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        ephemeral = session is None
+        if session is None:
+            session = Session("", self.loaded.name, self.loaded.new_kv())
+        cap, n = session.max_seq, len(prompt_ids)
+        if n >= cap:
+            raise RoomError(f"the prompt has {n} tokens but the session has room for {cap}: no room is left to generate")
+        room = cap - n
+        req = Request(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            emit=emit,
+            session=session,
+            max_tokens=room if max_tokens is None else min(max_tokens, room),
+            stop=[s for s in (stop or []) if s],
+            ephemeral=ephemeral,
+        )
+        self._inbox.put(("submit", req))
+        return req
+
+    def cancel(self, req: Request) -> None:
+        self._inbox.put(("cancel", req))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, **kw) -> Iterator[Event]:
+        """Submit now (errors raise here) and iterate the events in the caller's thread.
+
+        Leaving the iteration early (break, close, KeyboardInterrupt) cancels the request.
+        """
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        req = self.submit(prompt_ids, params, events.put, **kw)
+        return self._iterate(req, events)
+
+    def _iterate(self, req: Request, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
+        done = False
+        try:
+            while not done:
+                try:
+                    ev = events.get(timeout=0.2)  # a timeout keeps Ctrl-C responsive
+                except queue.Empty:
+                    continue
+                done = isinstance(ev, (Done, Failed))
+                yield ev
+        finally:
+            if not done:
+                self.cancel(req)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain(block=self.scheduler.idle)
+            if self._stopping:
+                break
+            rows = self.scheduler.schedule()
+            if not rows:
+                continue
+            try:
+                logits = self._run(rows)
+                self._postprocess(rows, logits)
+            except Exception as exc:  # a bug or out of memory: fail these rows, keep serving
+                log.exception("step failed")
+                for req, _ in rows:
+                    self._fail(req, f"internal error in the engine: {type(exc).__name__}")
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, FinishReason.CANCELLED)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, req = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "submit":
+                self.scheduler.add(req)
+            elif kind == "cancel" and not req.finished:
+                req.cancel_requested = True
+                if req.state is RequestState.WAITING:
+                    self._finish(req, FinishReason.CANCELLED)
+            if self._stopping:
+                return
+
+    def _run(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """One step: every row's tokens packed into one batch. Returns logits of the rows that sample."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        spans: list[RowSpan] = []
+        logits_at: list[int] = []
+        now = time.perf_counter()
+        for req, n in rows:
+            if req.cancel_requested:
+                continue
+            if req.t_first_step is None:
+                req.t_first_step = now
+                req.cached = req.session.reuse_prefix(req.prompt_ids)
+                req.fed = req.cached
+                req.sampler = Sampler(req.params, req.prompt_ids)
+                req.detok = self.loaded.tokenizer.detokenizer(context=req.prompt_ids[-8:])
+                n = min(n, req.prompt_left)
+            if req.state is RequestState.DECODE:
+                ids = [req.next_token]
+            else:
+                ids = req.prompt_ids[req.fed : req.fed + n]
+            start, pos = len(tokens), req.session.kv.length
+            tokens.extend(ids)
+            positions.extend(range(pos, pos + len(ids)))
+            spans.append(RowSpan(start, len(ids), req.session.kv))
+            req.session.token_ids.extend(ids)
+            if req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
+                logits_at.append(len(tokens) - 1)
+            if req.state is RequestState.PREFILL:
+                req.fed += len(ids)
+        if not spans:
+            return torch.empty(0)
+        model = self.loaded.model
+        dev = model.device
+        return model.forward(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            spans,
+            torch.tensor(logits_at, dtype=torch.long, device=dev),
+        )
+
+    def _postprocess(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+        now = time.perf_counter()
+        num_rows = sum(1 for req, _ in rows if not req.cancel_requested)
+        j = 0
+        for req, _ in rows:
+            if req.cancel_requested:
+                self._finish(req, FinishReason.CANCELLED)
+                continue
+            if req.state is RequestState.PREFILL and req.prompt_left > 0:
+                continue  # more prompt to feed next step
+            if req.state is RequestState.DECODE:
+                req.decode_steps += 1
+                req.decode_bytes += self._weight_bytes / num_rows + req.session.kv.length * req.session.kv.bytes_per_position()
+            token = req.sampler.sample(logits[j])
+            j += 1
+            if req.t_first_token is None:
+                req.t_first_token = now
+            req.t_last_token = now
+            req.state = RequestState.DECODE
+            self._accept(req, token)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Take a sampled token: end of sequence, text (watching for stop strings), or length."""
+        req.sampler.accept(token)
+        if token in self._eos:
+            self._finish(req, FinishReason.STOP)
+            return
+        req.output_ids.append(token)
+        req.held += req.detok.add(token)
+        if self._release(req, final=False):
+            return
+        if len(req.output_ids) >= req.max_tokens:
+            self._finish(req, FinishReason.LENGTH)
+            return
+        req.next_token = token
+
+    def _release(self, req: Request, final: bool) -> bool:
+        """Emit held text up to any stop string. True when a stop string ended the request."""
+        text = req.held
+        if req.stop:
+            hits = [(text.find(s), s) for s in req.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                req.held = ""
+                if at:
+                    req.emit(Delta(text[:at], []))
+                self._finish(req, FinishReason.STOP, stop=s)
+                return True
+            if not final:
+                keep = max((_overlap(text, s) for s in req.stop), default=0)
+                req.held, text = text[len(text) - keep :], text[: len(text) - keep]
+            else:
+                req.held = ""
+        else:
+            req.held = ""
+        if text or not final:
+            req.emit(Delta(text, [] if final else [req.output_ids[-1]]))
+        return False
+
+    def _finish(self, req: Request, reason: FinishReason, stop: str | None = None) -> None:
+        if req.finished:
+            return
+        if stop is None and req.detok is not None:
+            req.held += req.detok.flush()
+            if req.held and self._release(req, final=True):
+                return  # the flushed text held a stop string; _release finished the request
+        self._end(req)
+        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, self._figures(req)))
+
+    def _fail(self, req: Request, message: str) -> None:
+        if req.finished:
+            return
+        req.session.reset()  # its cache may be half written
+        self._end(req)
+        req.emit(Failed(message))
+
+    def _end(self, req: Request) -> None:
+        if req.state is not RequestState.WAITING:  # admitted: it holds its session
+            req.session.busy = False
+        req.state = RequestState.FINISHED
+        self.scheduler.remove(req)
+
+    def _figures(self, req: Request) -> dict:
+        ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0  # noqa: E731
+        decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
+        generated_after_first = max(0, len(req.output_ids) - 1)
+        num_blocks = self.loaded.model.cfg.num_layers + 2  # embed and head are blocks too
+        on_device = self.loaded.model.device.type != "cpu"
+        return {
+            "session_id": req.session.id or f"ephemeral-{req.id}",
+            "queued_ms": ms(req.t_arrival, req.t_first_step),
+            "queue_depth_on_entry": req.queue_depth_on_entry,
+            "device_blocks": num_blocks if on_device else 0,
+            "host_blocks": 0 if on_device else num_blocks,
+            "device_ids": [str(self.loaded.model.device)] if on_device else [],
+            "prefill_ms": ms(req.t_first_step, req.t_first_token),
+            "decode_ms": round(decode_s * 1000, 3),
+            "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,
+            "bytes_per_token": int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
+        }
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for k in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0

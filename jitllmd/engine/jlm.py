@@ -1,0 +1,181 @@
+"""The .jlm file format: one safetensors file with a `jlm` metadata document; write, open (mmap), read one block."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "JLMError",
+    "JLMFile",
+    "TensorSpec",
+    "write_jlm",
+]
+
+FORMAT_VERSION = 1
+
+# safetensors dtype names <-> torch dtypes
+_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+class JLMError(ValueError):
+    """A .jlm file is missing, truncated, or not a .jlm file."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: its name, dtype and shape up front, its data produced when its turn comes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def write_jlm(
+    path: str | Path,
+    specs: list[TensorSpec],
+    meta: dict[str, Any],
+    *,
+    on_tensor: Callable[[TensorSpec], None] | None = None,
+) -> int:
+    """Write a .jlm atomically: stream tensors into a temp file beside `path`, rename at the end.
+
+    Returns the file size. On any error the temp file is removed and `path` is untouched.
+    """
+    path = Path(path)
+    header: dict[str, Any] = {"__metadata__": {"jlm": json.dumps({"format_version": FORMAT_VERSION, **meta})}}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in _NAMES:
+            raise JLMError(f"{spec.name}: dtype {spec.dtype} cannot be stored")
+        header[spec.name] = {
+            "dtype": _NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for spec in specs:
+                t = spec.produce()
+                if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                    raise JLMError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, declared {spec.dtype} {spec.shape}")
+                if t.numel():
+                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                if on_tensor is not None:
+                    on_tensor(spec)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+class JLMFile:
+    """An opened .jlm: the `jlm` metadata, and tensors mapped lazily from the file (pages are read on first touch)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            raise JLMError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise JLMError(f"{self.path}: is a directory, not a .jlm file") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise JLMError(f"{self.path}: not a .jlm file (too short)")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER or 8 + n > size:
+                raise JLMError(f"{self.path}: not a .jlm file (bad header length)")
+            try:
+                header = json.loads(f.read(n))
+                meta = json.loads(header.pop("__metadata__")["jlm"])
+            except (ValueError, KeyError, TypeError):
+                raise JLMError(f"{self.path}: not a .jlm file (no jlm metadata)") from None
+            # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never written back.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._data_start = 8 + n
+        self.meta: dict[str, Any] = meta
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise JLMError(f"{self.path}: .jlm format version {meta.get('format_version')} is not {FORMAT_VERSION}")
+        self._index: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            if self._data_start + end > size:
+                raise JLMError(f"{self.path}: truncated (tensor {name} ends past the end of the file)")
+            self._index[name] = (_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    @property
+    def arch(self) -> str:
+        return self.meta["arch"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.meta["config"]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, mapped from the file (no copy)."""
+        dtype, shape, start, end = self._index[name]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        t = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + start)
+        return t.view(shape)
+
+    def block(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors of one block (`embed`, `blocks.3`, `head`), keyed by the name after the prefix."""
+        p = prefix + "."
+        return {name[len(p):]: self.tensor(name) for name in self._index if name.startswith(p)}
+
+    def block_nbytes(self, prefix: str) -> int:
+        p = prefix + "."
+        return sum(end - start for name, (_, _, start, end) in self._index.items() if name.startswith(p))
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # tensors still view the map; it is released when they are.

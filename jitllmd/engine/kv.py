@@ -1,0 +1,109 @@
+"""Session KV caches (per block) and the row layout a forward attends with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["RoomError", "RowSpan", "SessionKV"]
+
+_GROW = 256  # positions added at least per growth: few reallocations, little waste
+
+
+class RoomError(ValueError):
+    """A prompt or generation does not fit in the session's KV capacity."""
+
+
+class SessionKV:
+    """K and V for every attention block of one session: [num_kv_heads, capacity, head_dim] per block.
+
+    Storage grows on demand up to `capacity` (the session's -max-seq), so a session costs what it uses.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.length = 0  # positions filled
+        self._allocated = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def bytes_per_position(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def nbytes(self) -> int:
+        return self._allocated * self.bytes_per_position()
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` positions (grows storage; never past capacity)."""
+        if total > self.capacity:
+            raise RoomError(f"{total} positions do not fit in the session's {self.capacity}")
+        if total <= self._allocated:
+            return
+        new = min(self.capacity, max(total, self._allocated * 2, _GROW))
+        shape = (self.num_kv_heads, new, self.head_dim)
+        ks, vs = [], []
+        for i in range(self.num_layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if self._allocated:
+                k[:, : self.length] = self.k[i][:, : self.length]
+                v[:, : self.length] = self.v[i][:, : self.length]
+            ks.append(k)
+            vs.append(v)
+        self.k, self.v, self._allocated = ks, vs, new
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on (prefix reuse, reset)."""
+        self.length = max(0, min(self.length, length))
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+@dataclass
+class RowSpan:
+    """One row of a packed batch: tokens [start, start + num_tokens) attend to `kv` from position `kv.length`.
+
+    `mask` is built once per forward and shared by every layer (None for a single token: it sees everything).
+    """
+
+    start: int
+    num_tokens: int
+    kv: SessionKV
+    mask: torch.Tensor | None = field(default=None)
+
+    @property
+    def pos(self) -> int:
+        return self.kv.length
+
+    def build_mask(self, group: int) -> None:
+        """Causal mask for this chunk against the whole history, tiled for the GQA query layout [Hkv, group*n, D]."""
+        n, p = self.num_tokens, self.kv.length
+        if n == 1:
+            self.mask = None
+            return
+        device = self.kv.device
+        keys = torch.arange(p + n, device=device)
+        queries = torch.arange(p, p + n, device=device)
+        mask = keys[None, :] <= queries[:, None]  # [n, p+n]
+        self.mask = mask.repeat(group, 1) if group > 1 else mask  # [group*n, p+n]

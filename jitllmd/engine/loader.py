@@ -1,0 +1,99 @@
+"""Loading a .jlm (or a .gguf, converted on the way in) into a runnable model with its tokenizer and template."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .chat import ChatTemplate
+from .jlm import JLMError, JLMFile
+from .kv import SessionKV
+from .models import build_model
+from .sessions import default_max_seq
+from .tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "cached_conversion", "compute_dtype", "load_model"]
+
+
+def compute_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """f32 and bf16 compute as stored; f16 computes in bf16 on the CPU, whose f16 matmul is a scalar fallback."""
+    if stored == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return stored
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    jlm: JLMFile
+    model: object  # a family's model class (models/)
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    eos_token_ids: list[int]
+    context_length: int
+    max_seq: int  # default KV capacity of a session
+
+    def new_kv(self, max_seq: int | None = None) -> SessionKV:
+        cap = self.max_seq if max_seq is None else max_seq
+        if cap < 1:
+            raise ValueError(f"max_seq must be >= 1, got {cap}")
+        return self.model.new_kv(min(cap, self.context_length))
+
+
+def cached_conversion(gguf_path: Path, cache_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """A .gguf's .jlm in `cache_dir`, converted once (keyed by the file's name, size and mtime)."""
+    from .convert import convert
+
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir / f"{gguf_path.stem}-{key}.jlm"
+    if not out.exists():
+        convert(gguf_path, out, "bf16", on_progress=on_progress)
+    return out
+
+
+def load_model(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    device: str = "cpu",
+    max_seq: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> LoadedModel:
+    """Open a .jlm and build its model on `device`. Raises JLMError / ValueError with one-line messages."""
+    path = Path(path)
+    jlm = JLMFile(path)
+    meta = jlm.meta
+    dev = torch.device(device)
+    stored = next((jlm.tensor(n).dtype for n in jlm.names if n.startswith("blocks.")), torch.float32)
+    model = build_model(jlm, compute_dtype(stored, dev), dev, on_progress)
+    special = meta.get("special_tokens", {})
+    tokenizer = Tokenizer(
+        meta["tokenizer"],
+        bos_token_id=special.get("bos_token_id"),
+        eos_token_ids=list(special.get("eos_token_ids") or []),
+        add_bos_token=bool(special.get("add_bos_token", False)),
+    )
+    chat = ChatTemplate(meta.get("chat_template"), bos_token=special.get("bos_token"), eos_token=special.get("eos_token"))
+    context = int(jlm.config.get("max_position_embeddings", 4096))
+    probe = model.new_kv(1)
+    if max_seq is not None and max_seq < 1:
+        raise ValueError(f"max_seq must be >= 1, got {max_seq}")
+    cap = min(max_seq, context) if max_seq else default_max_seq(context, probe.bytes_per_position())
+    return LoadedModel(
+        name=name or path.name.removesuffix(".jlm"),
+        path=path,
+        jlm=jlm,
+        model=model,
+        tokenizer=tokenizer,
+        chat=chat,
+        eos_token_ids=list(special.get("eos_token_ids") or []),
+        context_length=context,
+        max_seq=cap,
+    )
+

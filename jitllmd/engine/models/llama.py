@@ -1,0 +1,243 @@
+"""The Llama family (llama, mistral, qwen2, qwen3, SmolLM): one forward over a packed token dimension."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..jlm import JLMFile
+from ..kv import RowSpan, SessionKV
+
+__all__ = ["ARCHS", "LlamaConfig", "LlamaModel"]
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The .jlm `config` of a Llama-family model (names as in docs/format.md)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"config.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "linear", "factors", "default"):
+                raise ValueError(f"config.rope_scaling type {kind!r} is not supported (llama3, linear, factors)")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in f32, with llama3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    kind = s.get("rope_type", s.get("type"))
+    factor = float(s.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    if kind == "factors":  # per-frequency divisors, as GGUF's rope_freqs tensor stores llama3 scaling
+        return inv / torch.tensor(s["factors"], dtype=torch.float32)
+    if kind == "llama3":
+        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Linear:
+    """A projection whose weight layout suits the device: f32 on CPU runs `x @ Wt` on a transposed copy,
+    which uses both cores where MKL's sgemv uses one; everything else runs F.linear."""
+
+    __slots__ = ("weight", "weight_t", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transpose: bool):
+        self.weight = None if transpose else weight  # [out, in]
+        self.weight_t = weight.t().contiguous() if transpose else None  # [in, out]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0] if self.weight_t is None else self.weight_t.shape[1]
+
+    def nbytes(self) -> int:
+        w = self.weight if self.weight_t is None else self.weight_t
+        return w.numel() * w.element_size() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: in f32, cast back, then scaled by the weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderBlock:
+    """One transformer layer: attention with its session KV, then the gated MLP."""
+
+    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, transpose: bool):
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        cast = lambda w: w if w.dtype == dtype else w.to(dtype)  # noqa: E731
+        self.input_norm = cast(t["input_layernorm.weight"])
+        self.post_norm = cast(t["post_attention_layernorm.weight"])
+        a = "self_attn."
+        # q, k and v share one projection call; gate and up another (fewer, wider GEMVs).
+        qkv = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]).to(dtype)
+        bias = None
+        if a + "q_proj.bias" in t:
+            bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]).to(dtype)
+        self.qkv = Linear(qkv, bias, transpose)
+        self.o = Linear(cast(t[a + "o_proj.weight"]), None, transpose)
+        self.q_norm = cast(t[a + "q_norm.weight"]) if cfg.qk_norm else None
+        self.k_norm = cast(t[a + "k_norm.weight"]) if cfg.qk_norm else None
+        gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]).to(dtype)
+        self.gate_up = Linear(gate_up, None, transpose)
+        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, transpose)
+        self.intermediate = cfg.intermediate_size
+
+    def nbytes(self) -> int:
+        norms = [self.input_norm, self.post_norm] + [n for n in (self.q_norm, self.k_norm) if n is not None]
+        return sum(m.nbytes() for m in (self.qkv, self.o, self.gate_up, self.down)) + sum(n.numel() * n.element_size() for n in norms)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+        v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
+        attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+        for row in rows:
+            s, n = row.start, row.num_tokens
+            attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
+        x = x + self.o(attn)
+        h = rms_norm(x, self.post_norm, self.eps)
+        gu = self.gate_up(h)  # [T, 2*I]
+        return x + self.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
+        """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D]"""
+        kv: SessionKV = row.kv
+        n, p = row.num_tokens, kv.length
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        g = H // Hkv
+        kc, vc = kv.k[self.index], kv.v[self.index]  # [Hkv, cap, D]
+        kc[:, p : p + n] = k.transpose(0, 1)
+        vc[:, p : p + n] = v.transpose(0, 1)
+        # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
+        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
+        out = F.scaled_dot_product_attention(qg, kc[:, : p + n], vc[:, : p + n], attn_mask=row.mask)  # [Hkv, g*n, D]
+        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+
+
+class LlamaModel:
+    """embed -> blocks -> head, on one device, computing in `dtype`."""
+
+    def __init__(self, cfg: LlamaConfig, jlm: JLMFile, dtype: torch.dtype, device: str = "cpu", progress=None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        transpose = dtype == torch.float32 and self.device.type == "cpu"
+        embed = jlm.block("embed")["weight"]
+        self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
+        self.blocks: list[DecoderBlock] = []
+        for i in range(cfg.num_layers):
+            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, transpose))
+            if progress is not None:
+                progress(i + 1, cfg.num_layers)
+        head = jlm.block("head")
+        self.norm = head["norm.weight"].to(dtype)
+        lm = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in head else head["lm_head.weight"].to(dtype)
+        self.lm_head = Linear(lm, None, transpose)
+        self.inv_freq = rope_inv_freq(cfg)
+        self.group = cfg.num_heads // cfg.num_kv_heads
+
+    def new_kv(self, capacity: int) -> SessionKV:
+        c = self.cfg
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def weight_nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.blocks) + self.lm_head.nbytes()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[RowSpan],
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run a packed batch. token_ids, positions: [T]; rows cover [0, T) in order.
+
+        Each row's K/V are written at its session position, which then advances by the row's tokens.
+        Returns f32 logits [len(logits_at), V] (every token when logits_at is None).
+        """
+        for row in rows:
+            row.kv.reserve(row.kv.length + row.num_tokens)
+            row.build_mask(self.group)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = F.embedding(token_ids, self.embed)  # [T, hidden]
+        for block in self.blocks:
+            x = block(x, cos, sin, rows)
+        for row in rows:
+            row.kv.length += row.num_tokens
+        if logits_at is not None:
+            x = x[logits_at]
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(x).float()

@@ -1,0 +1,99 @@
+"""A generation request, its states, and the events the engine hands out for it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .sampler import Sampler, SamplingParams
+from .sessions import Session
+from .tokenizer import Detokenizer
+
+__all__ = ["Delta", "Done", "Failed", "Event", "FinishReason", "Request", "RequestState"]
+
+_ids = itertools.count(1)
+
+
+class RequestState(Enum):
+    """WAITING -> PREFILL -> DECODE -> FINISHED; any state -> FINISHED on cancel or error."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens, or the session's room is full
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (possibly empty while a character is incomplete) and the token ids that produced it."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    fed_tokens: int  # prompt tokens actually run (the rest came from the session's cache)
+    stop: str | None  # the stop string that ended it, if one did
+    figures: dict[str, Any]  # the `jitllm` figures
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `emit` is called from the engine thread with each event; Done or Failed is last."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    session: Session
+    max_tokens: int | None = None  # None: until end of sequence or the session's room is full
+    stop: list[str] = field(default_factory=list)
+    ephemeral: bool = True  # the session is closed when the request ends
+    id: int = field(default_factory=lambda: next(_ids))
+
+    # engine-side state
+    state: RequestState = RequestState.WAITING
+    fed: int = 0  # prompt tokens in the KV cache (cached prefix included)
+    cached: int = 0  # prompt tokens the session already held
+    output_ids: list[int] = field(default_factory=list)
+    next_token: int | None = None  # sampled, not yet fed
+    sampler: Sampler | None = None
+    detok: Detokenizer | None = None
+    held: str = ""  # text held back while it may be the start of a stop string
+    cancel_requested: bool = False
+    queue_depth_on_entry: int = 0
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_step: float | None = None
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+    decode_steps: int = 0
+    decode_bytes: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt_ids) - self.fed

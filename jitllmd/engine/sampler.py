@@ -1,0 +1,101 @@
+"""Per-row sampling: penalties, temperature, top-k, top-p, min-p, and a seeded generator per request."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampler", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler. temperature 0 is greedy; 0/1.0 disable top_k/top_p."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Sampler:
+    """One row's sampler. Presence/frequency penalties count generated tokens (OpenAI's definition);
+    the repetition penalty covers prompt and generated tokens (the CTRL / Hugging Face definition)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+        self.params = params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.counts: dict[int, int] = {}  # generated token -> times
+        self.seen: set[int] = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
+
+    def accept(self, token_id: int) -> None:
+        self.counts[token_id] = self.counts.get(token_id, 0) + 1
+        if self.params.repetition_penalty != 1.0:
+            self.seen.add(token_id)
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the penalties to f32 logits [V] (in place on a copy)."""
+        p = self.params
+        rep = p.repetition_penalty != 1.0 and self.seen
+        pf = (p.presence_penalty or p.frequency_penalty) and self.counts
+        if not (rep or pf):
+            return logits
+        logits = logits.clone()
+        if rep:
+            ids = torch.tensor(sorted(self.seen), dtype=torch.long)
+            picked = logits[ids]
+            logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if pf:
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        return logits
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Pick the next token from f32 logits [V]."""
+        p = self.params
+        logits = self.penalize(logits)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            values, ids = torch.topk(logits, p.top_k)  # sorted, descending
+        else:
+            values, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            before = torch.cumsum(probs, dim=-1) - probs
+            keep &= before < p.top_p
+        if p.min_p > 0.0:
+            keep &= probs >= p.min_p * probs[0]
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(ids[choice])

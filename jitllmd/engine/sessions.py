@@ -1,0 +1,97 @@
+"""Sessions: a KV cache with a position and the tokens it holds, and the registry that names them."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .kv import RoomError, SessionKV
+
+__all__ = ["Session", "SessionRegistry", "default_max_seq"]
+
+_seq = itertools.count(1)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_max_seq(context_length: int, bytes_per_position: int, fraction: float = 0.25) -> int:
+    """The model's context, capped so one session's full KV takes at most `fraction` of available memory."""
+    fits = int(_available_memory() * fraction) // max(1, bytes_per_position)
+    return max(1, min(context_length, fits))
+
+
+@dataclass(eq=False)
+class Session:
+    """A conversation's KV cache. `token_ids` are exactly the tokens whose K/V the cache holds."""
+
+    id: str
+    model: str
+    kv: SessionKV
+    token_ids: list[int] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    busy: bool = False  # a request is running on it
+
+    @property
+    def max_seq(self) -> int:
+        return self.kv.capacity
+
+    @property
+    def position(self) -> int:
+        return self.kv.length
+
+    def reuse_prefix(self, prompt_ids: list[int]) -> int:
+        """Keep the longest cached prefix of `prompt_ids` (leaving at least one token to feed); return its length."""
+        if len(prompt_ids) > self.kv.capacity:
+            raise RoomError(f"prompt has {len(prompt_ids)} tokens; the session has room for {self.kv.capacity}")
+        n = 0
+        limit = min(len(self.token_ids), len(prompt_ids) - 1)
+        while n < limit and self.token_ids[n] == prompt_ids[n]:
+            n += 1
+        self.kv.truncate(n)
+        del self.token_ids[n:]
+        return n
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.token_ids.clear()
+
+
+class SessionRegistry:
+    """Named sessions; ids look like s-<ms since epoch>-<n>."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def create(self, model: str, kv: SessionKV) -> Session:
+        sid = f"s-{int(time.time() * 1000)}-{next(_seq)}"
+        s = Session(sid, model, kv)
+        with self._lock:
+            self._sessions[sid] = s
+        return s
+
+    def get(self, sid: str) -> Session:
+        with self._lock:
+            if sid not in self._sessions:
+                raise KeyError(f"no session {sid!r}")
+            return self._sessions[sid]
+
+    def close(self, sid: str) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    def list(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
