@@ -11,8 +11,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColum
 
 __all__ = ["console", "err_console", "fail", "progress_bar"]
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -24,7 +24,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 @contextlib.contextmanager
 def progress_bar(label: str, *, as_bytes: bool = False, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
     """A transient progress bar on stderr; yields update(done, total)."""
-    if not enabled:
+    if not enabled or not err_console.is_terminal:  # a bar on a pipe only leaves blank lines
         yield lambda done, total: None
         return
     columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]

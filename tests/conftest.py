@@ -21,7 +21,7 @@ def tiny_tokenizer_json() -> str:
     """A byte-level BPE over a small vocabulary, with <s>, </s> and role markers as special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()[: VOCAB - 8]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[: VOCAB - 8]  # the set's order varies per process
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for ch in sorted(alphabet):
         vocab.setdefault(ch, len(vocab))
@@ -91,3 +91,151 @@ def smollm2_jlm(tmp_path_factory, smollm2_gguf) -> Path:
     out = tmp_path_factory.mktemp("smol") / "smollm2-f32.jlm"
     convert(smollm2_gguf, out, "f32")
     return out
+
+
+# -- Added for the engine / convert / CLI tests ------------------------------------------------------------------------
+#
+# tiny_tokenizer_json() takes the first 88 characters of ByteLevel.alphabet(), whose order changes from one process to
+# the next (it comes from a Rust hash set), so which characters it knows differs between runs. The helpers below write
+# a tokenizer with a fixed vocabulary (ASCII letters, digits, punctuation, space, newline and a few merges) that fills
+# the model's VOCAB ids exactly, so every id the model can emit is a token and every test text encodes the same way.
+
+TINY_CHARS = [*"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-:;()", "\u0120", "\u010a"]
+TINY_MERGES = [
+    ("h", "e"), ("\u0120", "t"), ("\u0120t", "he"), ("i", "n"), ("e", "r"), ("\u0120", "a"), ("o", "n"),
+    ("r", "e"), ("\u0120", "s"), ("a", "t"), ("e", "n"), ("\u0120", "w"), ("o", "r"),
+    ("\u0120", "in"), ("\u0120", "o"), ("l", "l"),
+]
+TINY_ADDED = ["<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def fixed_tokenizer_json() -> str:
+    """A byte-level BPE with merges whose ids are exactly 0..VOCAB-1: <unk>, <s>, </s>, characters, merges, role markers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in TINY_CHARS:
+        vocab[ch] = len(vocab)
+    for a, b in TINY_MERGES:
+        vocab[a + b] = len(vocab)
+    assert len(vocab) + len(TINY_ADDED) == VOCAB
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(TINY_MERGES), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>", *TINY_ADDED])
+    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB
+    return tok.to_str()
+
+
+def write_tiny_llama(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, **overrides) -> tuple[Path, object]:
+    """write_tiny_hf(path, "llama") with the fixed tokenizer; chat_template=None leaves the template out."""
+    path, model = write_tiny_hf(path, "llama", **overrides)
+    (path / "tokenizer.json").write_text(fixed_tokenizer_json())
+    tcfg = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}
+    if chat_template is not None:
+        tcfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    return path, model
+
+
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (Hugging Face rotate-half -> interleaved RoPE)."""
+    out = w.shape[0]
+    return w.reshape(n_head, 2, out // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, arch: str = "llama") -> Path:
+    """Write `hf_model` as llama.cpp's convert_hf_to_gguf.py would: llama.* hyperparameters, q/k permuted,
+    tensors in the checkpoint's (alphabetical) order, a gpt2 tokenizer from hf_dir's tokenizer.json, the chat template.
+    q8_0: the 2-D weights as Q8_0 (norms stay F32, as llama.cpp keeps 1-D tensors)."""
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    # tokenizer (llama.cpp's get_vocab_base): every id 0..vocab_size-1, added special tokens CONTROL
+    vocab = dict(tok["model"]["vocab"])
+    added = {t["content"]: (t["id"], t["special"]) for t in tok["added_tokens"]}
+    reverse = {i: t for t, i in vocab.items()} | {i: t for t, (i, _) in added.items()}
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        t = reverse.get(i, f"[PAD{i}]")
+        tokens.append(t)
+        if t in added:
+            types.append(gguf.TokenType.CONTROL if added[t][1] else gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL if i in reverse else gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    if merges:
+        writer.add_token_merges(merges)
+    writer.add_bos_token_id(added["<s>"][0] if "<s>" in added else vocab["<s>"])
+    writer.add_eos_token_id(added["</s>"][0] if "</s>" in added else vocab["</s>"])
+    writer.add_add_bos_token(bool(tcfg.get("add_bos_token", False)))
+    if tcfg.get("chat_template"):
+        writer.add_chat_template(tcfg["chat_template"])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    names = {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    for hf_name in sorted(state):
+        w = state[hf_name]
+        if hf_name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif hf_name == "model.norm.weight":
+            name = "output_norm.weight"
+        elif hf_name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            name = "output.weight"
+        else:
+            _, _, layer, rest = hf_name.split(".", 3)
+            name = f"blk.{layer}.{names[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                w = llama_cpp_permute(w, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj.weight":
+                w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if q8_0 and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> tuple[Path, object, Path]:
+    """A tiny random llama with the fixed tokenizer: (Hugging Face dir, the transformers model, its f32 .jlm)."""
+    from jitllmd.engine.convert import convert
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    hf_dir, hf_model = write_tiny_llama(d / "hf")
+    out = convert(hf_dir, d / "tiny.jlm", "f32")
+    return hf_dir, hf_model, out.path

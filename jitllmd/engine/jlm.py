@@ -74,6 +74,9 @@ def write_jlm(
     path = Path(path)
     header: dict[str, Any] = {"__metadata__": {"jlm": json.dumps({"format_version": FORMAT_VERSION, **meta})}}
     offset = 0
+    if len({spec.name for spec in specs}) != len(specs):
+        dup = sorted({s.name for s in specs if sum(t.name == s.name for t in specs) > 1})
+        raise JLMError(f"duplicate tensor names: {', '.join(dup[:5])}")
     for spec in specs:
         if spec.dtype not in _NAMES:
             raise JLMError(f"{spec.name}: dtype {spec.dtype} cannot be stored")
@@ -129,7 +132,9 @@ class JLMFile:
             try:
                 header = json.loads(f.read(n))
                 meta = json.loads(header.pop("__metadata__")["jlm"])
-            except (ValueError, KeyError, TypeError):
+                if not isinstance(meta, dict):
+                    raise TypeError("jlm metadata is not an object")
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise JLMError(f"{self.path}: not a .jlm file (no jlm metadata)") from None
             # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never written back.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -139,10 +144,20 @@ class JLMFile:
             raise JLMError(f"{self.path}: .jlm format version {meta.get('format_version')} is not {FORMAT_VERSION}")
         self._index: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            start, end = info["data_offsets"]
-            if self._data_start + end > size:
+            try:
+                dtype = _DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                start, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise JLMError(f"{self.path}: bad header entry for tensor {name!r}") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if min(shape, default=0) < 0 or end - start != numel * torch.empty((), dtype=dtype).element_size():
+                raise JLMError(f"{self.path}: tensor {name!r} offsets do not match its shape {list(shape)}")
+            if start < 0 or self._data_start + end > size:
                 raise JLMError(f"{self.path}: truncated (tensor {name} ends past the end of the file)")
-            self._index[name] = (_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+            self._index[name] = (dtype, shape, start, end)
 
     @property
     def names(self) -> list[str]:

