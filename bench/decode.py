@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REPEATS = 3  # runs of each measurement inside one worker; the worker reports their median
 sys.path.insert(0, str(ROOT))
 
 TEXT = (
@@ -79,12 +80,11 @@ def prompt_ids(tokenizer_encode, n: int) -> list[int]:
 
 def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
     from jitllmd.engine.engine import Engine
-    from jitllmd.engine.loader import load_model
     from jitllmd.engine.request import Done
     from jitllmd.engine.sampler import SamplingParams
 
-    loaded = load_model(path, max_seq=2048)
-    engine = Engine(loaded, prompt_chunk=n_prompt).start()
+    engine = Engine.load(path, max_seq=2048, prompt_chunk=n_prompt)
+    loaded = engine.loaded
     greedy = SamplingParams(temperature=0)
     ids = prompt_ids(loaded.tokenizer.encode, n_prompt)
 
@@ -92,10 +92,11 @@ def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
         return [e for e in events if isinstance(e, Done)][0]
 
     done(engine.generate(ids[:32], greedy, max_tokens=8, ignore_eos=True))  # warm up
-    prefill = [done(engine.generate(ids, greedy, max_tokens=1)).figures["prefill_ms"] for _ in range(2)]
-    dec = done(engine.generate(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True))
+    decode = [done(engine.generate(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True)).figures["decode_tokens_per_second"]
+              for _ in range(REPEATS)]
+    prefill = [done(engine.generate(ids, greedy, max_tokens=1)).figures["prefill_ms"] / 1000 for _ in range(REPEATS)]
     engine.stop()
-    return {"prompt_tps": n_prompt / (min(prefill) / 1000), "decode_tps": dec.figures["decode_tokens_per_second"]}
+    return {"prompt_tps": n_prompt / statistics.median(prefill), "decode_tps": statistics.median(decode)}
 
 
 def worker_hf(path: Path, dtype: str, n_prompt: int, n_decode: int) -> dict:
@@ -125,8 +126,9 @@ def worker_hf(path: Path, dtype: str, n_prompt: int, n_decode: int) -> dict:
         return time.perf_counter() - t0
 
     greedy(ids[:32], 8)  # warm up
-    best = min(prefill() for _ in range(2))
-    return {"prompt_tps": n_prompt / best, "decode_tps": greedy(ids[:16], n_decode)}
+    decode = [greedy(ids[:16], n_decode) for _ in range(REPEATS)]
+    prefill_s = statistics.median(prefill() for _ in range(REPEATS))
+    return {"prompt_tps": n_prompt / prefill_s, "decode_tps": statistics.median(decode)}
 
 
 def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
@@ -164,9 +166,10 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total / steps / 1000
         name = ev.key
-        if name in ("aten::mm", "aten::addmm"):
+        if name in ("aten::mm", "aten::addmm", "aten::bmm"):
             shapes = str(ev.input_shapes)
-            cats["head" if str(vocab) in shapes else "projections"] += us
+            head = str(vocab) in shapes or str(vocab // torch.get_num_threads()) in shapes  # bmm splits the head
+            cats["head" if head else "projections"] += us
         elif "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += us
         elif "rms_norm" in name:
@@ -218,7 +221,7 @@ def main() -> None:
                 print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     print(f"\nSmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
-          f"median of {a.rounds} interleaved rounds")
+          f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
     print(f"| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
     print(f"|---|---|---:|---:|---:|")
     for dt in dtypes:

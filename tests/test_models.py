@@ -21,6 +21,7 @@ CASES = {
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
     ),
     "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-window": ("mistral", {"sliding_window": 5}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
 }

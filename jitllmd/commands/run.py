@@ -52,11 +52,8 @@ def run(
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     except ValueError as exc:
         raise fail(str(exc).replace("top_p", "-top-p").replace("top_k", "-top-k").replace("min_p", "-min-p").replace("temperature", "-temp")) from None
-    loaded = _load(model, max_seq, quiet=as_json)
-
-    from ..engine.engine import Engine
-
-    engine = Engine(loaded).start()
+    engine = _load(model, max_seq, quiet=as_json)
+    loaded = engine.loaded
     try:
         if chat and prompt is None:
             _interactive(engine, params, n, system)
@@ -71,11 +68,11 @@ def run(
         engine.stop()
 
 
-def _load(model: str | None, max_seq: int | None, quiet: bool) -> LoadedModel:
+def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
     from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
-    from ..engine.loader import load_model
+    from ..engine.engine import Engine
 
     try:
         if model is None:
@@ -92,7 +89,7 @@ def _load(model: str | None, max_seq: int | None, quiet: bool) -> LoadedModel:
             if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
                 path = _converted(path, cache_dir(), quiet, f"converting {path.name} (once)")
         with progress_bar(f"loading {path.name}", enabled=not quiet) as update:
-            return load_model(path, name=name, max_seq=max_seq, on_progress=update)
+            return Engine.load(path, name=name, max_seq=max_seq, on_progress=update)
     except (ConvertError, JLMError, ValueError) as exc:
         raise fail(str(exc)) from None
 

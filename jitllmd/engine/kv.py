@@ -91,19 +91,27 @@ class RowSpan:
     num_tokens: int
     kv: SessionKV
     mask: torch.Tensor | None = field(default=None)
+    key_start: int = 0
 
     @property
     def pos(self) -> int:
         return self.kv.length
 
-    def build_mask(self, group: int) -> None:
-        """Causal mask for this chunk against the whole history, tiled for the GQA query layout [Hkv, group*n, D]."""
+    def build_mask(self, group: int, window: int | None = None) -> None:
+        """Causal mask for this chunk against the whole history, tiled for the GQA query layout [Hkv, group*n, D].
+
+        With a sliding `window`, a query at position q sees keys in (q - window, q]; `key_start` skips the keys
+        no query of the chunk can see.
+        """
         n, p = self.num_tokens, self.kv.length
+        self.key_start = max(0, p - window + 1) if window else 0
         if n == 1:
             self.mask = None
             return
         device = self.kv.device
-        keys = torch.arange(p + n, device=device)
+        keys = torch.arange(self.key_start, p + n, device=device)
         queries = torch.arange(p, p + n, device=device)
-        mask = keys[None, :] <= queries[:, None]  # [n, p+n]
-        self.mask = mask.repeat(group, 1) if group > 1 else mask  # [group*n, p+n]
+        mask = keys[None, :] <= queries[:, None]  # [n, keys]
+        if window:
+            mask &= keys[None, :] > queries[:, None] - window
+        self.mask = mask.repeat(group, 1) if group > 1 else mask  # [group*n, keys]

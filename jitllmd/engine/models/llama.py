@@ -82,36 +82,35 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class Linear:
-    """A projection in the layout that suits the device.
+    """A projection, run the way the device runs it fastest (measured on 2-core AVX2 CPUs, bench/decode.py).
 
-    f32 on the CPU runs `x @ Wt` on a transposed copy (both cores, where MKL's sgemv uses one). bf16 on a CPU
-    without bf16 units multiplies many-token batches in f32 (upcast per call; the result is rounded to bf16 as a
-    bf16 GEMM's would be), and single tokens natively, where the emulated GEMV is still memory-bound.
+    f32 single tokens on the CPU: one batched GEMV per thread over row blocks of the weight (a view, no copy),
+    ~20 GB/s where one sgemv call reaches ~13. bf16 on a CPU without bf16 units: many-token batches multiply in
+    f32 (the weight upcast per call, the result rounded to bf16 as a bf16 GEMM's is); single tokens run the
+    emulated bf16 GEMV, which is still memory-bound.
     """
 
-    __slots__ = ("weight", "weight_t", "bias", "upcast")
+    __slots__ = ("weight", "bias", "upcast", "chunks")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transpose: bool, upcast: bool = False):
-        self.weight = None if transpose else weight  # [out, in]
-        self.weight_t = weight.t().contiguous() if transpose else None  # [in, out]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1):
+        self.weight = weight  # [out, in]
         self.bias = bias
         self.upcast = upcast
+        self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 else 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None:
-            return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        if self.chunks > 1 and x.shape[0] == 1:
+            c, (o, i) = self.chunks, self.weight.shape
+            y = torch.bmm(self.weight.view(c, o // c, i), x.t().expand(c, i, 1)).view(1, o)  # [c, o/c, 1] -> [1, o]
+            return y if self.bias is None else y + self.bias
         if self.upcast and x.shape[0] >= _UPCAST_MIN_TOKENS:
             b = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0] if self.weight_t is None else self.weight_t.shape[1]
+            return F.linear(x.float(), self.weight.float(), b).to(self.weight.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def nbytes(self) -> int:
-        w = self.weight if self.weight_t is None else self.weight_t
-        return w.numel() * w.element_size() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        w, b = self.weight, self.bias
+        return w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,26 +131,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP."""
 
-    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, transpose: bool, upcast: bool):
+    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, **linear):
         self.index = index
+        self.act = act  # the residual stream, norms, RoPE and attention; projections run in the weights' dtype
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)  # noqa: E731
-        self.input_norm = cast(t["input_layernorm.weight"])
-        self.post_norm = cast(t["post_attention_layernorm.weight"])
+        self.input_norm = t["input_layernorm.weight"].to(act)
+        self.post_norm = t["post_attention_layernorm.weight"].to(act)
         a = "self_attn."
         # q, k and v share one projection call; gate and up another (fewer, wider GEMVs).
         qkv = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]).to(dtype)
         bias = None
         if a + "q_proj.bias" in t:
             bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]).to(dtype)
-        self.qkv = Linear(qkv, bias, transpose, upcast)
-        self.o = Linear(cast(t[a + "o_proj.weight"]), None, transpose, upcast)
-        self.q_norm = cast(t[a + "q_norm.weight"]) if cfg.qk_norm else None
-        self.k_norm = cast(t[a + "k_norm.weight"]) if cfg.qk_norm else None
+        self.qkv = Linear(qkv, bias, **linear)
+        self.o = Linear(cast(t[a + "o_proj.weight"]), None, **linear)
+        self.q_norm = t[a + "q_norm.weight"].to(act) if cfg.qk_norm else None
+        self.k_norm = t[a + "k_norm.weight"].to(act) if cfg.qk_norm else None
         gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]).to(dtype)
-        self.gate_up = Linear(gate_up, None, transpose, upcast)
-        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, transpose, upcast)
+        self.gate_up = Linear(gate_up, None, **linear)
+        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, **linear)
         self.intermediate = cfg.intermediate_size
 
     def nbytes(self) -> int:
@@ -162,7 +162,7 @@ class DecoderBlock:
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
+        qkv = self.qkv(h).to(self.act)  # [T, (H + 2*Hkv) * D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.q_norm is not None:
@@ -172,11 +172,11 @@ class DecoderBlock:
         if len(rows) == 1:
             attn = self.attend(q, k, v, rows[0])
         else:
-            attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+            attn = torch.empty((T, H * D), dtype=self.act, device=x.device)
             for row in rows:
                 s, n = row.start, row.num_tokens
                 attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
-        x = x + self.o(attn)
+        x = x + self.o(attn)  # a bf16 projection added to an f32 stream promotes to f32
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
         return x + self.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
@@ -191,10 +191,11 @@ class DecoderBlock:
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
-        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D).to(kc.dtype)
+        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D)
         # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
-        out = F.scaled_dot_product_attention(qg, kc[None, :, : p + n], vc[None, :, : p + n], attn_mask=row.mask)
-        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)
+        ks = row.key_start
+        out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask)
+        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
 
 class LlamaModel:
@@ -204,21 +205,24 @@ class LlamaModel:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        transpose = dtype == torch.float32 and self.device.type == "cpu"
+        cpu = self.device.type == "cpu"
         upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device.type)
-        # K/V and attention run in f32 where bf16 is emulated: faster there, and never less exact.
-        self.kv_dtype = torch.float32 if upcast else dtype
+        linear = {"upcast": upcast, "chunks": torch.get_num_threads() if cpu and dtype == torch.float32 else 1}
+        # Where bf16 is emulated, everything but the projections runs in f32 (K/V included): fewer conversions,
+        # faster there, and never less exact. Elsewhere activations follow the weights, as transformers does.
+        self.act = torch.float32 if upcast else dtype
+        self.kv_dtype = self.act
         embed = jlm.block("embed")["weight"]
         self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
         self.blocks: list[DecoderBlock] = []
         for i in range(cfg.num_layers):
-            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, transpose, upcast))
+            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, self.act, **linear))
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         head = jlm.block("head")
-        self.norm = head["norm.weight"].to(dtype)
+        self.norm = head["norm.weight"].to(self.act)
         lm = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in head else head["lm_head.weight"].to(dtype)
-        self.lm_head = Linear(lm, None, transpose, upcast)
+        self.lm_head = Linear(lm, None, **linear)
         self.inv_freq = rope_inv_freq(cfg)
         self.group = cfg.num_heads // cfg.num_kv_heads
 
@@ -244,14 +248,14 @@ class LlamaModel:
         """
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)
-            row.build_mask(self.group)
+            row.build_mask(self.group, self.cfg.sliding_window)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         half = emb.shape[-1] // 2
         sin = emb.sin()
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the sign rotate_half puts on x2
-        cos, sin = emb.cos().to(self.dtype), sin.to(self.dtype)
-        x = F.embedding(token_ids, self.embed)  # [T, hidden]
+        cos, sin = emb.cos().to(self.act), sin.to(self.act)
+        x = F.embedding(token_ids, self.embed).to(self.act)  # [T, hidden]
         for block in self.blocks:
             x = block(x, cos, sin, rows)
         for row in rows:
