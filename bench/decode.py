@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -222,8 +221,8 @@ def main() -> None:
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     print(f"\nSmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
           f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
-    print(f"| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
-    print(f"|---|---|---:|---:|---:|")
+    print("| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
+    print("|---|---|---:|---:|---:|")
     for dt in dtypes:
         ours, ref = med[("jitllmd", dt)], med[("transformers", dt)]
         for name, m in (("jitllmd", ours), ("transformers", ref)):

@@ -78,7 +78,7 @@ def collect(events) -> Result:
     def work() -> None:
         try:
             box["events"] = list(events)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             box["error"] = exc
 
     t = threading.Thread(target=work, daemon=True)

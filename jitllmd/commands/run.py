@@ -58,6 +58,7 @@ def run(
         if chat and prompt is None:
             _interactive(engine, params, n, system)
             return
+        assert prompt is not None  # only an interactive chat goes without one
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = _prompt_ids(loaded, messages if chat else prompt)
         if as_json:
@@ -71,8 +72,8 @@ def run(
 def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
     from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine.convert import ConvertError
-    from ..engine.jlm import JLMError
     from ..engine.engine import Engine
+    from ..engine.jlm import JLMError
 
     try:
         if model is None:

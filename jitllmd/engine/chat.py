@@ -66,7 +66,7 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {_one_line(exc)}") from exc
-        except Exception as exc:  # noqa: BLE001 - a template's own bug (e.g. str + None) is the template's error
+        except Exception as exc:
             raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {_one_line(exc)}") from exc
 
     def _compiled(self) -> jinja2.Template:

@@ -118,6 +118,8 @@ class Engine:
             emit=emit,
             session=session,
             max_tokens=room if max_tokens is None else min(max_tokens, room),
+            sampler=Sampler(params, prompt_ids),
+            detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
             stop=[s for s in (stop or []) if s],
             ephemeral=ephemeral,
             ignore_eos=ignore_eos,
@@ -201,8 +203,6 @@ class Engine:
                 req.t_first_step = now
                 req.cached = req.session.reuse_prefix(req.prompt_ids)
                 req.fed = req.cached
-                req.sampler = Sampler(req.params, req.prompt_ids)
-                req.detok = self.loaded.tokenizer.detokenizer(context=req.prompt_ids[-8:])
                 n = min(n, req.prompt_left)
             if req.state is RequestState.DECODE:
                 ids = [req.next_token]
@@ -290,7 +290,7 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, stop: str | None = None) -> None:
         if req.finished:
             return
-        if stop is None and req.detok is not None:
+        if stop is None:
             req.held += req.detok.flush()
             if req.held and self._release(req, final=True):
                 return  # the flushed text held a stop string; _release finished the request
@@ -311,7 +311,7 @@ class Engine:
         self.scheduler.remove(req)
 
     def _figures(self, req: Request) -> dict:
-        ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0  # noqa: E731
+        ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
         decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
         generated_after_first = max(0, len(req.output_ids) - 1)
         num_blocks = self.loaded.model.cfg.num_layers + 2  # embed and head are blocks too

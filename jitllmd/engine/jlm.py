@@ -7,7 +7,7 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

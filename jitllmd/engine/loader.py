@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from .chat import ChatTemplate
-from .jlm import JLMError, JLMFile
+from .jlm import JLMFile
 from .kv import SessionKV
-from .models import build_model
+from .models import DecoderModel, build_model
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
@@ -31,7 +31,7 @@ class LoadedModel:
     name: str
     path: Path
     jlm: JLMFile
-    model: object  # a family's model class (models/)
+    model: DecoderModel
     tokenizer: Tokenizer
     chat: ChatTemplate
     eos_token_ids: list[int]

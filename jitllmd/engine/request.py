@@ -6,14 +6,14 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from .sampler import Sampler, SamplingParams
 from .sessions import Session
 from .tokenizer import Detokenizer
 
-__all__ = ["Delta", "Done", "Failed", "Event", "FinishReason", "Request", "RequestState"]
+__all__ = ["Delta", "Done", "Event", "Failed", "FinishReason", "Request", "RequestState"]
 
 _ids = itertools.count(1)
 
@@ -27,7 +27,7 @@ class RequestState(Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens, or the session's room is full
     CANCELLED = "cancelled"
@@ -67,7 +67,9 @@ class Request:
     params: SamplingParams
     emit: Callable[[Event], None]
     session: Session
-    max_tokens: int | None = None  # None: until end of sequence or the session's room is full
+    max_tokens: int  # already cut to the session's room
+    sampler: Sampler
+    detok: Detokenizer
     stop: list[str] = field(default_factory=list)
     ephemeral: bool = True  # the session is closed when the request ends
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
@@ -78,9 +80,7 @@ class Request:
     fed: int = 0  # prompt tokens in the KV cache (cached prefix included)
     cached: int = 0  # prompt tokens the session already held
     output_ids: list[int] = field(default_factory=list)
-    next_token: int | None = None  # sampled, not yet fed
-    sampler: Sampler | None = None
-    detok: Detokenizer | None = None
+    next_token: int = -1  # sampled, not yet fed
     held: str = ""  # text held back while it may be the start of a stop string
     cancel_requested: bool = False
     queue_depth_on_entry: int = 0

@@ -23,7 +23,7 @@ class Tokenizer:
     ):
         try:
             self._backend = _Backend.from_str(tokenizer_json)
-        except Exception as exc:  # noqa: BLE001 - the Rust side raises bare Exception
+        except Exception as exc:
             raise ValueError(f"invalid tokenizer JSON: {exc}") from exc
         size = self.vocab_size
         for name, token_id in [("bos_token_id", bos_token_id), *(("eos_token_ids", i) for i in eos_token_ids)]:

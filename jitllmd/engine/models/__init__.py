@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from ..jlm import JLMFile
+from ..kv import RowSpan, SessionKV
 from . import llama
 
-__all__ = ["FAMILIES", "build_model"]
+__all__ = ["FAMILIES", "DecoderModel", "build_model"]
+
+
+class DecoderModel(Protocol):
+    """What the engine needs of a decoder family: one forward over a packed batch, and session KV."""
+
+    cfg: Any
+    dtype: torch.dtype
+    device: torch.device
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[RowSpan], logits_at: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def new_kv(self, capacity: int) -> SessionKV: ...
+
+    def weight_nbytes(self) -> int: ...
+
 
 # arch -> (config class, model class)
-FAMILIES: dict[str, tuple[type, type]] = {arch: (llama.LlamaConfig, llama.LlamaModel) for arch in llama.ARCHS}
+FAMILIES: dict[str, tuple[Any, Any]] = {arch: (llama.LlamaConfig, llama.LlamaModel) for arch in llama.ARCHS}
 
 
 def build_model(
@@ -20,7 +39,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     on_progress: Callable[[int, int], None] | None = None,
-):
+) -> DecoderModel:
     """Build the model a .jlm describes, computing in `dtype` on `device`."""
     if jlm.arch not in FAMILIES:
         raise ValueError(f"{jlm.path}: arch {jlm.arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})")

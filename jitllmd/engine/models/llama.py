@@ -90,7 +90,7 @@ class Linear:
     emulated bf16 GEMV, which is still memory-bound.
     """
 
-    __slots__ = ("weight", "bias", "upcast", "chunks")
+    __slots__ = ("bias", "chunks", "upcast", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1):
         self.weight = weight  # [out, in]
@@ -131,12 +131,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP."""
 
-    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, **linear):
+    def __init__(
+        self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int
+    ):
         self.index = index
         self.act = act  # the residual stream, norms, RoPE and attention; projections run in the weights' dtype
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        cast = lambda w: w if w.dtype == dtype else w.to(dtype)  # noqa: E731
+        cast = lambda w: w if w.dtype == dtype else w.to(dtype)
         self.input_norm = t["input_layernorm.weight"].to(act)
         self.post_norm = t["post_attention_layernorm.weight"].to(act)
         a = "self_attn."
@@ -145,13 +147,13 @@ class DecoderBlock:
         bias = None
         if a + "q_proj.bias" in t:
             bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]).to(dtype)
-        self.qkv = Linear(qkv, bias, **linear)
-        self.o = Linear(cast(t[a + "o_proj.weight"]), None, **linear)
+        self.qkv = Linear(qkv, bias, upcast=upcast, chunks=chunks)
+        self.o = Linear(cast(t[a + "o_proj.weight"]), None, upcast=upcast, chunks=chunks)
         self.q_norm = t[a + "q_norm.weight"].to(act) if cfg.qk_norm else None
         self.k_norm = t[a + "k_norm.weight"].to(act) if cfg.qk_norm else None
         gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]).to(dtype)
-        self.gate_up = Linear(gate_up, None, **linear)
-        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, **linear)
+        self.gate_up = Linear(gate_up, None, upcast=upcast, chunks=chunks)
+        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, upcast=upcast, chunks=chunks)
         self.intermediate = cfg.intermediate_size
 
     def nbytes(self) -> int:
@@ -207,7 +209,7 @@ class LlamaModel:
         self.device = torch.device(device)
         cpu = self.device.type == "cpu"
         upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device.type)
-        linear = {"upcast": upcast, "chunks": torch.get_num_threads() if cpu and dtype == torch.float32 else 1}
+        chunks = torch.get_num_threads() if cpu and dtype == torch.float32 else 1
         # Where bf16 is emulated, everything but the projections runs in f32 (K/V included): fewer conversions,
         # faster there, and never less exact. Elsewhere activations follow the weights, as transformers does.
         self.act = torch.float32 if upcast else dtype
@@ -216,13 +218,13 @@ class LlamaModel:
         self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
         self.blocks: list[DecoderBlock] = []
         for i in range(cfg.num_layers):
-            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, self.act, **linear))
+            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, self.act, upcast, chunks))
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         head = jlm.block("head")
         self.norm = head["norm.weight"].to(self.act)
         lm = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in head else head["lm_head.weight"].to(dtype)
-        self.lm_head = Linear(lm, None, **linear)
+        self.lm_head = Linear(lm, None, upcast=upcast, chunks=chunks)
         self.inv_freq = rope_inv_freq(cfg)
         self.group = cfg.num_heads // cfg.num_kv_heads
 
