@@ -4,6 +4,7 @@ cancelling, session reuse, figures, batching."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -403,7 +404,8 @@ def test_figures(tiny, engine) -> None:
     r = collect(engine.generate(PROMPTS[1], GREEDY, max_tokens=6))
     f = r.done.figures
     assert FIGURE_KEYS <= set(f), FIGURE_KEYS - set(f)
-    assert f["session_id"].startswith("ephemeral-")
+    assert re.fullmatch(r"s-\d+-\d+", f["session_id"])  # the spec's shape, ephemeral or not
+    assert f["session_id"] not in {s.id for s in engine.sessions.list()}  # ephemeral: never registered
     assert f["queue_depth_on_entry"] == 0
     assert f["device_blocks"] + f["host_blocks"] == loaded.model.cfg.num_layers + 2
     assert f["device_blocks"] == 0 and f["device_ids"] == []  # CPU

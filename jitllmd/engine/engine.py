@@ -16,7 +16,7 @@ from .loader import LoadedModel, load_model
 from .request import Delta, Done, Event, Failed, FinishReason, Request, RequestState
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
-from .sessions import Session, SessionRegistry
+from .sessions import Session, SessionRegistry, new_session_id
 
 __all__ = ["Engine"]
 
@@ -105,9 +105,8 @@ class Engine:
         vocab = self.loaded.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        ephemeral = session is None
-        if session is None:
-            session = Session("", self.loaded.name, self.loaded.new_kv())
+        if session is None:  # ephemeral: never registered, gone with the request
+            session = Session(new_session_id(), self.loaded.name, self.loaded.new_kv())
         cap, n = session.max_seq, len(prompt_ids)
         if n >= cap:
             raise RoomError(f"the prompt has {n} tokens but the session has room for {cap}: no room is left to generate")
@@ -121,7 +120,6 @@ class Engine:
             sampler=Sampler(params, prompt_ids),
             detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
             stop=[s for s in (stop or []) if s],
-            ephemeral=ephemeral,
             ignore_eos=ignore_eos,
         )
         self._inbox.put(("submit", req))
@@ -317,7 +315,7 @@ class Engine:
         num_blocks = self.loaded.model.cfg.num_layers + 2  # embed and head are blocks too
         on_device = self.loaded.model.device.type != "cpu"
         return {
-            "session_id": req.session.id or f"ephemeral-{req.id}",
+            "session_id": req.session.id,
             "queued_ms": ms(req.t_arrival, req.t_first_step),
             "queue_depth_on_entry": req.queue_depth_on_entry,
             "device_blocks": num_blocks if on_device else 0,

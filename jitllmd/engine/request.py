@@ -71,7 +71,6 @@ class Request:
     sampler: Sampler
     detok: Detokenizer
     stop: list[str] = field(default_factory=list)
-    ephemeral: bool = True  # the session is closed when the request ends
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
     id: int = field(default_factory=lambda: next(_ids))
 

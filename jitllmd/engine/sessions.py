@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .kv import RoomError, SessionKV
 
-__all__ = ["Session", "SessionRegistry", "default_max_seq"]
+__all__ = ["Session", "SessionRegistry", "default_max_seq", "new_session_id"]
 
 _seq = itertools.count(1)
 
@@ -30,6 +30,11 @@ def default_max_seq(context_length: int, bytes_per_position: int, fraction: floa
     """The model's context, capped so one session's full KV takes at most `fraction` of available memory."""
     fits = int(_available_memory() * fraction) // max(1, bytes_per_position)
     return max(1, min(context_length, fits))
+
+
+def new_session_id() -> str:
+    """s-<ms since epoch>-<n>, unique in this process."""
+    return f"s-{int(time.time() * 1000)}-{next(_seq)}"
 
 
 @dataclass(eq=False)
@@ -69,14 +74,14 @@ class Session:
 
 
 class SessionRegistry:
-    """Named sessions; ids look like s-<ms since epoch>-<n>."""
+    """Named sessions (`sessions -new`); requests without one run in an unregistered ephemeral session."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
     def create(self, model: str, kv: SessionKV) -> Session:
-        sid = f"s-{int(time.time() * 1000)}-{next(_seq)}"
+        sid = new_session_id()
         s = Session(sid, model, kv)
         with self._lock:
             self._sessions[sid] = s
