@@ -39,6 +39,7 @@ class SessionKV:
         self.dtype = dtype
         self.device = torch.device(device)
         self.length = 0  # positions filled
+        self._bytes_per_position = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self._allocated = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -48,7 +49,7 @@ class SessionKV:
         return self.capacity - self.length
 
     def bytes_per_position(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self._bytes_per_position
 
     def nbytes(self) -> int:
         return self._allocated * self.bytes_per_position()

@@ -90,18 +90,20 @@ class Linear:
     emulated bf16 GEMV, which is still memory-bound.
     """
 
-    __slots__ = ("bias", "chunks", "upcast", "weight")
+    __slots__ = ("bias", "chunks", "row_blocks", "upcast", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1):
         self.weight = weight  # [out, in]
         self.bias = bias
         self.upcast = upcast
         self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 else 1
+        o, i = weight.shape
+        self.row_blocks = weight.view(self.chunks, o // self.chunks, i)  # [chunks, out/chunks, in], a view
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.chunks > 1 and x.shape[0] == 1:
-            c, (o, i) = self.chunks, self.weight.shape
-            y = torch.bmm(self.weight.view(c, o // c, i), x.t().expand(c, i, 1)).view(1, o)  # [c, o/c, 1] -> [1, o]
+            c, i = self.chunks, x.shape[1]
+            y = torch.bmm(self.row_blocks, x.t().expand(c, i, 1)).view(1, -1)  # [c, o/c, 1] -> [1, o]
             return y if self.bias is None else y + self.bias
         if self.upcast and x.shape[0] >= _UPCAST_MIN_TOKENS:
             b = None if self.bias is None else self.bias.float()
