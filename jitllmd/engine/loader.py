@@ -34,9 +34,13 @@ class LoadedModel:
     model: DecoderModel
     tokenizer: Tokenizer
     chat: ChatTemplate
-    eos_token_ids: list[int]
     context_length: int
     max_seq: int  # default KV capacity of a session
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (the tokenizer holds them)."""
+        return list(self.tokenizer.eos_token_ids)
 
     def new_kv(self, max_seq: int | None = None) -> SessionKV:
         cap = self.max_seq if max_seq is None else max_seq
@@ -92,7 +96,6 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         chat=chat,
-        eos_token_ids=list(special.get("eos_token_ids") or []),
         context_length=context,
         max_seq=cap,
     )

@@ -214,8 +214,7 @@ class LlamaModel:
         chunks = torch.get_num_threads() if cpu and dtype == torch.float32 else 1
         # Where bf16 is emulated, everything but the projections runs in f32 (K/V included): fewer conversions,
         # faster there, and never less exact. Elsewhere activations follow the weights, as transformers does.
-        self.act = torch.float32 if upcast else dtype
-        self.kv_dtype = self.act
+        self.act = torch.float32 if upcast else dtype  # K/V are stored in this dtype too
         embed = jlm.block("embed")["weight"]
         self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
         self.blocks: list[DecoderBlock] = []
@@ -232,7 +231,7 @@ class LlamaModel:
 
     def new_kv(self, capacity: int) -> SessionKV:
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, self.device)
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.act, self.device)
 
     def weight_nbytes(self) -> int:
         return sum(b.nbytes() for b in self.blocks) + self.lm_head.nbytes()
