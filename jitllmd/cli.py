@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .commands import convert, run
+from .commands import convert, run, serve
 
 __all__ = ["app", "main"]
 
@@ -19,6 +19,7 @@ app = typer.Typer(
 )
 app.command("convert")(convert.convert)
 app.command("run")(run.run)
+app.command("serve")(serve.serve)
 
 
 def main() -> None:

@@ -239,3 +239,27 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, object, Path]:
     hf_dir, hf_model = write_tiny_llama(d / "hf")
     out = convert(hf_dir, d / "tiny.jlm", "f32")
     return hf_dir, hf_model, out.path
+
+
+# -- Serving --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_serve_jlm(tmp_path_factory) -> Path:
+    """A tiny random llama with a 4096-position context (room for long generations), as an f32 .jlm."""
+    from jitllmd.engine.convert import convert
+
+    d = tmp_path_factory.mktemp("tiny_serve")
+    hf_dir, _ = write_tiny_llama(d / "hf", max_position_embeddings=4096)
+    return convert(hf_dir, d / "tiny.jlm", "f32").path
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_serve_jlm):
+    """One `jitllmd serve` of the tiny model for the whole test session: -models holds tiny.jlm and spare.jlm."""
+    from tests.serving import Server, tiny_models_dir
+
+    models = tiny_models_dir(tmp_path_factory.mktemp("served"), tiny_serve_jlm)
+    server = Server("-models", str(models), "-load", "tiny.jlm", "-id", "tiny", "-max-seq", "3000")
+    yield server
+    server.stop()

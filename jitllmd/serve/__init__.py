@@ -1,0 +1,1 @@
+"""The one ASGI app: OpenAI, Anthropic and health routes over one engine catalog, served by hypercorn."""

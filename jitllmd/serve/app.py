@@ -1,0 +1,45 @@
+"""The route table: every path the server answers, in one place."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from ..engine.catalog import Catalog
+from . import anthropic, openai
+from .body import APIError
+
+__all__ = ["build_app"]
+
+
+async def healthz(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and wrong methods, in the error shape of the dialect the path belongs to."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request"
+    message = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else str(exc.detail))
+    err = APIError(message, kind=kind)
+    resp = anthropic.error_response(err) if request.url.path.startswith("/v1/messages") else openai.error_response(err)
+    resp.status_code = exc.status_code
+    if exc.headers:
+        resp.headers.update(exc.headers)
+    return resp
+
+
+def build_app(catalog: Catalog) -> Starlette:
+    oa, an = openai.OpenAI(catalog), anthropic.Anthropic(catalog)
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
+        Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/models", oa.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
+        Route("/v1/messages", an.messages, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

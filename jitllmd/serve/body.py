@@ -1,0 +1,177 @@
+"""Request bodies: read with a size limit, parse as JSON, and take typed fields whose errors name the field."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.requests import Request
+
+__all__ = ["MAX_BODY", "APIError", "Fields", "read_json"]
+
+MAX_BODY = 32 << 20  # bytes
+
+
+class APIError(Exception):
+    """A client error: each dialect renders it in its own error shape.
+
+    kind: "invalid_request" (400), "not_found" (404), "too_large" (413).
+    """
+
+    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413}
+
+    def __init__(self, message: str, *, param: str | None = None, kind: str = "invalid_request", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        return self.STATUS[self.kind]
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_json(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
+    """The body as a JSON object. Refuses bodies over `limit` bytes before reading them whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(f"the request body is {int(declared)} bytes; the limit is {limit}", kind="too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"the request body is over the limit of {limit} bytes", kind="too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise APIError("the request body is not UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+class Fields:
+    """Typed access to a JSON object's fields. `prefix` names where the object sits ("messages[2].")."""
+
+    def __init__(self, obj: Any, prefix: str = ""):
+        self.prefix = prefix
+        if not isinstance(obj, dict):
+            raise APIError(f"{prefix.rstrip('.') or 'the body'} must be an object, not {_kind(obj)}", param=prefix.rstrip(".") or None)
+        self.obj = obj
+
+    def name(self, key: str) -> str:
+        return self.prefix + key
+
+    def error(self, key: str, message: str) -> APIError:
+        return APIError(f"{self.name(key)}: {message}", param=self.name(key))
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def raw(self, key: str) -> Any:
+        return self.obj.get(key)
+
+    def required(self, key: str) -> Any:
+        if self.obj.get(key) is None:
+            raise self.error(key, "this field is required")
+        return self.obj[key]
+
+    def string(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
+        value = self.required(key) if required else self.obj.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self.error(key, f"expected a string, got {_kind(value)}")
+        return value
+
+    def boolean(self, key: str, default: bool = False) -> bool:
+        value = self.obj.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {_kind(value)}")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, low: int | None = None, high: int | None = None, required: bool = False) -> int | None:
+        value = self.required(key) if required else self.obj.get(key)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"expected an integer, got {_kind(value)}")
+        self._range(key, value, low, high)
+        return value
+
+    def number(self, key: str, default: float, *, low: float | None = None, high: float | None = None) -> float:
+        value = self.obj.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(key, f"expected a number, got {_kind(value)}")
+        self._range(key, value, low, high)
+        return float(value)
+
+    def array(self, key: str, *, required: bool = False) -> list[Any] | None:
+        value = self.required(key) if required else self.obj.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise self.error(key, f"expected an array, got {_kind(value)}")
+        return value
+
+    def strings(self, key: str, *, most: int = 16) -> list[str]:
+        """A string or an array of strings (stop sequences)."""
+        value = self.obj.get(key)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(key, "expected a string or an array of strings")
+        if len(value) > most:
+            raise self.error(key, f"at most {most} entries, got {len(value)}")
+        return value
+
+    def object(self, key: str) -> Fields | None:
+        value = self.obj.get(key)
+        if value is None:
+            return None
+        return Fields(value, self.name(key) + ".")
+
+    def _range(self, key: str, value: float, low: float | None, high: float | None) -> None:
+        if low is not None and high is not None and not low <= value <= high:
+            raise self.error(key, f"must be between {low:g} and {high:g}, got {value:g}")
+        if low is not None and value < low:
+            raise self.error(key, f"must be >= {low:g}, got {value:g}")
+        if high is not None and value > high:
+            raise self.error(key, f"must be <= {high:g}, got {value:g}")

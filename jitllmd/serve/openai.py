@@ -1,0 +1,337 @@
+"""The OpenAI dialect: chat completions, completions and the model list, translated to and from the engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.catalog import Catalog, ServedModel
+from ..engine.request import Delta, Done, Failed
+from ..engine.sampler import SamplingParams
+from .body import APIError, Fields, read_json
+from .outbox import Outbox, until_disconnect
+from .prompt import chat_prompt_ids, find_model, sampling_params, start, text_prompt_ids
+
+__all__ = ["OpenAI", "error_response"]
+
+log = logging.getLogger("jitllmd.serve")
+
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": exc.message, "type": _ERROR_TYPES[exc.kind], "param": exc.param, "code": exc.code}}
+    return JSONResponse(body, status_code=exc.status)
+
+
+def _server_error() -> JSONResponse:
+    body = {"error": {"message": "internal server error (logged on the server)", "type": "server_error", "param": None, "code": None}}
+    return JSONResponse(body, status_code=500)
+
+
+def _dialect(handler: Callable[[Any, Request], Awaitable[Response]]) -> Callable[[Any, Request], Awaitable[Response]]:
+    """Client errors in OpenAI's shape; anything else is a bug: logged, and a generic 500."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except APIError as exc:
+            return error_response(exc)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return _server_error()
+
+    return wrapper
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class _Generation:
+    """What both OpenAI routes ask of the engine, parsed from the body."""
+
+    served: ServedModel
+    model: str  # the name the client sent, echoed back
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+    def start(self, param: str) -> Outbox:
+        return start(self.served, self.prompt_ids, self.params, param=param, max_tokens=self.max_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+
+
+def _parse_common(f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...]) -> _Generation:
+    max_tokens = None
+    for key in max_tokens_keys:  # the first one given wins
+        if f.has(key):
+            max_tokens = f.integer(key, low=1)
+            break
+    if f.integer("n", 1) != 1:
+        raise f.error("n", "only n=1 is supported: send one request per choice")
+    if f.raw("logprobs") not in (None, False, 0):
+        raise f.error("logprobs", "log probabilities are not returned by this server")
+    if f.raw("logit_bias"):
+        raise f.error("logit_bias", "logit_bias is not supported")
+    fmt = f.object("response_format")
+    if fmt is not None and fmt.string("type", "text") != "text":
+        raise f.error("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)")
+    top_k = f.integer("top_k", 40, low=-1)
+    params = sampling_params(
+        temperature=f.number("temperature", 1.0, low=0.0, high=2.0),
+        top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,  # top_p 0 keeps only the most likely token
+        top_k=max(0, top_k or 0),  # -1 (vLLM) and 0 both disable it
+        min_p=f.number("min_p", 0.0, low=0.0, high=1.0),
+        seed=f.integer("seed"),
+        presence_penalty=f.number("presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0, low=0.0),
+    )
+    options = f.object("stream_options")
+    return _Generation(
+        served=served,
+        model=model,
+        prompt_ids=prompt_ids,
+        params=params,
+        max_tokens=max_tokens,
+        stop=f.strings("stop"),
+        stream=f.boolean("stream"),
+        include_usage=options.boolean("include_usage") if options else False,
+        ignore_eos=f.boolean("ignore_eos"),
+    )
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.prompt_tokens - done.fed_tokens},
+    }
+
+
+def _message_text(m: Fields, key: str = "content") -> str:
+    """A message's content: a string, or an array of text parts joined."""
+    content = m.raw(key)
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise m.error(key, "expected a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        p = Fields(part, m.name(f"{key}[{j}]."))
+        kind = p.string("type", required=True)
+        if kind != "text":
+            raise p.error("type", f"{kind!r} content is not supported: this server takes text parts")
+        texts.append(p.string("text", required=True) or "")
+    return "".join(texts)
+
+
+def _chat_messages(f: Fields) -> list[dict[str, str]]:
+    raw = f.array("messages", required=True) or []
+    if not raw:
+        raise f.error("messages", "must hold at least one message")
+    out = []
+    for i, item in enumerate(raw):
+        m = Fields(item, f"messages[{i}].")
+        role = m.string("role", required=True)
+        if role == "tool" or m.has("tool_calls") or m.has("function_call"):
+            raise m.error("role" if role == "tool" else "tool_calls", "tool calls are not supported by this server yet")
+        if role not in _ROLES:
+            raise m.error("role", f"{role!r} is not a role: use system, developer, user or assistant")
+        if role != "assistant" and m.raw("content") is None:
+            raise m.error("content", "this field is required")
+        out.append({"role": _ROLES[role], "content": _message_text(m)})
+    return out
+
+
+class OpenAI:
+    """The OpenAI routes over a Catalog."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    @_dialect
+    async def chat_completions(self, request: Request) -> Response:
+        f = Fields(await read_json(request))
+        if f.has("tools") and f.raw("tool_choice") != "none":
+            raise f.error("tools", "tool calls are not supported by this server yet")
+        name = f.string("model")
+        served = find_model(self.catalog, name)
+        prompt_ids = chat_prompt_ids(served, _chat_messages(f))
+        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"))
+        outbox = gen.start("messages")
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if gen.stream:
+            return StreamingResponse(self._chat_stream(gen, outbox, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await until_disconnect(request, outbox.collect)
+        if result is None:
+            return Response(status_code=499)  # nobody is listening
+        text, done = result
+        body = {
+            "id": ident,
+            "object": "chat.completion",
+            "created": created,
+            "model": gen.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": done.finish_reason.value,
+                }
+            ],
+            "usage": _usage(done),
+            "jitllm": done.figures,
+        }
+        return JSONResponse(body)
+
+    @_dialect
+    async def completions(self, request: Request) -> Response:
+        f = Fields(await read_json(request))
+        name = f.string("model")
+        served = find_model(self.catalog, name)
+        if f.raw("suffix"):
+            raise f.error("suffix", "suffix (fill in the middle) is not supported")
+        if f.integer("best_of", 1, low=1) != 1:
+            raise f.error("best_of", "only best_of=1 is supported")
+        prompt_ids, prompt_text = _completion_prompt(f, served)
+        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_tokens",))
+        echo = f.boolean("echo")
+        outbox = gen.start("prompt")
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if gen.stream:
+            head = prompt_text if echo else ""
+            return StreamingResponse(self._completion_stream(gen, outbox, ident, created, head), media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await until_disconnect(request, outbox.collect)
+        if result is None:
+            return Response(status_code=499)
+        text, done = result
+        body = {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": gen.model,
+            "choices": [{"index": 0, "text": (prompt_text if echo else "") + text, "logprobs": None, "finish_reason": done.finish_reason.value}],
+            "usage": _usage(done),
+            "jitllm": done.figures,
+        }
+        return JSONResponse(body)
+
+    @_dialect
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded) for e in self.catalog.entries()]})
+
+    @_dialect
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        for e in self.catalog.entries():
+            if e.id == name:
+                return JSONResponse(_model_card(e.id, e.created, e.loaded))
+        try:
+            served = self.catalog.get(name)
+        except KeyError as exc:
+            raise APIError(str(exc.args[0]), param="model", kind="not_found", code="model_not_found") from None
+        return JSONResponse(_model_card(name, served.created, True))
+
+    # -- streams --------------------------------------------------------------------------------
+
+    async def _chat_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int) -> AsyncIterator[bytes]:
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            obj: dict[str, Any] = {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": gen.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            }
+            if gen.include_usage:
+                obj["usage"] = None
+            return _sse(obj | extra)
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in outbox:
+            if isinstance(ev, Delta):
+                if ev.text:
+                    yield chunk({"content": ev.text})
+            elif isinstance(ev, Done):
+                yield chunk({}, ev.finish_reason.value, jitllm=ev.figures)
+                if gen.include_usage:
+                    yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})
+            elif isinstance(ev, Failed):
+                yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
+        yield b"data: [DONE]\n\n"
+
+    async def _completion_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int, head: str) -> AsyncIterator[bytes]:
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
+            obj: dict[str, Any] = {
+                "id": ident,
+                "object": "text_completion",
+                "created": created,
+                "model": gen.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            }
+            if gen.include_usage:
+                obj["usage"] = None
+            return _sse(obj | extra)
+
+        if head:
+            yield chunk(head)
+        async for ev in outbox:
+            if isinstance(ev, Delta):
+                if ev.text:
+                    yield chunk(ev.text)
+            elif isinstance(ev, Done):
+                yield chunk("", ev.finish_reason.value, jitllm=ev.figures)
+                if gen.include_usage:
+                    yield _sse({"id": ident, "object": "text_completion", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})
+            elif isinstance(ev, Failed):
+                yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
+        yield b"data: [DONE]\n\n"
+
+
+def _completion_prompt(f: Fields, served: ServedModel) -> tuple[list[int], str]:
+    """prompt: a string, token ids, or a one-element array of either. Returns (ids, the prompt's text for echo)."""
+    prompt = f.raw("prompt")
+    if prompt is None:
+        raise f.error("prompt", "this field is required")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise f.error("prompt", f"{len(prompt)} prompts in one request are not supported: send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return text_prompt_ids(served, prompt), prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise f.error("prompt", "the prompt is empty")
+        vocab = served.engine.loaded.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise f.error("prompt", f"token ids must be in [0, {vocab})")
+        return list(prompt), served.engine.loaded.tokenizer.decode(prompt, skip_special_tokens=False)
+    raise f.error("prompt", "expected a string, an array of token ids, or a one-element array of either")
+
+
+def _model_card(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "jitllmd", "jitllm": {"loaded": loaded}}

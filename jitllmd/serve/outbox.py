@@ -1,0 +1,84 @@
+"""One engine request seen from asyncio: the engine thread's events arrive in the loop; leaving early cancels it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+
+from ..engine.engine import Engine
+from ..engine.request import Delta, Done, Event, Failed, Request
+from ..engine.sampler import SamplingParams
+
+__all__ = ["Outbox", "until_disconnect"]
+
+T = TypeVar("T")
+
+
+class Outbox:
+    """Submit now (the engine's RoomError/ValueError raise here), then `async for ev in outbox`.
+
+    However the iteration ends before Done or Failed (a client that went away, a cancelled task), the engine
+    request is cancelled, so its row leaves at the next step and its session is freed.
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, **submit_kw: Any):
+        self.engine = engine
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(ev: Event) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(self._events.put_nowait, ev)
+            except RuntimeError:  # the loop is closed: the server is gone, nobody waits for this
+                pass
+
+        self.request: Request = engine.submit(prompt_ids, params, emit, **submit_kw)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        done = False
+        try:
+            while not done:
+                ev = await self._events.get()
+                done = isinstance(ev, (Done, Failed))
+                yield ev
+        finally:
+            if not done:
+                self.engine.cancel(self.request)
+
+    async def collect(self) -> tuple[str, Done]:
+        """The whole text and the final event. A Failed event (an engine bug) raises RuntimeError."""
+        parts: list[str] = []
+        async for ev in self:
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+            elif isinstance(ev, Done):
+                return "".join(parts), ev
+            elif isinstance(ev, Failed):
+                raise RuntimeError(ev.message)
+        raise RuntimeError("the engine ended the request without a final event")
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: HTTPRequest, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run `work` (after the body was read); cancel it and return None if the client goes away first."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()

@@ -1,0 +1,84 @@
+"""Serving the app with hypercorn on a listening socket, with a graceful shutdown on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import socket
+from collections.abc import Callable
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+from starlette.types import ASGIApp
+
+__all__ = ["GRACE_SECONDS", "is_loopback", "listen", "parse_addr", "run_server"]
+
+log = logging.getLogger("jitllmd.serve")
+
+GRACE_SECONDS = 10.0  # in-flight requests get this long to finish after SIGINT/SIGTERM; then they are cancelled
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """'host:port', ':port' (every interface), '[::1]:port' -> (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"-addr {addr!r}: expected HOST:PORT or :PORT, e.g. 127.0.0.1:8080")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one). OSError says why it cannot bind."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], None]) -> None:
+    """Serve until SIGINT/SIGTERM. The first signal stops accepting and lets in-flight requests finish for
+    GRACE_SECONDS; a second signal (or the end of the grace) cancels them, so every stream still ends properly."""
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here and closes it
+    config.keep_alive_max_requests = 1 << 30  # the default 1000 drops an in-flight call every thousand requests
+    config.graceful_timeout = GRACE_SECONDS + 5
+    config.accesslog = None
+    config.errorlog = log
+    asyncio.run(_serve(app, config, cancel_all))
+
+
+async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None]) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            log.info("%s: shutting down; in-flight requests have %gs to finish (again to cancel them now)", signal.Signals(signum).name, GRACE_SECONDS)
+            stop.set()
+            loop.call_later(GRACE_SECONDS, cancel_all)
+        else:
+            log.info("%s: cancelling in-flight requests", signal.Signals(signum).name)
+            cancel_all()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""A real `jitllmd serve` process on a free loopback port, for the HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+_URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
+
+
+class Server:
+    """`python -m jitllmd serve ARGS -addr 127.0.0.1:0`; `url` once it listens; `log` is its stderr so far."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+        cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "COLUMNS": "400", **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start (exit {self.proc.returncode}):\n{self.log}")
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = _URL.search(line)
+            if m and not self.url:
+                self.url = m.group(1)
+                self._ready.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        self._close()
+        return code
+
+    def _close(self) -> None:
+        self._reader.join(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close()
+
+
+def tiny_models_dir(root: Path, jlm: Path) -> Path:
+    """A -models directory holding the tiny model and a second .jlm that is not loaded."""
+    d = root / "models"
+    d.mkdir(exist_ok=True)
+    for name in ("tiny.jlm", "spare.jlm"):
+        if not (d / name).exists():
+            shutil.copyfile(jlm, d / name)
+    return d

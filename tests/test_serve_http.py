@@ -1,0 +1,219 @@
+"""The server over raw HTTP: errors in each dialect's shape, disconnects, queueing, shutdown, start-up errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from jitllmd.cli import app
+from tests.serving import Server
+
+USER = [{"role": "user", "content": "Hello there"}]
+
+
+def post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, **{"timeout": 60, **kw})
+
+
+def test_healthz(tiny_server):
+    r = httpx.get(tiny_server.url + "/healthz")
+    assert r.status_code == 200 and r.text == "ok"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"model": "tiny"}, "messages", "required"),
+        ({"model": "tiny", "messages": []}, "messages", "at least one"),
+        ({"model": "tiny", "messages": "hi"}, "messages", "array"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "robot"),
+        ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content", "required"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type", "image_url"),
+        ({"model": "tiny", "messages": USER, "temperature": "hot"}, "temperature", "number"),
+        ({"model": "tiny", "messages": USER, "temperature": 3}, "temperature", "between"),
+        ({"model": "tiny", "messages": USER, "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"model": "tiny", "messages": USER, "max_tokens": True}, "max_tokens", "integer"),
+        ({"model": "tiny", "messages": USER, "top_p": 1.5}, "top_p", "between"),
+        ({"model": "tiny", "messages": USER, "n": 2}, "n", "n=1"),
+        ({"model": "tiny", "messages": USER, "stop": [1, 2]}, "stop", "strings"),
+        ({"model": "tiny", "messages": USER, "stream": "yes"}, "stream", "true or false"),
+        ({"model": "tiny", "messages": USER, "seed": 1.5}, "seed", "integer"),
+        ({"model": 5, "messages": USER}, "model", "string"),
+    ],
+)
+def test_chat_bad_fields_are_400_naming_the_field(tiny_server, body, param, words):
+    r = post(tiny_server, "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and words in err["message"]
+    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "tiny"}, "prompt"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
+        ({"model": "tiny", "prompt": {"x": 1}}, "prompt"),
+        ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
+    ],
+)
+def test_completion_bad_prompts(tiny_server, body, param):
+    r = post(tiny_server, "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_malformed_bodies(tiny_server):
+    for raw in (b"{not json", b"", b"[1, 2]", b'{"model": NaN}', b"\xff\xfe", b"[" * 100000):
+        r = post(tiny_server, "/v1/chat/completions", content=raw)
+        assert r.status_code == 400, (raw[:10], r.text)
+        assert "error" in r.json()
+
+
+def test_unknown_model_is_404(tiny_server):
+    r = post(tiny_server, "/v1/chat/completions", json={"model": "gpt-4", "messages": USER})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "gpt-4" in err["message"] and "tiny" in err["message"]
+
+
+def test_prompt_longer_than_the_room_names_both_numbers(tiny_server):
+    r = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "ab " * 2000})
+    assert r.status_code == 400
+    numbers = [int(n) for n in re.findall(r"\d+", r.json()["error"]["message"])]
+    assert 3000 in numbers and max(numbers) > 3000
+
+
+def test_body_over_the_limit_is_413(tiny_server):
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (33 << 20) + b'"}'
+    r = post(tiny_server, "/v1/completions", content=big)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = post(tiny_server, "/v1/messages", content=big)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_unknown_route_and_method(tiny_server):
+    r = httpx.get(tiny_server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(tiny_server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(tiny_server.url + "/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+def test_tools_are_refused_until_supported(tiny_server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = post(tiny_server, "/v1/chat/completions", json={"model": "tiny", "messages": USER, "tools": tools})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def _long_stream(server, max_tokens: int | None = None):
+    body = {"model": "tiny", "prompt": "abc", "temperature": 0, "ignore_eos": True, "stream": True}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
+    return httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60)
+
+
+def test_disconnect_mid_stream_frees_the_session(tiny_server):
+    """A client that goes away cancels its generation: the next request finds nobody ahead of it."""
+    with _long_stream(tiny_server) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+    t0 = time.perf_counter()
+    r = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
+    figures = r.json()["jitllm"]
+    assert figures["queue_depth_on_entry"] == 0 and figures["queued_ms"] < 1000
+    assert time.perf_counter() - t0 < 5  # the abandoned generation (~2,997 more tokens) did not run on
+
+
+def test_non_streaming_client_that_leaves_stops_its_generation(tiny_server):
+    body = {"model": "tiny", "prompt": "abc", "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(tiny_server, "/v1/completions", json=body, timeout=0.5)
+    r = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
+    assert r.json()["jitllm"]["queue_depth_on_entry"] == 0
+
+
+def test_second_request_queues_behind_the_first(tiny_server):
+    """-host-concurrency 1: two at once, the second waits and says so."""
+    results: dict[str, dict] = {}
+
+    def first() -> None:
+        results["first"] = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 600, "ignore_eos": True}).json()
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(0.3)
+    second = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "xyz", "max_tokens": 4}).json()
+    t.join()
+    assert results["first"]["usage"]["completion_tokens"] == 600
+    assert second["jitllm"]["queue_depth_on_entry"] == 1
+    assert second["jitllm"]["queued_ms"] > 50
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(tiny_serve_jlm):
+    server = Server("-load", str(tiny_serve_jlm), "-max-seq", "3000")
+    with _long_stream(server, max_tokens=300) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    final = json.loads(rest[-2][6:])
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert server.wait(30) == 0
+    assert "shutting down" in server.log
+
+
+def test_second_signal_cancels_in_flight_requests(tiny_serve_jlm):
+    server = Server("-load", str(tiny_serve_jlm), "-max-seq", "3000")
+    with _long_stream(server) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.signal(signal.SIGINT)
+        time.sleep(0.2)
+        server.signal(signal.SIGINT)
+        rest = [line for line in lines if line]
+    final = json.loads(rest[-2][6:])
+    assert final["choices"][0]["finish_reason"] == "cancelled" and rest[-1] == "data: [DONE]"
+    assert server.wait(30) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/healthz")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["-addr", "nonsense"], "HOST:PORT"),
+        (["-joint-steps", "sometimes"], "-joint-steps"),
+        (["-sessions", "0"], "-sessions"),
+        (["-maxmem", "lots"], "size"),
+        (["-max-batch", "-1"], "-max-batch"),
+        (["-devices", "cuda:7"], "cuda:7"),
+        (["-models", "/no/such/dir"], "not a directory"),
+        (["-load", "/no/such/model.jlm"], "no such model file"),
+    ],
+)
+def test_start_up_errors_are_one_line(args, words):
+    r = CliRunner().invoke(app, ["serve", *args])
+    assert r.exit_code == 1, r.output
+    assert words in r.output and "Traceback" not in r.output
+
+
+def test_port_in_use_is_a_clear_error(tiny_serve_jlm):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "-load", str(tiny_serve_jlm), "-addr", f"127.0.0.1:{port}"])
+    assert r.exit_code == 1 and "cannot listen" in r.output
