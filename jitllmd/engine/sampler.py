@@ -35,6 +35,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 

@@ -62,6 +62,10 @@ async def read_json(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {_kind(body)}")
+    try:  # a \ud800-style escape decodes to a lone surrogate, which is not text and no tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError("the request body holds a lone UTF-16 surrogate escape (such as \\ud800): strings must be valid Unicode") from None
     return body
 
 
