@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jitllmd.engine.catalog import Catalog
+from jitllmd.engine.catalog import Catalog, _rows
 from jitllmd.engine.config import EngineConfig, parse_size
 from jitllmd.engine.devices import parse_devices
 from jitllmd.serve.server import is_loopback, parse_addr
@@ -91,9 +91,9 @@ def test_catalog_loads_resolves_and_lists(tmp_path, tiny_serve_jlm):
         cat.stop()
 
 
-def test_host_and_device_rows(tmp_path):
+def test_host_and_device_rows():
     """A host model runs -host-concurrency requests at once; a device model batches -sessions, capped by -max-batch."""
-    assert Catalog(None, EngineConfig(host_concurrency=3), tmp_path)._rows(None) == 3
-    assert Catalog(None, EngineConfig(devices="cpu", sessions=8, max_batch=4), tmp_path)._rows("cpu") == 4
-    assert Catalog(None, EngineConfig(devices="cpu", sessions=8), tmp_path)._rows("cpu") == 8
-    assert Catalog(None, EngineConfig(devices="cpu", sessions=8, max_batch=1), tmp_path)._rows("cpu") == 1
+    assert _rows(EngineConfig(host_concurrency=3), None) == 3
+    assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=4), "cpu") == 4
+    assert _rows(EngineConfig(devices="cpu", sessions=8), "cpu") == 8
+    assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=1), "cpu") == 1

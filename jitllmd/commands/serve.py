@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -42,6 +43,7 @@ def serve(
     from ..engine.loader import cached_conversion
     from ..serve.app import build_app
     from ..serve.server import is_loopback, listen, parse_addr, run_server
+    from ..serve.telemetry import ServerInfo
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -101,7 +103,8 @@ def serve(
     if not is_loopback(host):
         err_console.print(f"[yellow]warning:[/] listening on every interface ({addr}): anyone who can reach this machine can use the API; -addr 127.0.0.1:{bound_port} keeps it local")
     try:
-        run_server(build_app(catalog), sock, cancel_all=catalog.cancel_all)
+        info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
+        run_server(build_app(catalog, info), sock, cancel_all=catalog.cancel_all)
     finally:
         catalog.stop()
         sock.close()

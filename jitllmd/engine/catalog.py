@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import threading
@@ -15,6 +16,7 @@ from .devices import parse_devices
 from .engine import Engine
 from .jlm import JLMFile
 from .loader import cached_conversion
+from .sessions import Session
 
 __all__ = ["Catalog", "ModelEntry", "ServedModel"]
 
@@ -84,6 +86,15 @@ class Catalog:
         loaded = ", ".join(m.id for m in models) or "none"
         raise KeyError(f"model {name!r} is not loaded (loaded: {loaded})")
 
+    def find_session(self, session_id: str) -> tuple[ServedModel, Session]:
+        """A named session and the model it belongs to. KeyError when no loaded model has it."""
+        for m in self.loaded():
+            try:
+                return m, m.engine.sessions.get(session_id)
+            except KeyError:
+                continue
+        raise KeyError(f"no session {session_id!r}")
+
     def loaded(self) -> list[ServedModel]:
         with self._lock:
             return list(self._models.values())
@@ -117,8 +128,17 @@ class Catalog:
         inside_only: bool = False,
         on_convert: Callable[[int, int], None] | None = None,
         on_load: Callable[[int, int], None] | None = None,
+        devices: str | None = None,
+        gpu_layers: int | None = None,
+        max_seq: int | None = None,
     ) -> ServedModel:
-        """Load a model file under `id` (default: m-<hash of its path>). Raises ValueError/OSError with one-line messages."""
+        """Load a model file under `id` (default: m-<hash of its path>). devices, gpu_layers and max_seq override the
+        server's flags for this model. Raises ValueError/OSError with one-line messages."""
+        config = self.config
+        overrides = {k: v for k, v in (("devices", devices), ("gpu_layers", gpu_layers), ("max_seq", max_seq)) if v is not None}
+        if overrides:
+            config = dataclasses.replace(config, **overrides)  # validates
+        placed_on = parse_devices(config.devices) if "devices" in overrides else self.devices
         if id is not None and not _ID.match(id):
             raise ValueError(f"model id {id!r}: use letters, digits and . _ : - (at most 128), starting with a letter or digit")
         path = self.prepare(file, inside_only=inside_only, on_progress=on_convert)
@@ -128,14 +148,14 @@ class Catalog:
             for m in self._models.values():
                 if model_id == m.id or model_id in m.aliases:
                     raise ValueError(f"a model named {model_id!r} is already loaded")
-        device = self._device_for(path)
+        device = _device_for(path, placed_on, config.gpu_layers)
         engine = Engine.load(
             path,
             name=model_id,
             device=device,
-            max_seq=self.config.max_seq,
-            max_batch=self._rows(device),
-            prompt_chunk=self.config.prompt_chunk or _DEFAULT_PROMPT_CHUNK,
+            max_seq=config.max_seq,
+            max_batch=_rows(config, device),
+            prompt_chunk=config.prompt_chunk or _DEFAULT_PROMPT_CHUNK,
             on_progress=on_load,
         )
         served = ServedModel(model_id, names, engine)
@@ -159,26 +179,27 @@ class Catalog:
         for m in self.loaded():
             self.unload(m.id)
 
-    def _device_for(self, path: Path) -> str | None:
-        """Host, or wholly on the one device named. Splitting a model needs the pager and placement."""
-        if not self.devices or self.config.gpu_layers == 0:
-            return None
-        if len(self.devices) > 1:
-            raise ValueError(f"-devices names {len(self.devices)} devices; a model runs wholly on one device for now: name one of {', '.join(self.devices)}")
-        num_blocks = _num_blocks(path)
-        if self.config.gpu_layers != -1 and self.config.gpu_layers < num_blocks:
-            raise ValueError(
-                f"-gpu-layers {self.config.gpu_layers}: {path.name} has {num_blocks} blocks (embed and head included); "
-                f"a model runs wholly on its device or wholly on the host for now: use -gpu-layers -1 or 0"
-            )
-        return self.devices[0]
 
-    def _rows(self, device: str | None) -> int:
-        """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows."""
-        c = self.config
-        if device is None:
-            return c.host_concurrency
-        return c.sessions if c.max_batch == 0 else min(c.max_batch, c.sessions)
+def _device_for(path: Path, devices: list[str], gpu_layers: int) -> str | None:
+    """Host, or wholly on the one device named. Splitting a model needs the pager and placement."""
+    if not devices or gpu_layers == 0:
+        return None
+    if len(devices) > 1:
+        raise ValueError(f"-devices names {len(devices)} devices; a model runs wholly on one device for now: name one of {', '.join(devices)}")
+    num_blocks = _num_blocks(path)
+    if gpu_layers != -1 and gpu_layers < num_blocks:
+        raise ValueError(
+            f"-gpu-layers {gpu_layers}: {path.name} has {num_blocks} blocks (embed and head included); "
+            f"a model runs wholly on its device or wholly on the host for now: use -gpu-layers -1 or 0"
+        )
+    return devices[0]
+
+
+def _rows(config: EngineConfig, device: str | None) -> int:
+    """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows."""
+    if device is None:
+        return config.host_concurrency
+    return config.sessions if config.max_batch == 0 else min(config.max_batch, config.sessions)
 
 
 def _is_gguf(path: Path) -> bool:

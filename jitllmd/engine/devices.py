@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available_devices", "bf16_matmul_native", "parse_devices"]
+__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "cpu_name", "device_info", "host_memory", "parse_devices"]
 
 
 def _cpu_flags() -> set[str]:
@@ -69,3 +71,55 @@ def parse_devices(spec: str) -> list[str]:
                 raise ValueError(f"-devices {spec}: no device {part!r} here (devices: {', '.join(exists)})")
         out += [n for n in names if n not in out]
     return out
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: str
+    kind: str  # cpu, cuda, mps
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory, from the OS."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = fields.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * page
+    available = fields.get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * page
+    return total, available
+
+
+@functools.cache
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: str) -> DeviceInfo:
+    """What a device is and its memory now. The CPU as a device has the host's memory."""
+    if device == "cpu":
+        total, free = host_memory()
+        return DeviceInfo("cpu", "cpu", cpu_name(), total, free)
+    if device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        free, total = torch.cuda.mem_get_info(index)
+        return DeviceInfo(device, "cuda", torch.cuda.get_device_name(index), total, free)
+    if device == "mps":
+        total, free = host_memory()  # unified memory
+        return DeviceInfo("mps", "mps", "Apple GPU", total, free)
+    raise ValueError(f"no device {device!r} here (devices: {', '.join(available_devices())})")

@@ -17,6 +17,7 @@ from .request import Delta, Done, Event, Failed, FinishReason, Request, RequestS
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sessions import Session, SessionRegistry, new_session_id
+from .stats import EngineStats
 
 __all__ = ["Engine"]
 
@@ -30,6 +31,7 @@ class Engine:
         self.loaded = loaded
         self.scheduler = Scheduler(max_batch, prompt_chunk)
         self.sessions = SessionRegistry()
+        self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
         self._eos = frozenset(loaded.eos_token_ids)
         self._weight_bytes = loaded.model.weight_nbytes()
@@ -96,6 +98,7 @@ class Engine:
         stop: list[str] | None = None,
         session: Session | None = None,
         ignore_eos: bool = False,
+        request_id: str = "",
     ) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named)."""
         if not prompt_ids:
@@ -121,12 +124,17 @@ class Engine:
             detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
             stop=[s for s in (stop or []) if s],
             ignore_eos=ignore_eos,
+            request_id=request_id,
         )
         self._inbox.put(("submit", req))
         return req
 
     def cancel(self, req: Request) -> None:
         self._inbox.put(("cancel", req))
+
+    def queue(self) -> tuple[list[Request], list[Request]]:
+        """A snapshot of the running and the waiting requests (waiting in arrival order)."""
+        return list(self.scheduler.running), list(self.scheduler.waiting)
 
     def cancel_all(self) -> None:
         """Cancel every request, waiting or running; each ends with finish reason `cancelled`."""
@@ -204,6 +212,7 @@ class Engine:
         positions: list[int] = []
         spans: list[RowSpan] = []
         logits_at: list[int] = []
+        num_prompt = 0
         now = time.perf_counter()
         for req, n in rows:
             if req.cancel_requested:
@@ -226,8 +235,10 @@ class Engine:
                 logits_at.append(len(tokens) - 1)
             if req.state is RequestState.PREFILL:
                 req.fed += len(ids)
+                num_prompt += len(ids)
         if not spans:
             return torch.empty(0)
+        self.stats.step(len(spans), num_prompt)
         model = self.loaded.model
         dev = model.device
         return model.forward(
@@ -265,6 +276,7 @@ class Engine:
             self._finish(req, FinishReason.STOP)
             return
         req.output_ids.append(token)
+        self.stats.generated_tokens += 1
         req.held += req.detok.add(token)
         if self._release(req, final=False):
             return
@@ -304,6 +316,7 @@ class Engine:
             if req.held and self._release(req, final=True):
                 return  # the flushed text held a stop string; _release finished the request
         self._end(req)
+        self.stats.finished(cancelled=reason is FinishReason.CANCELLED)
         req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, self._figures(req)))
 
     def _fail(self, req: Request, message: str) -> None:
@@ -311,6 +324,7 @@ class Engine:
             return
         req.session.reset()  # its cache may be half written
         self._end(req)
+        self.stats.finished(failed=True)
         req.emit(Failed(message))
 
     def _end(self, req: Request) -> None:

@@ -73,6 +73,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
     id: int = field(default_factory=lambda: next(_ids))
+    request_id: str = ""  # the caller's name for it (Cancel); r-<id> when not given
 
     # engine-side state
     state: RequestState = RequestState.WAITING
@@ -89,6 +90,10 @@ class Request:
     t_last_token: float | None = None
     decode_steps: int = 0
     decode_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"r-{self.id}"
 
     @property
     def finished(self) -> bool:

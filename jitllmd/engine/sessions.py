@@ -47,6 +47,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     busy: bool = False  # a request is running on it
+    messages: list[dict[str, str]] = field(default_factory=list)  # a named session's chat so far
 
     @property
     def max_seq(self) -> int:
@@ -71,6 +72,7 @@ class Session:
     def reset(self) -> None:
         self.kv.reset()
         self.token_ids.clear()
+        self.messages.clear()
 
 
 class SessionRegistry:

@@ -16,7 +16,7 @@ from ..engine.catalog import Catalog
 from ..engine.request import Delta, Done, Failed, FinishReason
 from .body import APIError, Fields, read_json
 from .outbox import Outbox, until_disconnect
-from .prompt import chat_prompt_ids, find_model, sampling_params, start
+from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start
 
 __all__ = ["Anthropic", "error_response"]
 
@@ -114,11 +114,12 @@ class Anthropic:
         choice = f.object("tool_choice")
         if f.has("tools") and (choice is None or choice.string("type") != "none"):
             raise f.error("tools", "tool use is not supported by this server yet")
-        name = f.string("model", required=True)
+        name = f.string("model", required=not f.has("jitllm_session"))
         max_tokens = f.integer("max_tokens", required=True, low=1)
-        served = find_model(self.catalog, name)
+        served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         messages, prefill = _messages(f)
-        prompt_ids = chat_prompt_ids(served, messages, prefill=prefill)
+        chat = conversation(session, messages)
+        prompt_ids = chat_prompt_ids(served, chat, prefill=prefill)
         params = sampling_params(
             temperature=f.number("temperature", 1.0, low=0.0, high=1.0),
             top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,
@@ -127,15 +128,17 @@ class Anthropic:
         stop = f.strings("stop_sequences", most=64)
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
-        outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
+        outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session)
+        record = lambda text: remember(session, chat, (prefill or "") + text)
         ident = f"msg_{uuid.uuid4().hex}"
         model = name or served.id
         if stream:
-            return StreamingResponse(self._stream(outbox, ident, model, len(prompt_ids)), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(self._stream(outbox, ident, model, len(prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
         result = await until_disconnect(request, outbox.collect)
         if result is None:
             return Response(status_code=499)
         text, done = result
+        record(text)
         reason, stop_sequence = _stop_reason(done)
         body = {
             "id": ident,
@@ -150,7 +153,7 @@ class Anthropic:
         }
         return JSONResponse(body)
 
-    async def _stream(self, outbox: Outbox, ident: str, model: str, num_prompt: int) -> AsyncIterator[bytes]:
+    async def _stream(self, outbox: Outbox, ident: str, model: str, num_prompt: int, record: Callable[[str], None]) -> AsyncIterator[bytes]:
         message: dict[str, Any] = {
             "id": ident,
             "type": "message",
@@ -164,11 +167,14 @@ class Anthropic:
         yield _event("message_start", {"type": "message_start", "message": message})
         yield _event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
         yield _event("ping", {"type": "ping"})
+        parts: list[str] = []
         async for ev in outbox:
             if isinstance(ev, Delta):
                 if ev.text:
+                    parts.append(ev.text)
                     yield _event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}})
             elif isinstance(ev, Done):
+                record("".join(parts))
                 reason, stop_sequence = _stop_reason(ev)
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": _usage(ev), "jitllm": ev.figures}

@@ -6,11 +6,21 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from ..engine.catalog import Catalog
+from ..gen.jitllm.v1.device_connect import DeviceServiceASGIApplication
+from ..gen.jitllm.v1.inference_connect import InferenceServiceASGIApplication
+from ..gen.jitllm.v1.model_connect import ModelServiceASGIApplication
+from ..gen.jitllm.v1.placement_connect import PlacementServiceASGIApplication
+from ..gen.jitllm.v1.session_connect import SessionServiceASGIApplication
+from ..gen.jitllm.v1.telemetry_connect import TelemetryServiceASGIApplication
 from . import anthropic, openai
 from .body import APIError
+from .control import Devices, ErrorMapper, Models, Sessions
+from .inference import Inference
+from .placement import Placement
+from .telemetry import ServerInfo, Telemetry
 
 __all__ = ["build_app"]
 
@@ -32,9 +42,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return resp
 
 
-def build_app(catalog: Catalog) -> Starlette:
+def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
     oa, an = openai.OpenAI(catalog), anthropic.Anthropic(catalog)
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
@@ -42,4 +52,14 @@ def build_app(catalog: Catalog) -> Starlette:
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),
     ]
+    interceptors = [ErrorMapper()]
+    services = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web
+        ModelServiceASGIApplication(Models(catalog), interceptors=interceptors),
+        DeviceServiceASGIApplication(Devices(catalog), interceptors=interceptors),
+        SessionServiceASGIApplication(Sessions(catalog), interceptors=interceptors),
+        PlacementServiceASGIApplication(Placement(catalog), interceptors=interceptors),
+        InferenceServiceASGIApplication(Inference(catalog), interceptors=interceptors),
+        TelemetryServiceASGIApplication(Telemetry(catalog, info), interceptors=interceptors),
+    ]
+    routes += [Mount(app.path, app=app) for app in services]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

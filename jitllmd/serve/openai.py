@@ -17,9 +17,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.request import Delta, Done, Failed
 from ..engine.sampler import SamplingParams
+from ..engine.sessions import Session
 from .body import APIError, Fields, read_json
 from .outbox import Outbox, until_disconnect
-from .prompt import chat_prompt_ids, find_model, sampling_params, start, text_prompt_ids
+from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start, text_prompt_ids
 
 __all__ = ["OpenAI", "error_response"]
 
@@ -74,12 +75,23 @@ class _Generation:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    session: Session | None = None  # a named session (jitllm_session)
+    chat: list[dict[str, Any]] | None = None  # the whole conversation, for the session to remember
 
     def start(self, param: str) -> Outbox:
-        return start(self.served, self.prompt_ids, self.params, param=param, max_tokens=self.max_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+        return start(
+            self.served, self.prompt_ids, self.params, param=param, max_tokens=self.max_tokens, stop=self.stop,
+            ignore_eos=self.ignore_eos, session=self.session,
+        )
+
+    def done(self, text: str) -> None:
+        if self.chat is not None:
+            remember(self.session, self.chat, text)
 
 
-def _parse_common(f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...]) -> _Generation:
+def _parse_common(
+    f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...], session: Session | None, chat: list[dict[str, Any]] | None = None
+) -> _Generation:
     max_tokens = None
     for key in max_tokens_keys:  # the first one given wins
         if f.has(key):
@@ -116,6 +128,8 @@ def _parse_common(f: Fields, served: ServedModel, model: str, prompt_ids: list[i
         stream=f.boolean("stream"),
         include_usage=options.boolean("include_usage") if options else False,
         ignore_eos=f.boolean("ignore_eos"),
+        session=session,
+        chat=chat,
     )
 
 
@@ -179,9 +193,10 @@ class OpenAI:
         if f.has("tools") and f.raw("tool_choice") != "none":
             raise f.error("tools", "tool calls are not supported by this server yet")
         name = f.string("model")
-        served = find_model(self.catalog, name)
-        prompt_ids = chat_prompt_ids(served, _chat_messages(f))
-        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"))
+        served, session = find_target(self.catalog, name, f.string("jitllm_session"))
+        chat = conversation(session, _chat_messages(f))
+        prompt_ids = chat_prompt_ids(served, chat)
+        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat)
         outbox = gen.start("messages")
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
@@ -190,6 +205,7 @@ class OpenAI:
         if result is None:
             return Response(status_code=499)  # nobody is listening
         text, done = result
+        gen.done(text)
         body = {
             "id": ident,
             "object": "chat.completion",
@@ -212,13 +228,13 @@ class OpenAI:
     async def completions(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         name = f.string("model")
-        served = find_model(self.catalog, name)
+        served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         if f.raw("suffix"):
             raise f.error("suffix", "suffix (fill in the middle) is not supported")
         if f.integer("best_of", 1, low=1) != 1:
             raise f.error("best_of", "only best_of=1 is supported")
         prompt_ids, prompt_text = _completion_prompt(f, served)
-        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_tokens",))
+        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_tokens",), session)
         echo = f.boolean("echo")
         outbox = gen.start("prompt")
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -272,11 +288,14 @@ class OpenAI:
             return _sse(obj | extra)
 
         yield chunk({"role": "assistant", "content": ""})
+        parts: list[str] = []
         async for ev in outbox:
             if isinstance(ev, Delta):
                 if ev.text:
+                    parts.append(ev.text)
                     yield chunk({"content": ev.text})
             elif isinstance(ev, Done):
+                gen.done("".join(parts))
                 yield chunk({}, ev.finish_reason.value, jitllm=ev.figures)
                 if gen.include_usage:
                     yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})

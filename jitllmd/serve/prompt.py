@@ -8,10 +8,38 @@ from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
 from ..engine.kv import RoomError
 from ..engine.sampler import SamplingParams
+from ..engine.sessions import Session
 from .body import APIError
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "find_model", "sampling_params", "start", "text_prompt_ids"]
+__all__ = ["chat_prompt_ids", "conversation", "find_model", "find_target", "remember", "sampling_params", "start", "text_prompt_ids"]
+
+
+def find_target(catalog: Catalog, name: str | None, session_id: str | None) -> tuple[ServedModel, Session | None]:
+    """The model and named session a request runs in: `jitllm_session` takes precedence over `model`."""
+    if session_id is None:
+        return find_model(catalog, name), None
+    try:
+        return catalog.find_session(session_id)
+    except KeyError:
+        raise APIError(f"jitllm_session: no session {session_id!r} (create one with `jitllmd sessions -new`)", param="jitllm_session", kind="not_found") from None
+
+
+def conversation(session: Session | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The whole chat a request runs: on a named session its messages follow the session's conversation, unless
+    they begin with it (a client that resends the history), in which case they are the whole conversation."""
+    if session is None:
+        return messages
+    so_far = session.messages
+    if messages[: len(so_far)] == so_far:
+        return messages
+    return so_far + messages
+
+
+def remember(session: Session | None, chat: list[dict[str, Any]], reply: str) -> None:
+    """After a reply on a named session, its conversation is the chat plus the reply."""
+    if session is not None:
+        session.messages = [*chat, {"role": "assistant", "content": reply}]
 
 
 def find_model(catalog: Catalog, name: str | None) -> ServedModel:

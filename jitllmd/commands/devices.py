@@ -1,0 +1,57 @@
+"""`jitllmd devices`: a running server's hardware and the memory it can still spend."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from ..client import DEFAULT_ADDR, Client, to_dict
+from ..console import console, fail
+
+__all__ = ["devices"]
+
+
+def devices(
+    addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
+) -> None:
+    """List the devices a running server can place blocks on, with total, free and spendable memory, and the host's memory."""
+    try:
+        client = Client(addr)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+
+    from connectrpc.errors import ConnectError
+    from rich.table import Table
+    from rich.text import Text
+
+    from ..gen.jitllm.v1 import device_pb2 as pb
+
+    try:
+        resp = client.devices.list_devices(pb.ListDevicesRequest())
+    except ConnectError as exc:
+        raise fail(client.explain(exc)) from None
+    if as_json:
+        print(json.dumps(to_dict(resp)))
+        return
+    table = Table(box=None, pad_edge=False)
+    table.add_column("id", no_wrap=True)
+    table.add_column("kind")
+    table.add_column("name")
+    for name in ("total GB", "free GB", "spendable GB"):
+        table.add_column(name, justify="right")
+    table.add_column("opened")
+    for d in resp.devices:
+        cells = (d.id, d.kind, d.name, _gb(d.total_bytes), _gb(d.free_bytes), _gb(d.spendable_bytes), "yes" if d.opened else "no")
+        table.add_row(*map(Text, cells))
+    console.print(table)
+    host = resp.host
+    budget = f", page budget {_gb(host.page_budget_bytes)} GB" if host.HasField("page_budget_bytes") else ""
+    cpu = f" ({host.cpu_name})" if host.cpu_name else ""
+    console.print(f"host: {_gb(host.total_bytes)} GB total, {_gb(host.available_bytes)} GB available{budget}; {host.num_cpus} CPUs{cpu}", markup=False)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f}"

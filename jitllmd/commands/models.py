@@ -1,0 +1,93 @@
+"""`jitllmd models`: a running server's model directory; load and unload models while it runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..client import DEFAULT_ADDR, Client, to_dict
+from ..console import console, fail
+
+if TYPE_CHECKING:
+    from ..gen.jitllm.v1.model_pb2 import Model
+
+__all__ = ["models"]
+
+
+def models(
+    load: Annotated[str | None, typer.Option("-load", "--load", help="Load this .jlm (or .gguf) of the server's model directory.", show_default=False)] = None,
+    model_id: Annotated[str | None, typer.Option("-id", "--id", help="With -load: the id clients send. Default: generated.", show_default=False)] = None,
+    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="With -load: devices to place it on (cpu, cuda:0, cuda:0,cuda:1). Default: the server's -devices.", show_default=False)] = None,
+    gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -load: blocks to put on the devices. Default: the server's -gpu-layers.", show_default=False)] = None,
+    max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="With -load: default KV capacity of its sessions. Default: the server's -max-seq.", show_default=False)] = None,
+    unload: Annotated[str | None, typer.Option("-unload", "--unload", help="Unload this model: its requests end as cancelled, its sessions close.", show_default=False)] = None,
+    addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
+) -> None:
+    """List a running server's models (loaded ones first, then the model directory's other .jlm files), or load or unload one."""
+    if load is not None and unload is not None:
+        raise fail("-load and -unload do not go together", 2)
+    if load is None and any(v is not None for v in (model_id, devices, gpu_layers, max_seq)):
+        raise fail("-id, -devices, -gpu-layers and -max-seq go with -load", 2)
+    if max_seq is not None and max_seq <= 0:
+        raise fail("-max-seq must be positive", 2)
+    try:
+        client = Client(addr)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+
+    from connectrpc.errors import ConnectError
+
+    from ..gen.jitllm.v1 import model_pb2 as pb
+
+    try:
+        if load is not None:
+            req = pb.LoadModelRequest(file=load, id=model_id or "", devices=devices or "")
+            if gpu_layers is not None:
+                req.gpu_layers = gpu_layers
+            if max_seq is not None:
+                req.max_seq = max_seq
+            model = client.models.load_model(req).model
+            if as_json:
+                print(json.dumps(to_dict(model)))
+                return
+            console.print(f"loaded {model.id} from {model.file}: {model.arch}, {model.num_blocks} blocks, on {_places(model)}, max_seq {model.max_seq}", markup=False)
+        elif unload is not None:
+            resp = client.models.unload_model(pb.UnloadModelRequest(model=unload))
+            if as_json:
+                print(json.dumps(to_dict(resp)))
+                return
+            console.print(f"unloaded {unload}: {resp.cancelled_requests} requests cancelled, {resp.closed_sessions} sessions closed", markup=False)
+        else:
+            resp = client.models.list_models(pb.ListModelsRequest())
+            if as_json:
+                print(json.dumps(to_dict(resp)))
+                return
+            _print_table(resp.models)
+    except ConnectError as exc:
+        raise fail(client.explain(exc)) from None
+
+
+def _places(model: Model) -> str:
+    return ",".join(model.device_ids) or "host"
+
+
+def _print_table(models: Sequence[Model]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    if not models:
+        console.print("no models (the server's model directory has no .jlm files)")
+        return
+    table = Table(box=None, pad_edge=False)
+    for name in ("id", "loaded", "arch", "blocks", "devices", "max_seq", "file"):
+        table.add_column(name, justify="right" if name in ("blocks", "max_seq") else "left", no_wrap=name != "file")
+    for m in models:
+        table.add_row(*map(Text, (
+            m.id, "yes" if m.loaded else "no", m.arch, str(m.num_blocks),
+            _places(m) if m.loaded else "", str(m.max_seq) if m.max_seq else "", m.file,
+        )))
+    console.print(table)

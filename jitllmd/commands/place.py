@@ -1,0 +1,133 @@
+"""`jitllmd place`: where each block of a session's or model's weights is; moving blocks and the pager's budget."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..client import DEFAULT_ADDR, Client, to_dict
+from ..console import console, fail
+
+if TYPE_CHECKING:
+    from ..gen.jitllm.v1.placement_pb2 import GetResidencyResponse, Placement
+
+__all__ = ["parse_range", "parse_size", "place"]
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_RANGE = re.compile(r"(\d+):(\d+)")
+
+
+def parse_size(text: str) -> int:
+    """`8G`, `512M`, `1.5GiB`, `4096` -> bytes (binary units); ValueError otherwise."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"{text!r} is not a size like 8G, 512M or 4096")
+    return int(float(m.group(1)) * 1024 ** "BKMGT".index(m.group(2).upper() or "B"))
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """`A:B` -> (A, B), inclusive block indices with A <= B; ValueError otherwise."""
+    m = _RANGE.fullmatch(text.strip())
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise ValueError(f"-move {text!r}: expected FIRST:LAST block indices, FIRST <= LAST (0 is embed)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def place(
+    session: Annotated[str | None, typer.Option("-session", "--session", help="A named session (what `sessions -new` printed).", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("-model", "--model", help="A loaded model, for its own placement.", show_default=False)] = None,
+    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="Re-place every block over these devices (among the model's); host (or \"\") brings them all home.", show_default=False)] = None,
+    gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -devices: how many blocks go on the devices.", show_default=False)] = None,
+    move: Annotated[str | None, typer.Option("-move", "--move", help="Move blocks FIRST:LAST (inclusive; 0 is embed) with their KV cache; needs -to.", show_default=False)] = None,
+    to: Annotated[str | None, typer.Option("-to", "--to", help="With -move: host, or a device id.", show_default=False)] = None,
+    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units).", show_default=False)] = None,
+    addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
+) -> None:
+    """Show where each block is (host or a device), or move blocks: -devices re-places them all, -move A:B -to moves a range.
+
+    A move waits for the session's current generation and keeps its history: KV cache and state move with the blocks.
+    """
+    if (session is None) == (model is None):
+        raise fail("name one of -session or -model", 2)
+    actions = [flag for flag, v in (("-devices", devices), ("-move", move), ("-maxmem", maxmem)) if v is not None]
+    if len(actions) > 1:
+        raise fail(f"{' and '.join(actions)} do not go together", 2)
+    if gpu_layers is not None and devices is None:
+        raise fail("-gpu-layers goes with -devices", 2)
+    if (move is None) != (to is None):
+        raise fail("-move and -to go together", 2)
+    if maxmem is not None and model is None:
+        raise fail("-maxmem takes -model (the budget is the model's, not a session's)", 2)
+    try:
+        span = parse_range(move) if move is not None else (0, 0)
+        budget = parse_size(maxmem) if maxmem is not None else 0
+        client = Client(addr)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+
+    from connectrpc.errors import ConnectError
+
+    from ..gen.jitllm.v1 import placement_pb2 as pb
+
+    sid, mid = session or "", model or ""
+    try:
+        if maxmem is not None:
+            residency = client.placement.set_page_budget(pb.SetPageBudgetRequest(model=mid, budget_bytes=budget)).residency
+            if as_json:
+                print(json.dumps(to_dict(residency)))
+                return
+            _print_residency(residency)
+            return
+        if devices is not None:
+            req = pb.SetPlacementRequest(session_id=sid, model=mid, devices="" if devices == "host" else devices)
+            if gpu_layers is not None:
+                req.gpu_layers = gpu_layers
+            placement = client.placement.set_placement(req).placement
+        elif move is not None:
+            placement = client.placement.relocate_blocks(pb.RelocateBlocksRequest(session_id=sid, model=mid, first=span[0], last=span[1], to=to)).placement
+        else:
+            placement = client.placement.get_placement(pb.GetPlacementRequest(session_id=sid, model=mid)).placement
+    except ConnectError as exc:
+        raise fail(client.explain(exc)) from None
+    if as_json:
+        print(json.dumps(to_dict(placement)))
+        return
+    _print_placement(placement)
+
+
+def _residency_name(value: int) -> str:
+    from ..gen.jitllm.v1.placement_pb2 import Residency
+
+    return Residency.Name(value).removeprefix("RESIDENCY_").lower()
+
+
+def _print_placement(p: Placement) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    who = f"session {p.session_id} of {p.model}" if p.session_id else p.model
+    console.print(f"{who}: {p.device_blocks} blocks on devices, {p.host_blocks} on the host, {p.num_seams} seams", markup=False)
+    table = Table(box=None, pad_edge=False)
+    for name in ("block", "name", "place", "MB", "KV MB", "residency"):
+        table.add_column(name, no_wrap=True, justify="right" if name in ("block", "MB", "KV MB") else "left")
+    for b in p.blocks:
+        table.add_row(*map(Text, (str(b.index), b.name, b.place, f"{b.bytes / 1e6:.1f}", f"{b.kv_bytes / 1e6:.1f}", _residency_name(b.residency))))
+    console.print(table)
+
+
+def _print_residency(r: GetResidencyResponse) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    budget = f"{r.page_budget_bytes / 2**20:.0f} MiB" if r.HasField("page_budget_bytes") else "none"
+    console.print(f"{r.model}: page budget {budget}, {r.resident_bytes / 2**20:.0f} MiB resident", markup=False)
+    table = Table(box=None, pad_edge=False)
+    for name in ("block", "name", "residency", "MB", "reads", "read ms"):
+        table.add_column(name, no_wrap=True, justify="left" if name in ("name", "residency") else "right")
+    for b in r.blocks:
+        table.add_row(*map(Text, (str(b.index), b.name, _residency_name(b.residency), f"{b.bytes / 1e6:.1f}", str(b.reads), f"{b.read_ms:.1f}")))
+    console.print(table)

@@ -1,0 +1,83 @@
+"""`jitllmd stats`: a running server's engine counters, once or streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..client import DEFAULT_ADDR, Client, to_dict
+from ..console import console, fail
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ..gen.jitllm.v1.telemetry_pb2 import GetStatsResponse
+
+__all__ = ["stats"]
+
+
+def stats(
+    watch: Annotated[bool, typer.Option("-watch", "--watch", help="Stream the counters and redraw them in place until Ctrl-C.")] = False,
+    interval: Annotated[int | None, typer.Option("-interval", "--interval", help="With -watch: milliseconds between updates, at least 100. Default: 1000.", show_default=False)] = None,
+    addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object (with -watch, one per line).")] = False,
+) -> None:
+    """Show a running server's counters per model: requests, tokens, speed, rows per step, queue, sessions and memory."""
+    if interval is not None and not watch:
+        raise fail("-interval goes with -watch", 2)
+    if interval is not None and interval < 100:
+        raise fail("-interval must be at least 100 (milliseconds)", 2)
+    try:
+        client = Client(addr)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+
+    from connectrpc.errors import ConnectError
+
+    from ..gen.jitllm.v1 import telemetry_pb2 as pb
+
+    try:
+        if not watch:
+            resp = client.telemetry.get_stats(pb.GetStatsRequest())
+            if as_json:
+                print(json.dumps(to_dict(resp)))
+            else:
+                console.print(_table(resp))
+            return
+        stream = client.telemetry.watch_stats(pb.WatchStatsRequest(interval_ms=interval or 1000))
+        if as_json:
+            for resp in stream:
+                print(json.dumps(to_dict(resp)), flush=True)
+            return
+        from rich.live import Live
+
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            for resp in stream:
+                live.update(_table(resp), refresh=True)
+    except ConnectError as exc:
+        raise fail(client.explain(exc)) from None
+    except KeyboardInterrupt:  # the way out of -watch
+        return
+
+
+def _table(resp: GetStatsResponse) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    caption = f"up {resp.uptime_s:.0f} s, server RSS {resp.rss_bytes / 1e6:.0f} MB"
+    table = Table(box=None, pad_edge=False, caption=caption, caption_justify="left", show_footer=bool(resp.models))
+    names = ("requests", "generated", "tok/s", "active", "queue", "rows/step", "sessions", "weight MB", "KV MB")
+    table.add_column("model", no_wrap=True, footer="total")
+    totals = (resp.requests, resp.generated_tokens, f"{resp.tokens_per_second:.1f}", resp.active_rows, resp.queue_depth, "", resp.sessions, "", "")
+    for name, total in zip(names, totals):
+        table.add_column(name, justify="right", footer=str(total))
+    for m in resp.models:
+        table.add_row(
+            Text(m.model), str(m.requests), str(m.generated_tokens), f"{m.tokens_per_second:.1f}", str(m.active_rows),
+            str(m.queue_depth), f"{m.rows_per_step:.2f}", str(m.sessions), f"{m.weight_bytes / 1e6:.1f}", f"{m.kv_bytes / 1e6:.1f}",
+        )
+    if not resp.models:
+        table.caption = f"no models loaded; {caption}"
+    return table

@@ -1,0 +1,325 @@
+"""The Connect control plane: its error mapping, lookups, and the model, device and session services."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+
+from ..engine.catalog import Catalog, ServedModel
+from ..engine.chat import ChatTemplateError
+from ..engine.convert import ConvertError, convert
+from ..engine.devices import available_devices, cpu_name, device_info, host_memory
+from ..engine.jlm import JLMError, JLMFile
+from ..engine.kv import RoomError
+from ..engine.loader import on_own_thread
+from ..engine.request import RequestState
+from ..engine.sessions import Session
+from ..gen.jitllm.v1 import device_pb2 as dev
+from ..gen.jitllm.v1 import model_pb2 as mdl
+from ..gen.jitllm.v1 import session_pb2 as ses
+from ..gen.jitllm.v1.device_connect import DeviceService
+from ..gen.jitllm.v1.model_connect import ModelService
+from ..gen.jitllm.v1.session_connect import SessionService
+
+__all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_of"]
+
+log = logging.getLogger("jitllmd.serve")
+
+_STATE = {RequestState.WAITING: ses.REQUEST_STATE_WAITING, RequestState.PREFILL: ses.REQUEST_STATE_PREFILL, RequestState.DECODE: ses.REQUEST_STATE_DECODE}
+PLACEMENT_LATER = "moving blocks at runtime and the host pager are not built yet: a model stays where it was loaded"
+
+
+class ErrorMapper:
+    """Interceptor: the engine's one-line errors become Connect codes; anything else is a bug, logged, and
+    reaches the client as `internal` with a generic message (never the exception's text)."""
+
+    async def intercept_unary(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return await call_next(request, ctx)
+        except Exception as exc:
+            raise _connect_error(exc, ctx) from None
+
+    async def intercept_server_stream(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
+        try:
+            async for msg in call_next(request, ctx):
+                yield msg
+        except Exception as exc:
+            raise _connect_error(exc, ctx) from None
+
+
+def _connect_error(exc: Exception, ctx: Any) -> ConnectError:
+    if isinstance(exc, ConnectError):
+        return exc
+    if isinstance(exc, RoomError):
+        return ConnectError(Code.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, FileNotFoundError):
+        return ConnectError(Code.NOT_FOUND, str(exc))
+    if isinstance(exc, PermissionError):
+        return ConnectError(Code.PERMISSION_DENIED, str(exc))
+    if isinstance(exc, (ValueError, ChatTemplateError, JLMError, ConvertError)):
+        return ConnectError(Code.INVALID_ARGUMENT, str(exc))
+    log.exception("%s failed", getattr(ctx.method, "name", "rpc"), exc_info=exc)
+    return ConnectError(Code.INTERNAL, "internal error (logged on the server)")
+
+
+def _not_found(what: str) -> ConnectError:
+    return ConnectError(Code.NOT_FOUND, what)
+
+
+def model_of(catalog: Catalog, name: str) -> ServedModel:
+    if not name:
+        raise ConnectError(Code.INVALID_ARGUMENT, "model: this field is required")
+    try:
+        return catalog.get(name)
+    except KeyError as exc:
+        raise _not_found(str(exc.args[0])) from None
+
+
+def session_of(catalog: Catalog, session_id: str) -> tuple[ServedModel, Session]:
+    if not session_id:
+        raise ConnectError(Code.INVALID_ARGUMENT, "session_id: this field is required")
+    try:
+        return catalog.find_session(session_id)
+    except KeyError:
+        raise _not_found(f"no session {session_id!r}") from None
+
+
+def _relative(catalog: Catalog, path: Path) -> str:
+    if catalog.models_dir is not None and path.resolve().is_relative_to(catalog.models_dir):
+        return str(path.resolve().relative_to(catalog.models_dir))
+    return str(path)
+
+
+def _model_message(catalog: Catalog, served: ServedModel) -> mdl.Model:
+    loaded = served.engine.loaded
+    return mdl.Model(
+        id=served.id,
+        aliases=list(served.aliases),
+        file=_relative(catalog, loaded.path),
+        loaded=True,
+        arch=loaded.jlm.arch,
+        num_blocks=loaded.num_blocks,
+        weight_bytes=loaded.model.weight_nbytes(),
+        context_length=loaded.context_length,
+        max_seq=loaded.max_seq,
+        device_ids=list(loaded.device_ids),
+        has_chat_template=loaded.chat.available,
+        created_unix=served.created,
+        vocab_size=loaded.tokenizer.vocab_size,
+        dtype=str(loaded.model.dtype).removeprefix("torch."),
+        sessions=len(served.engine.sessions.list()),
+    )
+
+
+def _file_model(catalog: Catalog, entry_id: str, path: Path, created: int) -> mdl.Model:
+    jlm = JLMFile(path)
+    blocks = len({n.split(".")[1] for n in jlm.names if n.startswith("blocks.")}) + 2
+    return mdl.Model(
+        id=entry_id, file=_relative(catalog, path), loaded=False, arch=jlm.arch, num_blocks=blocks,
+        weight_bytes=path.stat().st_size, context_length=int(jlm.config.get("max_position_embeddings", 0)),
+        has_chat_template=bool(jlm.meta.get("chat_template")), created_unix=created,
+    )
+
+
+def _session_message(served: ServedModel, s: Session) -> ses.Session:
+    return ses.Session(
+        id=s.id, model=served.id, position=s.position, max_seq=s.max_seq, device_ids=list(served.engine.loaded.device_ids),
+        busy=s.busy, created_unix=int(s.created), kv_bytes=s.kv.nbytes(), num_messages=len(s.messages),
+    )
+
+
+# -- ModelService ---------------------------------------------------------------------------------------------
+
+
+class Models(ModelService):
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    async def list_models(self, request: mdl.ListModelsRequest, ctx: Any) -> mdl.ListModelsResponse:
+        out = []
+        for e in self.catalog.entries():
+            if e.loaded:
+                out.append(_model_message(self.catalog, self.catalog.get(e.id)))
+            else:
+                try:
+                    out.append(_file_model(self.catalog, e.id, e.path, e.created))
+                except (JLMError, OSError):  # an unreadable file in the directory: list it plainly
+                    out.append(mdl.Model(id=e.id, file=_relative(self.catalog, e.path), loaded=False, created_unix=e.created))
+        return mdl.ListModelsResponse(models=out)
+
+    async def get_model(self, request: mdl.GetModelRequest, ctx: Any) -> mdl.GetModelResponse:
+        try:
+            return mdl.GetModelResponse(model=_model_message(self.catalog, self.catalog.get(request.model)))
+        except KeyError:
+            for e in self.catalog.entries():
+                if e.id == request.model:
+                    return mdl.GetModelResponse(model=_file_model(self.catalog, e.id, e.path, e.created))
+        raise _not_found(f"no model {request.model!r}, loaded or in the model directory")
+
+    async def load_model(self, request: mdl.LoadModelRequest, ctx: Any) -> mdl.LoadModelResponse:
+        if not request.file:
+            raise ConnectError(Code.INVALID_ARGUMENT, "file: this field is required")
+        kw: dict[str, Any] = {"inside_only": True, "id": request.id or None}
+        if request.devices:
+            kw["devices"] = request.devices
+        if request.HasField("gpu_layers"):
+            kw["gpu_layers"] = request.gpu_layers
+        if request.HasField("max_seq"):
+            kw["max_seq"] = request.max_seq
+        served = await asyncio.to_thread(self.catalog.load, request.file, **kw)
+        log.info("loaded %s as %s", request.file, served.id)
+        return mdl.LoadModelResponse(model=_model_message(self.catalog, served))
+
+    async def unload_model(self, request: mdl.UnloadModelRequest, ctx: Any) -> mdl.UnloadModelResponse:
+        served = model_of(self.catalog, request.model)
+        running, waiting = served.engine.queue()
+        sessions = len(served.engine.sessions.list())
+        await asyncio.to_thread(self.catalog.unload, served.id)
+        log.info("unloaded %s", served.id)
+        return mdl.UnloadModelResponse(cancelled_requests=len(running) + len(waiting), closed_sessions=sessions)
+
+    async def convert(self, request: mdl.ConvertRequest, ctx: Any) -> mdl.ConvertResponse:
+        if self.catalog.models_dir is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the server has no -models directory to convert in")
+        if not request.source or not request.output:
+            raise ConnectError(Code.INVALID_ARGUMENT, "source and output are required")
+        src = _inside(self.catalog, request.source, "source")
+        dst = _inside(self.catalog, request.output, "output")
+        if dst.suffix != ".jlm":
+            raise ConnectError(Code.INVALID_ARGUMENT, f"output {request.output!r}: the file name must end in .jlm")
+        if dst.exists() and not request.force:
+            raise ConnectError(Code.ALREADY_EXISTS, f"output {request.output!r} exists: set force to overwrite it")
+        result = await asyncio.to_thread(on_own_thread, lambda: convert(src, dst, request.dtype or "bf16"))
+        return mdl.ConvertResponse(
+            output=_relative(self.catalog, result.path), arch=result.arch, num_tensors=result.num_tensors,
+            num_params=result.num_params, bytes=result.nbytes, seconds=result.seconds,
+        )
+
+    async def tokenize(self, request: mdl.TokenizeRequest, ctx: Any) -> mdl.TokenizeResponse:
+        tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
+        ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return mdl.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+
+    async def detokenize(self, request: mdl.DetokenizeRequest, ctx: Any) -> mdl.DetokenizeResponse:
+        tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
+        if any(i >= tok.vocab_size for i in request.token_ids):
+            raise ConnectError(Code.INVALID_ARGUMENT, f"token_ids must be in [0, {tok.vocab_size})")
+        return mdl.DetokenizeResponse(text=tok.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
+
+    async def apply_chat_template(self, request: mdl.ApplyChatTemplateRequest, ctx: Any) -> mdl.ApplyChatTemplateResponse:
+        loaded = model_of(self.catalog, request.model).engine.loaded
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = loaded.chat.render(messages, add_generation_prompt=request.add_generation_prompt)
+        return mdl.ApplyChatTemplateResponse(text=text, token_ids=loaded.tokenizer.encode(text))
+
+
+def _inside(catalog: Catalog, name: str, field: str) -> Path:
+    assert catalog.models_dir is not None
+    path = (catalog.models_dir / name).resolve()
+    if not path.is_relative_to(catalog.models_dir):
+        raise ConnectError(Code.PERMISSION_DENIED, f"{field} {name!r}: outside the model directory")
+    return path
+
+
+# -- DeviceService --------------------------------------------------------------------------------------------
+
+
+class Devices(DeviceService):
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    def _device(self, device_id: str) -> dev.Device:
+        info = device_info(device_id)
+        budget = self.catalog.config.maxmem or 0
+        spendable = max(0, info.free_bytes - budget) if info.kind == "cpu" else info.free_bytes
+        return dev.Device(
+            id=info.id, kind=info.kind, name=info.name, total_bytes=info.total_bytes, free_bytes=info.free_bytes,
+            spendable_bytes=spendable, opened=info.id in self.catalog.devices,
+        )
+
+    async def list_devices(self, request: dev.ListDevicesRequest, ctx: Any) -> dev.ListDevicesResponse:
+        total, available = host_memory()
+        host = dev.HostMemory(total_bytes=total, available_bytes=available, num_cpus=os.cpu_count() or 1, cpu_name=cpu_name())
+        if self.catalog.config.maxmem is not None:
+            host.page_budget_bytes = self.catalog.config.maxmem
+        return dev.ListDevicesResponse(devices=[self._device(d) for d in available_devices()], host=host)
+
+    async def get_device(self, request: dev.GetDeviceRequest, ctx: Any) -> dev.GetDeviceResponse:
+        if request.device not in available_devices():
+            raise _not_found(f"no device {request.device!r} here (devices: {', '.join(available_devices())})")
+        return dev.GetDeviceResponse(device=self._device(request.device))
+
+    async def get_memory_topology(self, request: dev.GetMemoryTopologyRequest, ctx: Any) -> dev.GetMemoryTopologyResponse:
+        total, available = host_memory()
+        shared = [d for d in available_devices() if d in ("cpu", "mps")]
+        domains = [dev.MemoryDomain(name="host", device_ids=shared, total_bytes=total, free_bytes=available)]
+        for d in available_devices():
+            if d.startswith("cuda:"):
+                info = device_info(d)
+                domains.append(dev.MemoryDomain(name=d, device_ids=[d], total_bytes=info.total_bytes, free_bytes=info.free_bytes))
+        return dev.GetMemoryTopologyResponse(domains=domains)
+
+
+# -- SessionService -------------------------------------------------------------------------------------------
+
+
+class Sessions(SessionService):
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    async def create_session(self, request: ses.CreateSessionRequest, ctx: Any) -> ses.CreateSessionResponse:
+        served = model_of(self.catalog, request.model)
+        loaded = served.engine.loaded
+        if request.devices and request.devices.split(",") != loaded.device_ids:
+            where = ", ".join(loaded.device_ids) or "the host"
+            raise ConnectError(Code.FAILED_PRECONDITION, f"devices {request.devices!r}: model {served.id} runs on {where}; a session runs where its model is ({PLACEMENT_LATER})")
+        max_seq = request.max_seq if request.HasField("max_seq") else None
+        if max_seq is not None and not 1 <= max_seq <= loaded.context_length:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"max_seq must be between 1 and the model's context {loaded.context_length}, got {max_seq}")
+        session = served.engine.new_session(max_seq)
+        return ses.CreateSessionResponse(session=_session_message(served, session))
+
+    async def get_session(self, request: ses.GetSessionRequest, ctx: Any) -> ses.GetSessionResponse:
+        return ses.GetSessionResponse(session=_session_message(*session_of(self.catalog, request.session_id)))
+
+    async def list_sessions(self, request: ses.ListSessionsRequest, ctx: Any) -> ses.ListSessionsResponse:
+        models = [model_of(self.catalog, request.model)] if request.model else self.catalog.loaded()
+        return ses.ListSessionsResponse(sessions=[_session_message(m, s) for m in models for s in m.engine.sessions.list()])
+
+    async def close_session(self, request: ses.CloseSessionRequest, ctx: Any) -> ses.CloseSessionResponse:
+        served, session = session_of(self.catalog, request.session_id)
+        if session.busy:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"session {session.id} is running a request: cancel it or let it finish first")
+        served.engine.sessions.close(session.id)
+        session.reset()
+        return ses.CloseSessionResponse()
+
+    async def reset_session(self, request: ses.ResetSessionRequest, ctx: Any) -> ses.ResetSessionResponse:
+        served, session = session_of(self.catalog, request.session_id)
+        if session.busy:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"session {session.id} is running a request: cancel it or let it finish first")
+        session.reset()
+        return ses.ResetSessionResponse(session=_session_message(served, session))
+
+    async def get_device_queue(self, request: ses.GetDeviceQueueRequest, ctx: Any) -> ses.GetDeviceQueueResponse:
+        models = [model_of(self.catalog, request.model)] if request.model else self.catalog.loaded()
+        now = time.perf_counter()
+        queues = []
+        for m in models:
+            running, waiting = m.engine.queue()
+            entry = lambda r: ses.QueueEntry(
+                request_id=r.request_id, session_id=r.session.id, state=_STATE.get(r.state, ses.REQUEST_STATE_UNSPECIFIED),
+                prompt_tokens=len(r.prompt_ids), generated_tokens=len(r.output_ids), age_ms=(now - r.t_arrival) * 1000,
+            )
+            queues.append(ses.ModelQueue(
+                model=m.id, device_ids=list(m.engine.loaded.device_ids), max_rows=m.engine.scheduler.max_batch,
+                running=[entry(r) for r in running], waiting=[entry(r) for r in waiting],
+            ))
+        return ses.GetDeviceQueueResponse(queues=queues)
