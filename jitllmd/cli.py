@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .commands import convert, run, serve
+from .commands import convert, devices, models, place, run, serve, sessions, stats
 
 __all__ = ["app", "main"]
 
@@ -17,9 +17,14 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
-app.command("convert")(convert.convert)
-app.command("run")(run.run)
 app.command("serve")(serve.serve)
+app.command("models")(models.models)
+app.command("devices")(devices.devices)
+app.command("stats")(stats.stats)
+app.command("sessions")(sessions.sessions)
+app.command("place")(place.place)
+app.command("run")(run.run)
+app.command("convert")(convert.convert)
 
 
 def main() -> None:

@@ -66,12 +66,13 @@ class Client:
         """One line for a failed call: `no server at ADDR` when nothing answered, else the server's message."""
         from connectrpc.code import Code
 
-        # the transport's failures come back as UNAVAILABLE raised from the ConnectionError; a server's own don't
-        if exc.code == Code.UNAVAILABLE and isinstance(exc.__cause__, OSError):
+        # the transport's failures come back raised from its own exception; a server's errors have no cause
+        cause = exc.__cause__
+        if isinstance(cause, ConnectionError) or (exc.code == Code.UNAVAILABLE and isinstance(cause, OSError)):
             return f"no server at {self.where}"
-        if exc.code == Code.DEADLINE_EXCEEDED and isinstance(exc.__cause__, TimeoutError):
-            return f"no answer from {self.where} in time"
         message = (exc.message or "").strip()
+        if cause is not None and exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+            return f"{self.where}: {message or exc.code.name.lower()}"
         if exc.code == Code.UNIMPLEMENTED and not message:
             return f"{self.where} does not implement this call (is it a jitllmd server?)"
         return message or exc.code.name.lower()

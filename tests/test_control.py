@@ -224,3 +224,39 @@ def test_load_a_second_model_and_unload_it_mid_stream(clients, tiny_server):
 def test_generated_code_is_fresh():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def jitllmd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jitllmd", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_run_on_the_server(tiny_server):
+    """`run` by model name and by session streams through the server; the session keeps its history."""
+    addr = tiny_server.url.removeprefix("http://")
+    r = jitllmd("run", "-addr", addr, "-model", "tiny", "-chat", "-n", "6", "-temp", "0", "-json", "hello")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["usage"]["completion_tokens"] <= 6 and out["jitllm"]["host_blocks"] == 4
+    streamed = jitllmd("run", "-addr", addr, "-model", "tiny", "-chat", "-n", "6", "-temp", "0", "hello")
+    assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == out["text"]
+
+    made = jitllmd("sessions", "-new", "-model", "tiny", "-addr", addr, "-json")
+    assert made.returncode == 0, made.stderr
+    sid = json.loads(made.stdout)["id"]
+    turns = [jitllmd("run", "-addr", addr, "-session", sid, "-chat", "-n", "4", "-temp", "0", "-json", q) for q in ("one", "two", "three")]
+    usage = [json.loads(t.stdout)["usage"] for t in turns]
+    assert usage[2]["prompt_tokens"] > usage[1]["prompt_tokens"] > usage[0]["prompt_tokens"]  # the history grows
+    assert usage[2]["fed_tokens"] < usage[2]["prompt_tokens"] - usage[0]["prompt_tokens"]  # the earlier turns are cached
+    more = jitllmd("run", "-addr", addr, "-session", sid, "-continue", "-n", "3", "-temp", "0", "-json", " and then?")
+    assert json.loads(more.stdout)["usage"]["fed_tokens"] < 10
+    assert jitllmd("sessions", "-close", sid, "-addr", addr).returncode == 0
+
+
+def test_run_errors_against_a_server(tiny_server):
+    addr = tiny_server.url.removeprefix("http://")
+    r = jitllmd("run", "-addr", addr, "-model", "nope", "hi")
+    assert r.returncode == 1 and "nope" in r.stderr and "Traceback" not in r.stderr
+    r = jitllmd("run", "-addr", "127.0.0.1:9", "-model", "tiny", "hi")
+    assert r.returncode == 1 and "no server at 127.0.0.1:9" in r.stderr
+    r = jitllmd("run", "-continue", "x")
+    assert r.returncode == 2 and "-session" in r.stderr

@@ -33,8 +33,26 @@ def run(
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity of the session, in positions. Default: the model's context, capped to what memory allows.", show_default=False)] = None,
     system: Annotated[str | None, typer.Option("-system", "--system", help="A system message (with -chat).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print one JSON object (text, finish_reason, usage, jitllm) instead of streaming.")] = False,
+    addr: Annotated[str | None, typer.Option("-addr", "--addr", help="A running server (HOST:PORT). Implied, as 127.0.0.1:8080, by a -model that is not a file and by -session.", show_default=False)] = None,
+    session: Annotated[str | None, typer.Option("-session", "--session", help="Run on a server session (the id `sessions -new` printed): its history is kept.", show_default=False)] = None,
+    continue_: Annotated[bool, typer.Option("-continue", "--continue", help="With -session: continue from the session's position with the raw prompt, no template.")] = False,
 ) -> None:
-    """Run a model in this process: stream a completion, a chat answer, or an interactive chat."""
+    """Run a model: in this process from a .jlm or .gguf file, or on a running server by model name or session.
+
+    Streams a completion, a chat answer (-chat), or an interactive chat (-chat with no prompt).
+    """
+    if continue_ and session is None:
+        raise fail("-continue needs -session", 2)
+    if continue_ and chat:
+        raise fail("-continue takes a raw prompt: drop -chat", 2)
+    if continue_ and prompt is None:
+        raise fail("-continue needs a prompt", 2)
+    remote = addr is not None or session is not None or (model is not None and not Path(model).exists() and Path(model).suffix not in (".jlm", ".gguf"))
+    if remote:
+        if model is None and session is None:
+            raise fail("a server run needs -model NAME or -session ID", 2)
+        if max_seq is not None:
+            raise fail("-max-seq sizes a local session; on a server, make one with `jitllmd sessions -new -max-seq N`", 2)
     if prompt is None and not chat:
         raise fail("give a prompt, or -chat for an interactive chat")
     if prompt is None and as_json:
@@ -45,6 +63,11 @@ def run(
         raise fail(f"-max-seq must be >= 1, got {max_seq}")
     if system is not None and not chat:
         raise fail("-system needs -chat")
+
+    if remote:
+        sampling = {"temperature": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed}
+        _remote(addr, model, session, prompt, chat=chat, continue_=continue_, n=n, sampling=sampling, system=system, as_json=as_json)
+        return
 
     from ..engine.sampler import SamplingParams
 
@@ -202,3 +225,117 @@ def _interactive(engine: Engine, params: SamplingParams, n: int | None, system: 
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})
+
+
+# -- on a running server ----------------------------------------------------------------------------------------
+
+
+def _remote(
+    addr: str | None, model: str | None, session: str | None, prompt: str | None, *,
+    chat: bool, continue_: bool, n: int | None, sampling: dict[str, Any], system: str | None, as_json: bool,
+) -> None:
+    """The same run through the server's InferenceService: one answer, or an interactive chat until Ctrl-D."""
+    from connectrpc.errors import ConnectError
+
+    from ..client import DEFAULT_ADDR, Client
+    from ..gen.jitllm.v1 import common_pb2, inference_pb2
+
+    client = Client(addr or DEFAULT_ADDR)
+    params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+
+    def request(messages: list[dict[str, str]] | None, text: str | None) -> Any:
+        req = inference_pb2.GenerateRequest(model=model or "", session_id=session or "", sampling=params, continue_session=continue_)
+        if n is not None:
+            req.max_tokens = n
+        if messages is not None:
+            req.chat.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        else:
+            req.prompt = text or ""
+        return req
+
+    try:
+        if chat and prompt is None:
+            _remote_chat(client, request, system, session is not None)
+            return
+        messages = (([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt or ""}]) if chat else None
+        if as_json:
+            print(json.dumps(_remote_collect(client, request(messages, prompt))))
+        else:
+            _remote_stream(client, request(messages, prompt))
+    except ConnectError as exc:
+        message = client.explain(exc)
+        if addr is None and model is not None and message.startswith("no server"):
+            message += f" (and -model {model} is not a file)"
+        raise fail(message) from None
+
+
+def _remote_stream(client: Any, req: Any) -> str:
+    """Print the answer as the server streams it, then the figures line on stderr. Ctrl-C stops this answer."""
+    from ..gen.jitllm.v1 import common_pb2
+
+    parts: list[str] = []
+    events = client.inference.generate(req)
+    try:
+        for ev in events:
+            kind = ev.WhichOneof("event")
+            if kind == "delta":
+                parts.append(ev.delta.text)
+                sys.stdout.write(ev.delta.text)
+                sys.stdout.flush()
+            elif kind == "finished":
+                sys.stdout.write("\n")
+                f, u = ev.finished.figures, ev.finished.usage
+                reason = common_pb2.FinishReason.Name(ev.finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+                err_console.print(
+                    f"{u.prompt_tokens} prompt tokens ({u.prompt_tokens - u.cached_tokens} fed) · {u.completion_tokens} generated · "
+                    f"prefill {f.prefill_ms:.0f} ms · {f.decode_tokens_per_second:.1f} tok/s · {reason}",
+                    style="dim",
+                )
+    except KeyboardInterrupt:
+        events.close()  # the server sees the client go and cancels the generation
+        sys.stdout.write("\n")
+        err_console.print("(stopped)", style="dim")
+    return "".join(parts)
+
+
+def _remote_collect(client: Any, req: Any) -> dict[str, Any]:
+    from ..client import to_dict
+    from ..gen.jitllm.v1 import common_pb2
+
+    done = client.inference.complete(req)
+    fin = done.finished
+    figures = to_dict(fin.figures)
+    figures["bytes_per_token"] = int(figures["bytes_per_token"])
+    return {
+        "text": done.text,
+        "finish_reason": common_pb2.FinishReason.Name(fin.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        "usage": {"prompt_tokens": fin.usage.prompt_tokens, "completion_tokens": fin.usage.completion_tokens, "fed_tokens": fin.usage.prompt_tokens - fin.usage.cached_tokens},
+        "jitllm": figures,
+    }
+
+
+def _remote_chat(client: Any, request: Any, system: str | None, on_session: bool) -> None:
+    """Chat until Ctrl-D. On a server session only each new message is sent (the session keeps the history);
+    otherwise the whole history goes with every turn and the server's prefix reuse feeds only what is new."""
+    from connectrpc.errors import ConnectError
+
+    opening = [{"role": "system", "content": system}] if system else []
+    history: list[dict[str, str]] = list(opening)
+    err_console.print(f"chatting through {client.where}; Ctrl-D quits", style="dim")
+    while True:
+        try:
+            line = console.input("[bold green]> [/]")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not line.strip():
+            continue
+        turn = {"role": "user", "content": line}
+        send = [*opening, turn] if on_session else [*history, turn]
+        try:
+            reply = _remote_stream(client, request(send, None))
+        except ConnectError as exc:
+            err_console.print(f"[red]error:[/] {client.explain(exc)}")
+            continue
+        opening = []
+        history += [turn, {"role": "assistant", "content": reply}]

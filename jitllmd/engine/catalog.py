@@ -72,7 +72,7 @@ class Catalog:
             if not path.is_relative_to(self.models_dir):
                 raise PermissionError(f"{file}: outside the -models directory")
         if not path.is_file():
-            where = f" in {self.models_dir}" if self.models_dir and not given.is_absolute() else ""
+            where = (" in the model directory" if inside_only else f" in {self.models_dir}") if self.models_dir and not given.is_absolute() else ""
             raise FileNotFoundError(f"{file}: no such model file{where}")
         return path
 
