@@ -260,3 +260,37 @@ def test_run_errors_against_a_server(tiny_server):
     assert r.returncode == 1 and "no server at 127.0.0.1:9" in r.stderr
     r = jitllmd("run", "-continue", "x")
     assert r.returncode == 2 and "-session" in r.stderr
+
+
+def test_convert_list_sessions_queue_and_the_placement_calls_not_built(clients, tiny_server, tmp_path):
+    from tests.conftest import write_tiny_llama
+
+    models_dir = Path(clients["telemetry"].get_server_info(tel.GetServerInfoRequest()).models_dir)
+    write_tiny_llama(models_dir / "hf-src")
+    out = clients["models"].convert(mdl.ConvertRequest(source="hf-src", output="converted.jlm", dtype="f32"))
+    try:
+        assert out.output == "converted.jlm" and out.arch == "llama" and out.num_tensors > 0
+        assert "converted" in [m.id for m in clients["models"].list_models(mdl.ListModelsRequest()).models]
+        assert code_of(lambda: clients["models"].convert(mdl.ConvertRequest(source="hf-src", output="converted.jlm"))) == Code.ALREADY_EXISTS
+    finally:
+        (models_dir / "converted.jlm").unlink()
+
+    made = clients["sessions"].create_session(ses.CreateSessionRequest(model="tiny")).session
+    assert made.id in [s.id for s in clients["sessions"].list_sessions(ses.ListSessionsRequest(model="tiny")).sessions]
+    clients["sessions"].close_session(ses.CloseSessionRequest(session_id=made.id))
+
+    stream = clients["inference"].generate(inf.GenerateRequest(model="tiny", prompt="abc", sampling=GREEDY, ignore_eos=True, request_id="queued-view"))
+    next(stream)
+    queue = clients["sessions"].get_device_queue(ses.GetDeviceQueueRequest(model="tiny")).queues[0]
+    assert queue.model == "tiny" and queue.max_rows == 1
+    assert [e.request_id for e in queue.running] == ["queued-view"] and queue.running[0].prompt_tokens == 3
+    stream.close()  # the client goes away: the server cancels the generation
+    deadline = time.monotonic() + 10
+    while clients["sessions"].get_device_queue(ses.GetDeviceQueueRequest(model="tiny")).queues[0].running:
+        assert time.monotonic() < deadline, "the abandoned Generate kept running"
+        time.sleep(0.05)
+
+    p = clients["placement"]
+    assert code_of(lambda: p.set_placement(plc.SetPlacementRequest(model="tiny", devices="cpu"))) == Code.UNIMPLEMENTED
+    assert code_of(lambda: p.set_relocation(plc.SetRelocationRequest(model="tiny", enabled=True))) == Code.UNIMPLEMENTED
+    assert code_of(lambda: p.tune_seam(plc.TuneSeamRequest(model="tiny"))) == Code.UNIMPLEMENTED

@@ -7,12 +7,13 @@ import hashlib
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import EngineConfig
-from .devices import parse_devices
+from .devices import parse_devices, release_host_memory, trim_heap
 from .engine import Engine
 from .jlm import JLMFile
 from .loader import cached_conversion
@@ -169,6 +170,9 @@ class Catalog:
         with self._lock:
             self._models.pop(served.id, None)
         served.engine.stop()
+        weakref.finalize(served.engine, trim_heap)  # requests still streaming hold it a moment longer
+        del served
+        release_host_memory()
 
     def cancel_all(self) -> None:
         """Cancel every request of every model (a server that must stop now)."""

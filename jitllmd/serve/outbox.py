@@ -27,11 +27,12 @@ class Outbox:
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, **submit_kw: Any):
         self.engine = engine
         loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events = events
 
-        def emit(ev: Event) -> None:  # called on the engine thread
+        def emit(ev: Event) -> None:  # called on the engine thread; holds no reference back to this outbox
             try:
-                loop.call_soon_threadsafe(self._events.put_nowait, ev)
+                loop.call_soon_threadsafe(events.put_nowait, ev)
             except RuntimeError:  # the loop is closed: the server is gone, nobody waits for this
                 pass
 
