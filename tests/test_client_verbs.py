@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from jitllmd.client import base_url
 from jitllmd.commands import devices, models, place, sessions, stats
-from jitllmd.commands.place import parse_range, parse_size
+from jitllmd.commands.place import parse_range
+from jitllmd.engine.config import parse_size
 
 VERBS = {"models": models.models, "devices": devices.devices, "stats": stats.stats, "sessions": sessions.sessions, "place": place.place}
 

@@ -14,18 +14,9 @@ from ..console import console, fail
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.placement_pb2 import GetResidencyResponse, Placement
 
-__all__ = ["parse_range", "parse_size", "place"]
+__all__ = ["parse_range", "place"]
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
 _RANGE = re.compile(r"(\d+):(\d+)")
-
-
-def parse_size(text: str) -> int:
-    """`8G`, `512M`, `1.5GiB`, `4096` -> bytes (binary units); ValueError otherwise."""
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise ValueError(f"{text!r} is not a size like 8G, 512M or 4096")
-    return int(float(m.group(1)) * 1024 ** "BKMGT".index(m.group(2).upper() or "B"))
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -49,7 +40,8 @@ def place(
 ) -> None:
     """Show where each block is (host or a device), or move blocks: -devices re-places them all, -move A:B -to moves a range.
 
-    A move waits for the session's current generation and keeps its history: KV cache and state move with the blocks.
+    The server reads placement now; moving blocks and re-budgeting the pager are not built in it yet, and it answers
+    those requests with an error that says so.
     """
     if (session is None) == (model is None):
         raise fail("name one of -session or -model", 2)
@@ -62,6 +54,8 @@ def place(
         raise fail("-move and -to go together", 2)
     if maxmem is not None and model is None:
         raise fail("-maxmem takes -model (the budget is the model's, not a session's)", 2)
+    from ..engine.config import parse_size  # no torch behind it
+
     try:
         span = parse_range(move) if move is not None else (0, 0)
         budget = parse_size(maxmem) if maxmem is not None else 0
