@@ -135,11 +135,13 @@ class Catalog:
     ) -> ServedModel:
         """Load a model file under `id` (default: m-<hash of its path>). devices, gpu_layers and max_seq override the
         server's flags for this model. Raises ValueError/OSError with one-line messages."""
-        config = self.config
-        overrides = {k: v for k, v in (("devices", devices), ("gpu_layers", gpu_layers), ("max_seq", max_seq)) if v is not None}
-        if overrides:
-            config = dataclasses.replace(config, **overrides)  # validates
-        placed_on = parse_devices(config.devices) if "devices" in overrides else self.devices
+        config = dataclasses.replace(  # validates
+            self.config,
+            devices=self.config.devices if devices is None else devices,
+            gpu_layers=self.config.gpu_layers if gpu_layers is None else gpu_layers,
+            max_seq=self.config.max_seq if max_seq is None else max_seq,
+        )
+        placed_on = self.devices if devices is None else parse_devices(devices)
         if id is not None and not _ID.match(id):
             raise ValueError(f"model id {id!r}: use letters, digits and . _ : - (at most 128), starting with a letter or digit")
         path = self.prepare(file, inside_only=inside_only, on_progress=on_convert)

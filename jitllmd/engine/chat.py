@@ -168,9 +168,11 @@ def _iterates_content(ast: nodes.Template) -> bool:
         if isinstance(node.target, nodes.Name) and _content_access(node.node)
     }
     for loop in ast.find_all(nodes.For):
-        source = loop.iter
+        source: nodes.Node | None = loop.iter
         while isinstance(source, (nodes.Filter, nodes.Test)):
             source = source.node
+        if source is None:
+            continue
         if _content_access(source) or (isinstance(source, nodes.Name) and source.name in aliases):
             return True
     return False

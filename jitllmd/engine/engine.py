@@ -132,7 +132,7 @@ class Engine:
     def cancel(self, req: Request) -> None:
         self._inbox.put(("cancel", req))
 
-    def queue(self) -> tuple[list[Request], list[Request]]:
+    def snapshot(self) -> tuple[list[Request], list[Request]]:
         """A snapshot of the running and the waiting requests (waiting in arrival order)."""
         return list(self.scheduler.running), list(self.scheduler.waiting)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from connectrpc.server import ConnectASGIApplication
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -53,7 +54,7 @@ def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
         Route("/v1/messages", an.messages, methods=["POST"]),
     ]
     interceptors = [ErrorMapper()]
-    services = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web
+    services: list[ConnectASGIApplication] = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web
         ModelServiceASGIApplication(Models(catalog), interceptors=interceptors),
         DeviceServiceASGIApplication(Devices(catalog), interceptors=interceptors),
         SessionServiceASGIApplication(Sessions(catalog), interceptors=interceptors),

@@ -179,7 +179,7 @@ class Models(ModelService):
 
     async def unload_model(self, request: mdl.UnloadModelRequest, ctx: Any) -> mdl.UnloadModelResponse:
         served = model_of(self.catalog, request.model)
-        running, waiting = served.engine.queue()
+        running, waiting = served.engine.snapshot()
         sessions = len(served.engine.sessions.list())
         await asyncio.to_thread(self.catalog.unload, served.id)
         log.info("unloaded %s", served.id)
@@ -313,7 +313,7 @@ class Sessions(SessionService):
         now = time.perf_counter()
         queues = []
         for m in models:
-            running, waiting = m.engine.queue()
+            running, waiting = m.engine.snapshot()
             entry = lambda r: ses.QueueEntry(
                 request_id=r.request_id, session_id=r.session.id, state=_STATE.get(r.state, ses.REQUEST_STATE_UNSPECIFIED),
                 prompt_tokens=len(r.prompt_ids), generated_tokens=len(r.output_ids), age_ms=(now - r.t_arrival) * 1000,

@@ -65,7 +65,7 @@ class Telemetry(TelemetryService):
         out = []
         for m in models:
             st, engine = m.engine.stats, m.engine
-            running, waiting = engine.queue()
+            running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
             kv = sum(s.kv.nbytes() for s in sessions) + sum(r.session.kv.nbytes() for r in running if r.session not in sessions)
             out.append(tel.ModelStats(

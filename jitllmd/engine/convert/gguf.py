@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         elif arch_name == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = num_kv
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        specs.append(TensorSpec(name, dtype, shape, lambda t=t, h=heads: produce(t, h)))
+        specs.append(TensorSpec(name, dtype, shape, functools.partial(produce, t, heads)))
     specs.sort(key=block_order)
     return Source(
         arch=arch,

@@ -239,8 +239,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
 
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
-    bos = (text["bos"], ids["bos"]) if add_bos and ids["bos"] is not None else None
-    eos = (text["eos"], ids["eos"]) if add_eos and ids["eos"] is not None else None
+    bos_text, eos_text = text["bos"], text["eos"]
+    bos = (bos_text, ids["bos"]) if add_bos and bos_text is not None and ids["bos"] is not None else None
+    eos = (eos_text, ids["eos"]) if add_eos and eos_text is not None and ids["eos"] is not None else None
     if bos or eos:
         tokenizer.post_processor = _post_processor(bos, eos)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -106,7 +107,7 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
                 continue
             shape = tuple(handle.get_slice(name).get_shape())
             specs.append(
-                TensorSpec(target, dtype, shape, lambda h=handle, n=name: h.get_tensor(n).to(dtype))
+                TensorSpec(target, dtype, shape, functools.partial(_read, handle, name, dtype))
             )
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -147,3 +148,7 @@ def _vocab(tokenizer_json: str) -> dict[str, int]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
+
+
+def _read(handle, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return handle.get_tensor(name).to(dtype)
