@@ -294,3 +294,22 @@ def test_convert_list_sessions_queue_and_the_placement_calls_not_built(clients, 
     assert code_of(lambda: p.set_placement(plc.SetPlacementRequest(model="tiny", devices="cpu"))) == Code.UNIMPLEMENTED
     assert code_of(lambda: p.set_relocation(plc.SetRelocationRequest(model="tiny", enabled=True))) == Code.UNIMPLEMENTED
     assert code_of(lambda: p.tune_seam(plc.TuneSeamRequest(model="tiny"))) == Code.UNIMPLEMENTED
+
+
+def test_session_through_the_anthropic_route_and_a_resent_history(clients, tiny_server):
+    """Anthropic requests continue a session too; a client that resends the whole history is not doubled."""
+    import anthropic
+
+    session = clients["sessions"].create_session(ses.CreateSessionRequest(model="tiny")).session
+    extra = {"jitllm_session": session.id, "temperature": 0}
+    with anthropic.Anthropic(base_url=tiny_server.url, api_key="unused", max_retries=0) as client:
+        first = client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "one"}], extra_body=extra)
+        history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "two"}]
+        resent = client.messages.create(model="tiny", max_tokens=5, messages=history, extra_body=extra)
+        assert resent.usage.cache_read_input_tokens > 0
+        got = clients["sessions"].get_session(ses.GetSessionRequest(session_id=session.id)).session
+        assert got.num_messages == 4  # the resent history replaced, not appended
+        with pytest.raises(anthropic.NotFoundError) as exc:
+            client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}], extra_body={"jitllm_session": "s-0-0"})
+        assert exc.value.body["type"] == "error" and "jitllm_session" in exc.value.body["error"]["message"]
+    clients["sessions"].close_session(ses.CloseSessionRequest(session_id=session.id))
