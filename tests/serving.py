@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -15,6 +16,14 @@ from pathlib import Path
 _URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, so a crashed run leaves no server behind (Linux)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     """`python -m jitllmd serve ARGS -addr 127.0.0.1:0`; `url` once it listens; `log` is its stderr so far."""
 
@@ -26,6 +35,7 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "COLUMNS": "400", **(env or {})},
+            preexec_fn=_die_with_parent,
         )
         self.lines: list[str] = []
         self._ready = threading.Event()

@@ -111,10 +111,21 @@ def test_unknown_route_and_method(tiny_server):
     assert r.status_code == 405 and r.json()["type"] == "error"
 
 
-def test_tools_are_refused_until_supported(tiny_server):
+def test_tools_to_a_template_without_tools_and_bad_tool_shapes(tiny_server):
+    """The tiny model's template ignores tools: the request still answers (in text); malformed tools are 400s."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = post(tiny_server, "/v1/chat/completions", json={"model": "tiny", "messages": USER, "tools": tools})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = post(tiny_server, "/v1/chat/completions", json={"model": "tiny", "messages": USER, "tools": tools, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    for bad, param in (
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": tools, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+    ):
+        r = post(tiny_server, "/v1/chat/completions", json={"model": "tiny", "messages": USER, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(tiny_server, "/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": USER, "tools": [{"name": "f"}]})
+    assert r.status_code == 400 and "input_schema" in r.json()["error"]["message"]
 
 
 def _long_stream(server, max_tokens: int | None = None):

@@ -6,7 +6,8 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from ..engine.request import Delta, Done, Failed, FinishReason
 from .body import APIError, Fields, read_json
 from .outbox import Outbox, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start
+from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["Anthropic", "error_response"]
 
@@ -51,7 +53,7 @@ def _event(name: str, obj: dict[str, Any]) -> bytes:
 
 
 def _text(f: Fields, key: str) -> str:
-    """A string, or an array of text blocks joined (system and message content)."""
+    """A string, or an array of text blocks joined (system, and content without tool blocks)."""
     value = f.raw(key)
     if isinstance(value, str):
         return value
@@ -61,40 +63,99 @@ def _text(f: Fields, key: str) -> str:
     for j, block in enumerate(value):
         b = Fields(block, f.name(f"{key}[{j}]."))
         kind = b.string("type", required=True)
-        if kind in ("tool_use", "tool_result"):
-            raise b.error("type", "tool use is not supported by this server yet")
         if kind != "text":
-            raise b.error("type", f"{kind!r} blocks are not supported: this server takes text blocks")
+            raise b.error("type", f"{kind!r} blocks are not supported here: this takes text blocks")
         texts.append(b.string("text", required=True) or "")
     return "".join(texts)
 
 
-def _messages(f: Fields) -> tuple[list[dict[str, str]], str | None]:
+def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI-shape messages: tool_result blocks become tool messages (before the user's
+    text), tool_use blocks become the assistant's tool_calls (input kept as an object)."""
+    content = m.required("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise m.error("content", "expected a string or an array of content blocks")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        b = Fields(block, m.name(f"content[{j}]."))
+        kind = b.string("type", required=True)
+        if kind == "text":
+            texts.append(b.string("text", required=True) or "")
+        elif kind == "tool_use" and role == "assistant":
+            tool_input = b.raw("input") if b.has("input") else {}
+            if not isinstance(tool_input, dict):
+                raise b.error("input", "expected an object")
+            calls.append({"id": b.string("id", required=True), "type": "function", "function": {"name": b.string("name", required=True), "arguments": tool_input}})
+        elif kind == "tool_result" and role == "user":
+            result = _text(b, "content") if b.has("content") else ""
+            results.append({"role": "tool", "tool_call_id": b.string("tool_use_id", required=True), "content": result})
+        else:
+            raise b.error("type", f"{kind!r} blocks are not supported in a {role} message")
+    out: list[dict[str, Any]] = list(results)
+    if calls:
+        out.append({"role": "assistant", "content": "".join(texts), "tool_calls": calls})
+    elif texts or not results:
+        out.append({"role": role, "content": "".join(texts)})
+    return out
+
+
+def _messages(f: Fields) -> tuple[list[dict[str, Any]], str | None]:
     """The system prompt and messages in the OpenAI shape chat templates take; a final assistant turn is a prefill."""
     raw = f.array("messages", required=True) or []
     if not raw:
         raise f.error("messages", "must hold at least one message")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     if f.has("system"):
         system = _text(f, "system")
         if system:
             out.append({"role": "system", "content": system})
     for i, item in enumerate(raw):
         m = Fields(item, f"messages[{i}].")
-        role = m.string("role", required=True)
+        role = m.string("role", required=True) or ""
         if role not in ("user", "assistant"):
             raise m.error("role", f"{role!r} is not a role here: use user or assistant (the system prompt is the top-level system field)")
-        m.required("content")
-        out.append({"role": role, "content": _text(m, "content")})
+        out += _turn(m, role)
     prefill = None
-    if out[-1]["role"] == "assistant":  # Anthropic continues a final assistant message
+    last = out[-1]
+    if last["role"] == "assistant" and "tool_calls" not in last:  # Anthropic continues a final assistant message
         prefill = out.pop()["content"]
         if prefill != prefill.rstrip():
             raise APIError(f"messages[{len(raw) - 1}].content: a final assistant message cannot end with whitespace", param=f"messages[{len(raw) - 1}].content")
     return out, prefill
 
 
-def _stop_reason(done: Done) -> tuple[str, str | None]:
+def _tools(f: Fields) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions in the OpenAI shape chat templates take, input_schema kept as sent (key order and
+    all); None without tools or with tool_choice {"type": "none"}. "auto", "any" and a named tool all leave the choice
+    to the model."""
+    choice = f.object("tool_choice")
+    kind = choice.string("type", required=True) if choice is not None else "auto"
+    if kind not in ("auto", "any", "tool", "none"):
+        raise f.error("tool_choice", f"type {kind!r}: expected auto, any, tool or none")
+    tools = f.array("tools")
+    if not tools or kind == "none":
+        return None
+    out = []
+    for j, item in enumerate(tools):
+        t = Fields(item, f"tools[{j}].")
+        fn: dict[str, Any] = {"name": t.string("name", required=True)}
+        if t.has("description"):
+            fn["description"] = t.string("description")
+        schema = t.object("input_schema")
+        if schema is None:
+            raise t.error("input_schema", "this field is required")
+        fn["parameters"] = schema.obj
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
+    if calls and done.finish_reason is not FinishReason.CANCELLED:
+        return "tool_use", None
     if done.stop is not None:
         return "stop_sequence", done.stop
     if done.finish_reason is FinishReason.LENGTH:
@@ -111,15 +172,13 @@ class Anthropic:
     @_dialect
     async def messages(self, request: Request) -> Response:
         f = Fields(await read_json(request))
-        choice = f.object("tool_choice")
-        if f.has("tools") and (choice is None or choice.string("type") != "none"):
-            raise f.error("tools", "tool use is not supported by this server yet")
+        tools = _tools(f)
         name = f.string("model", required=not f.has("jitllm_session"))
         max_tokens = f.integer("max_tokens", required=True, low=1)
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         messages, prefill = _messages(f)
         chat = conversation(session, messages)
-        prompt_ids = chat_prompt_ids(served, chat, prefill=prefill)
+        prompt_ids = chat_prompt_ids(served, chat, prefill=prefill, tools=tools)
         params = sampling_params(
             temperature=f.number("temperature", 1.0, low=0.0, high=1.0),
             top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,
@@ -129,23 +188,27 @@ class Anthropic:
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
         outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session)
-        record = lambda text: remember(session, chat, (prefill or "") + text)
-        ident = f"msg_{uuid.uuid4().hex}"
-        model = name or served.id
+        reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=name or served.id, tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None)
+        record = lambda text, calls: remember(session, chat, _remembered((prefill or "") + text, calls))
         if stream:
-            return StreamingResponse(self._stream(outbox, ident, model, len(prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(self._stream(outbox, reply, len(prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
         result = await until_disconnect(request, outbox.collect)
         if result is None:
             return Response(status_code=499)
         text, done = result
-        record(text)
-        reason, stop_sequence = _stop_reason(done)
+        calls: list[ToolCall] = []
+        if reply.tool_names:
+            text, calls = parse_reply(text, reply.tool_names)
+        record(text, calls)
+        reason, stop_sequence = _stop_reason(done, calls)
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+        content += [_tool_use(c) for c in calls]
         body = {
-            "id": ident,
+            "id": reply.ident,
             "type": "message",
             "role": "assistant",
-            "model": model,
-            "content": [{"type": "text", "text": text}],
+            "model": reply.model,
+            "content": content,
             "stop_reason": reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(done),
@@ -153,35 +216,105 @@ class Anthropic:
         }
         return JSONResponse(body)
 
-    async def _stream(self, outbox: Outbox, ident: str, model: str, num_prompt: int, record: Callable[[str], None]) -> AsyncIterator[bytes]:
+    async def _stream(self, outbox: Outbox, reply: _Reply, num_prompt: int, record: Callable[[str, list[ToolCall]], None]) -> AsyncIterator[bytes]:
+        """message_start, then content blocks as they come (text deltas; a tool_use block per call, its input as one
+        input_json_delta), then message_delta with the stop reason, usage and jitllm, then message_stop."""
         message: dict[str, Any] = {
-            "id": ident,
+            "id": reply.ident,
             "type": "message",
             "role": "assistant",
-            "model": model,
+            "model": reply.model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": num_prompt, "output_tokens": 0},
         }
         yield _event("message_start", {"type": "message_start", "message": message})
-        yield _event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        blocks = _Blocks()
+        parser = ToolCallParser(reply.tool_names) if reply.tool_names else None
+        if parser is None:  # no calls to wait for: the text block opens at once
+            yield blocks.open_text()
         yield _event("ping", {"type": "ping"})
-        parts: list[str] = []
         async for ev in outbox:
             if isinstance(ev, Delta):
                 if ev.text:
-                    parts.append(ev.text)
-                    yield _event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}})
+                    for b in blocks.add(parser.feed(ev.text) if parser else [Text(ev.text)]):
+                        yield b
             elif isinstance(ev, Done):
-                record("".join(parts))
-                reason, stop_sequence = _stop_reason(ev)
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for b in blocks.add(parser.finish() if parser else []):
+                    yield b
+                for b in blocks.close():
+                    yield b
+                record("".join(blocks.texts), blocks.calls)
+                reason, stop_sequence = _stop_reason(ev, blocks.calls)
                 delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": _usage(ev), "jitllm": ev.figures}
                 yield _event("message_delta", delta)
                 yield _event("message_stop", {"type": "message_stop"})
             elif isinstance(ev, Failed):
                 yield _event("error", {"type": "error", "error": {"type": "api_error", "message": ev.message}})
+
+
+@dataclass(frozen=True)
+class _Reply:
+    ident: str
+    model: str
+    tool_names: frozenset[str] | None
+
+
+class _Blocks:
+    """The content blocks of a streamed message: a text block opened when text comes, a tool_use block per call."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.text_open = False
+        self.texts: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def open_text(self) -> bytes:
+        self.index += 1
+        self.text_open = True
+        return _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}})
+
+    def add(self, pieces: list[Piece]) -> Iterator[bytes]:
+        for piece in pieces:
+            if isinstance(piece, Text):
+                if not piece.text:
+                    continue
+                if not self.text_open:
+                    yield self.open_text()
+                self.texts.append(piece.text)
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": piece.text}})
+            else:
+                if self.text_open:
+                    yield self._stop()
+                self.calls.append(piece)
+                self.index += 1
+                block = {**_tool_use(piece), "input": {}}
+                yield _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def close(self) -> Iterator[bytes]:
+        if self.index < 0:  # nothing came: an empty text block, so the message has content
+            yield self.open_text()
+        if self.text_open:
+            yield self._stop()
+
+    def _stop(self) -> bytes:
+        self.text_open = False
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": json.loads(call.arguments)}
+
+
+def _remembered(text: str, calls: list[ToolCall]) -> str | dict[str, Any]:
+    if not calls:
+        return text
+    tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return {"role": "assistant", "content": text, "tool_calls": tool_calls}
 
 
 def _usage(done: Done) -> dict[str, int]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
-from ..engine.request import Delta, Done, Failed
+from ..engine.request import Delta, Done, Failed, FinishReason
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError, Fields, read_json
 from .outbox import Outbox, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start, text_prompt_ids
+from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["OpenAI", "error_response"]
 
@@ -77,6 +79,7 @@ class _Generation:
     ignore_eos: bool
     session: Session | None = None  # a named session (jitllm_session)
     chat: list[dict[str, Any]] | None = None  # the whole conversation, for the session to remember
+    tool_names: frozenset[str] | None = None  # the declared tools: replies are parsed for calls to them
 
     def start(self, param: str) -> Outbox:
         return start(
@@ -84,9 +87,9 @@ class _Generation:
             ignore_eos=self.ignore_eos, session=self.session,
         )
 
-    def done(self, text: str) -> None:
+    def done(self, reply: str | dict[str, Any]) -> None:
         if self.chat is not None:
-            remember(self.session, self.chat, text)
+            remember(self.session, self.chat, reply)
 
 
 def _parse_common(
@@ -161,22 +164,82 @@ def _message_text(m: Fields, key: str = "content") -> str:
     return "".join(texts)
 
 
-def _chat_messages(f: Fields) -> list[dict[str, str]]:
+def _chat_messages(f: Fields) -> list[dict[str, Any]]:
+    """The messages in the shape chat templates take: tool calls kept (arguments parsed by the template layer)."""
     raw = f.array("messages", required=True) or []
     if not raw:
         raise f.error("messages", "must hold at least one message")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(raw):
         m = Fields(item, f"messages[{i}].")
         role = m.string("role", required=True)
-        if role == "tool" or m.has("tool_calls") or m.has("function_call"):
-            raise m.error("role" if role == "tool" else "tool_calls", "tool calls are not supported by this server yet")
-        if role not in _ROLES:
-            raise m.error("role", f"{role!r} is not a role: use system, developer, user or assistant")
-        if role != "assistant" and m.raw("content") is None:
-            raise m.error("content", "this field is required")
-        out.append({"role": _ROLES[role], "content": _message_text(m)})
+        if role not in _ROLES and role != "tool":
+            raise m.error("role", f"{role!r} is not a role: use system, developer, user, assistant or tool")
+        if m.has("function_call"):
+            raise m.error("function_call", "the legacy function_call is not supported: use tool_calls")
+        msg: dict[str, Any] = {"role": _ROLES.get(role, role)}
+        if role == "assistant" and m.has("tool_calls"):
+            msg["tool_calls"] = _message_tool_calls(m)
+            if m.has("content"):
+                msg["content"] = _message_text(m)
+        else:
+            if role != "assistant" and m.raw("content") is None:
+                raise m.error("content", "this field is required")
+            msg["content"] = _message_text(m)
+        if role == "tool":
+            msg["tool_call_id"] = m.string("tool_call_id", required=True)
+        out.append(msg)
     return out
+
+
+def _message_tool_calls(m: Fields) -> list[dict[str, Any]]:
+    calls = []
+    for j, item in enumerate(m.array("tool_calls") or []):
+        c = Fields(item, m.name(f"tool_calls[{j}]."))
+        if c.string("type", "function") != "function":
+            raise c.error("type", "only function tool calls are supported")
+        fn = c.object("function")
+        if fn is None:
+            raise c.error("function", "this field is required")
+        call: dict[str, Any] = {"type": "function", "function": {"name": fn.string("name", required=True), "arguments": fn.string("arguments", "{}")}}
+        if c.has("id"):
+            call["id"] = c.string("id")
+        calls.append(call)
+    return calls
+
+
+def _tools(f: Fields) -> list[dict[str, Any]] | None:
+    """The tool definitions, exactly as sent; None when there are none or tool_choice is "none" (withheld).
+    "auto", "required" and a named function all offer the tools and leave the choice to the model."""
+    choice = f.raw("tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required"):
+        named = Fields(choice, "tool_choice.")
+        if named.string("type", required=True) != "function" or named.object("function") is None:
+            raise f.error("tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    tools = f.array("tools")
+    if not tools or choice == "none":
+        return None
+    for j, item in enumerate(tools):
+        t = Fields(item, f"tools[{j}].")
+        if t.string("type", required=True) != "function":
+            raise t.error("type", "only function tools are supported")
+        fn = t.object("function")
+        if fn is None:
+            raise t.error("function", "this field is required")
+        fn.string("name", required=True)
+        if fn.has("parameters"):
+            fn.object("parameters")
+    return tools
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(done: Done, calls: list[ToolCall]) -> str:
+    if calls and done.finish_reason is not FinishReason.CANCELLED:
+        return "tool_calls"
+    return done.finish_reason.value
 
 
 class OpenAI:
@@ -190,13 +253,13 @@ class OpenAI:
     @_dialect
     async def chat_completions(self, request: Request) -> Response:
         f = Fields(await read_json(request))
-        if f.has("tools") and f.raw("tool_choice") != "none":
-            raise f.error("tools", "tool calls are not supported by this server yet")
+        tools = _tools(f)
         name = f.string("model")
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         chat = conversation(session, _chat_messages(f))
-        prompt_ids = chat_prompt_ids(served, chat)
+        prompt_ids = chat_prompt_ids(served, chat, tools=tools)
         gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat)
+        gen = dataclasses.replace(gen, tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None)
         outbox = gen.start("messages")
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
@@ -205,20 +268,19 @@ class OpenAI:
         if result is None:
             return Response(status_code=499)  # nobody is listening
         text, done = result
-        gen.done(text)
+        calls: list[ToolCall] = []
+        if gen.tool_names:
+            text, calls = parse_reply(text, gen.tool_names)
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+        if calls:
+            message["tool_calls"] = [_tool_call(c) for c in calls]
+        gen.done(message)
         body = {
             "id": ident,
             "object": "chat.completion",
             "created": created,
             "model": gen.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": done.finish_reason.value,
-                }
-            ],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(done, calls)}],
             "usage": _usage(done),
             "jitllm": done.figures,
         }
@@ -289,14 +351,31 @@ class OpenAI:
 
         yield chunk({"role": "assistant", "content": ""})
         parts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
+
+        def pieces(found: list[Piece]) -> Iterator[bytes]:
+            for piece in found:
+                if isinstance(piece, Text):
+                    if piece.text:
+                        parts.append(piece.text)
+                        yield chunk({"content": piece.text})
+                else:
+                    calls.append(_tool_call(piece))
+                    yield chunk({"tool_calls": [{"index": len(calls) - 1, **calls[-1]}]})
+
         async for ev in outbox:
             if isinstance(ev, Delta):
                 if ev.text:
-                    parts.append(ev.text)
-                    yield chunk({"content": ev.text})
+                    for b in pieces(parser.feed(ev.text) if parser else [Text(ev.text)]):
+                        yield b
             elif isinstance(ev, Done):
-                gen.done("".join(parts))
-                yield chunk({}, ev.finish_reason.value, jitllm=ev.figures)
+                for b in pieces(parser.finish() if parser else []):
+                    yield b
+                text = "".join(parts)
+                gen.done({"role": "assistant", "content": text or None, "tool_calls": calls} if calls else text)
+                finish = "tool_calls" if calls and ev.finish_reason is not FinishReason.CANCELLED else ev.finish_reason.value
+                yield chunk({}, finish, jitllm=ev.figures)
                 if gen.include_usage:
                     yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})
             elif isinstance(ev, Failed):

@@ -36,10 +36,11 @@ def conversation(session: Session | None, messages: list[dict[str, Any]]) -> lis
     return so_far + messages
 
 
-def remember(session: Session | None, chat: list[dict[str, Any]], reply: str) -> None:
-    """After a reply on a named session, its conversation is the chat plus the reply."""
+def remember(session: Session | None, chat: list[dict[str, Any]], reply: str | dict[str, Any]) -> None:
+    """After a reply on a named session, its conversation is the chat plus the reply (text, or an assistant
+    message with tool calls)."""
     if session is not None:
-        session.messages = [*chat, {"role": "assistant", "content": reply}]
+        session.messages = [*chat, reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}]
 
 
 def find_model(catalog: Catalog, name: str | None) -> ServedModel:
@@ -55,13 +56,16 @@ def find_model(catalog: Catalog, name: str | None) -> ServedModel:
         raise APIError(str(exc.args[0]), param="model", kind="not_found", code="model_not_found") from None
 
 
-def chat_prompt_ids(served: ServedModel, messages: list[dict[str, Any]], *, prefill: str | None = None) -> list[int]:
-    """Messages through the model's own chat template; `prefill` is the start of the answer, continued as is."""
+def chat_prompt_ids(
+    served: ServedModel, messages: list[dict[str, Any]], *, prefill: str | None = None, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Messages (and tool definitions, OpenAI shape) through the model's own chat template; `prefill` is the start
+    of the answer, continued as is. A template that does not use tools renders without them."""
     loaded = served.engine.loaded
     if not loaded.chat.available:
         raise APIError(f"model {served.id!r} has no chat template: send a raw prompt to /v1/completions instead", param="model")
     try:
-        text = loaded.chat.render(messages, add_generation_prompt=True)
+        text = loaded.chat.render(messages, add_generation_prompt=True, tools=tools)
     except ChatTemplateError as exc:
         raise APIError(f"messages: {exc}", param="messages") from None
     return loaded.tokenizer.encode(text + (prefill or ""))
