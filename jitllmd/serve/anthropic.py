@@ -92,7 +92,7 @@ def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
             calls.append({"id": b.string("id", required=True), "type": "function", "function": {"name": b.string("name", required=True), "arguments": tool_input}})
         elif kind == "tool_result" and role == "user":
             result = _text(b, "content") if b.has("content") else ""
-            results.append({"role": "tool", "tool_call_id": b.string("tool_use_id", required=True), "content": result})
+            results.append({"role": "tool", "content": result, "tool_call_id": b.string("tool_use_id", required=True)})
         else:
             raise b.error("type", f"{kind!r} blocks are not supported in a {role} message")
     out: list[dict[str, Any]] = list(results)

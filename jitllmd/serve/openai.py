@@ -177,15 +177,11 @@ def _chat_messages(f: Fields) -> list[dict[str, Any]]:
             raise m.error("role", f"{role!r} is not a role: use system, developer, user, assistant or tool")
         if m.has("function_call"):
             raise m.error("function_call", "the legacy function_call is not supported: use tool_calls")
-        msg: dict[str, Any] = {"role": _ROLES.get(role, role)}
+        if role not in ("assistant", "tool") and m.raw("content") is None:
+            raise m.error("content", "this field is required")
+        msg: dict[str, Any] = {"role": _ROLES.get(role, role), "content": _message_text(m)}
         if role == "assistant" and m.has("tool_calls"):
             msg["tool_calls"] = _message_tool_calls(m)
-            if m.has("content"):
-                msg["content"] = _message_text(m)
-        else:
-            if role != "assistant" and m.raw("content") is None:
-                raise m.error("content", "this field is required")
-            msg["content"] = _message_text(m)
         if role == "tool":
             msg["tool_call_id"] = m.string("tool_call_id", required=True)
         out.append(msg)
@@ -201,9 +197,8 @@ def _message_tool_calls(m: Fields) -> list[dict[str, Any]]:
         fn = c.object("function")
         if fn is None:
             raise c.error("function", "this field is required")
-        call: dict[str, Any] = {"type": "function", "function": {"name": fn.string("name", required=True), "arguments": fn.string("arguments", "{}")}}
-        if c.has("id"):
-            call["id"] = c.string("id")
+        call: dict[str, Any] = {"id": c.string("id")} if c.has("id") else {}
+        call.update(type="function", function={"name": fn.string("name", required=True), "arguments": fn.string("arguments", "{}")})
         calls.append(call)
     return calls
 
