@@ -78,3 +78,13 @@ def test_unloading_frees_the_model(tmp_path, smollm2_jlm, tiny_serve_jlm):
             assert telemetry.get_stats(tel.GetStatsRequest()).sessions == 0
     finally:
         s.stop()
+
+
+def test_tools_to_a_model_without_a_tool_template(server):
+    """SmolLM2's template has no tools: they are not rendered, the model answers in text, and nothing breaks."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+        plain = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=32, temperature=0)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, tools=tools, max_tokens=32, temperature=0)
+    assert r.choices[0].message.content == ANSWER and r.choices[0].message.tool_calls is None
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # the template left the tools out
