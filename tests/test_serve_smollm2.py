@@ -30,7 +30,7 @@ def test_openai_sdk_answers(server):
         r = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=32, temperature=0)
         assert r.choices[0].message.content == ANSWER and r.choices[0].finish_reason == "stop"
         figures = r.model_extra["jitllm"]
-        assert figures["host_blocks"] == 32 and figures["decode_tokens_per_second"] > 1
+        assert figures["host_blocks"] == 32 and figures["decode_tokens_per_second"] > 0
         streamed = client.chat.completions.create(model=model.id, messages=QUESTION, max_tokens=32, temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed) == ANSWER
 

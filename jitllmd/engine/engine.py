@@ -6,14 +6,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .kv import RoomError, RowSpan
 from .loader import LoadedModel, load_model
-from .request import Delta, Done, Event, Failed, FinishReason, Request, RequestState
+from .request import Delta, Done, Embedded, Event, Failed, FinishReason, Request, RequestState
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sessions import Session, SessionRegistry, new_session_id
@@ -101,6 +102,8 @@ class Engine:
         request_id: str = "",
     ) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named)."""
+        if self.loaded.embeds:
+            raise ValueError(f"model {self.loaded.name} is an embedding model: it embeds text, it does not generate")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if max_tokens is not None and max_tokens < 1:
@@ -128,6 +131,21 @@ class Engine:
         )
         self._inbox.put(("submit", req))
         return req
+
+    def embed(self, batch: list[list[int]], emit: Callable[[Event], None]) -> None:
+        """Queue an embedding job: `emit(Embedded)` (or Failed) from the engine thread, between steps."""
+        if not self.loaded.embeds:
+            raise ValueError(f"model {self.loaded.name} generates text; embeddings need an embedding model")
+        limit = self.loaded.max_seq
+        for i, ids in enumerate(batch):
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > limit:
+                raise RoomError(f"input {i} has {len(ids)} tokens; the model takes at most {limit}")
+        self._inbox.put(("embed", _EmbedJob(batch, emit, time.perf_counter(), self._pending_depth())))  # type: ignore[arg-type]
+
+    def _pending_depth(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + self._inbox.qsize()
 
     def cancel(self, req: Request) -> None:
         self._inbox.put(("cancel", req))
@@ -194,11 +212,42 @@ class Engine:
                 self.scheduler.add(req)
             elif kind == "cancel" and not req.finished:
                 self._cancel(req)
+            elif kind == "embed":
+                self._embed(req)  # type: ignore[arg-type]
             elif kind == "cancel_all":
                 for r in [*self.scheduler.running, *self.scheduler.waiting]:
                     self._cancel(r)
             if self._stopping:
                 return
+
+    def _embed(self, job: _EmbedJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            vectors = self.loaded.model.embed(job.batch).float().cpu().numpy()  # type: ignore[attr-defined]
+        except Exception as exc:  # a bug or out of memory: fail this job, keep serving
+            log.exception("embedding failed")
+            self.stats.finished(failed=True)
+            job.emit(Failed(f"internal error in the engine: {type(exc).__name__}"))
+            return
+        t1 = time.perf_counter()
+        num_tokens = sum(len(ids) for ids in job.batch)
+        self.stats.step(len(job.batch), num_tokens)
+        self.stats.finished()
+        loaded = self.loaded
+        on_device = bool(loaded.device_ids)
+        figures = {
+            "session_id": "",
+            "queued_ms": round((t0 - job.t_arrival) * 1000, 3),
+            "queue_depth_on_entry": job.depth,
+            "device_blocks": loaded.num_blocks if on_device else 0,
+            "host_blocks": 0 if on_device else loaded.num_blocks,
+            "device_ids": list(loaded.device_ids),
+            "prefill_ms": round((t1 - t0) * 1000, 3),
+            "decode_ms": 0.0,
+            "decode_tokens_per_second": 0.0,
+            "bytes_per_token": int(self._weight_bytes / max(1, num_tokens)),
+        }
+        job.emit(Embedded(vectors, num_tokens, figures))
 
     def _cancel(self, req: Request) -> None:
         """A waiting request ends now; a running one leaves its row at the next step."""
@@ -351,6 +400,14 @@ class Engine:
             "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,
             "bytes_per_token": int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
         }
+
+
+@dataclass(frozen=True)
+class _EmbedJob:
+    batch: list[list[int]]
+    emit: Callable[[Event], None]
+    t_arrival: float
+    depth: int
 
 
 def _overlap(text: str, stop: str) -> int:

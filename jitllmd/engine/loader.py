@@ -14,7 +14,7 @@ import torch
 from .chat import ChatTemplate
 from .jlm import JLMFile
 from .kv import SessionKV
-from .models import DecoderModel, build_model
+from .models import ENCODER_ARCHS, DecoderModel, build_model
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
@@ -43,9 +43,14 @@ class LoadedModel:
     device_ids: list[str]  # the devices its blocks are on; empty: every block is a host block
 
     @property
+    def embeds(self) -> bool:
+        """An embedding model (an encoder that pools), not one that generates."""
+        return self.jlm.arch in ENCODER_ARCHS
+
+    @property
     def num_blocks(self) -> int:
-        """Transformer layers plus embed and head, which are blocks too."""
-        return int(self.model.cfg.num_layers) + 2
+        """Transformer layers plus embed and head, which are blocks too (an encoder has no head)."""
+        return int(self.model.cfg.num_layers) + (1 if self.embeds else 2)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -53,6 +58,8 @@ class LoadedModel:
         return list(self.tokenizer.eos_token_ids)
 
     def new_kv(self, max_seq: int | None = None) -> SessionKV:
+        if self.embeds:
+            raise ValueError(f"model {self.name} is an embedding model: it keeps no sessions")
         cap = self.max_seq if max_seq is None else max_seq
         if cap < 1:
             raise ValueError(f"max_seq must be >= 1, got {cap}")
@@ -119,10 +126,13 @@ def load_model(
     )
     chat = ChatTemplate(meta.get("chat_template"), bos_token=special.get("bos_token"), eos_token=special.get("eos_token"))
     context = int(jlm.config.get("max_position_embeddings", 4096))
-    probe = model.new_kv(1)
     if max_seq is not None and max_seq < 1:
         raise ValueError(f"max_seq must be >= 1, got {max_seq}")
-    cap = min(max_seq, context) if max_seq else default_max_seq(context, probe.bytes_per_position())
+    if jlm.arch in ENCODER_ARCHS:  # an encoder keeps no KV: its room is the longest input it takes
+        cap = int(jlm.config.get("max_seq_length", context))
+    else:
+        probe = model.new_kv(1)
+        cap = min(max_seq, context) if max_seq else default_max_seq(context, probe.bytes_per_position())
     return LoadedModel(
         name=name or path.name.removesuffix(".jlm"),
         path=path,

@@ -13,7 +13,7 @@ from .sampler import Sampler, SamplingParams
 from .sessions import Session
 from .tokenizer import Detokenizer
 
-__all__ = ["Delta", "Done", "Event", "Failed", "FinishReason", "Request", "RequestState"]
+__all__ = ["Delta", "Done", "Embedded", "Event", "Failed", "FinishReason", "Request", "RequestState"]
 
 _ids = itertools.count(1)
 
@@ -56,7 +56,16 @@ class Failed:
     message: str
 
 
-Event = Delta | Done | Failed
+@dataclass(frozen=True)
+class Embedded:
+    """An embedding job's result: one pooled vector per input, float32 [num_inputs, width], on the CPU."""
+
+    vectors: Any  # numpy.ndarray
+    num_tokens: int
+    figures: dict[str, Any]
+
+
+Event = Delta | Done | Failed | Embedded
 
 
 @dataclass(eq=False)

@@ -49,6 +49,7 @@ def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/embeddings", oa.embeddings, methods=["POST"]),
         Route("/v1/models", oa.models, methods=["GET"]),
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),

@@ -18,7 +18,7 @@ from ..gen.jitllm.v1 import common_pb2 as common
 from ..gen.jitllm.v1 import inference_pb2 as inf
 from ..gen.jitllm.v1.inference_connect import InferenceService
 from .control import model_of, session_of
-from .outbox import Outbox
+from .outbox import Outbox, embed
 from .prompt import conversation, remember
 
 __all__ = ["Inference"]
@@ -120,7 +120,16 @@ class Inference(InferenceService):
 
     async def embed(self, request: inf.EmbedRequest, ctx: Any) -> inf.EmbedResponse:
         served = model_of(self.catalog, request.model)
-        raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} ({served.engine.loaded.jlm.arch}) is not an embedding model, and no embedding family is supported yet")
+        loaded = served.engine.loaded
+        if not loaded.embeds:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} generates text; embeddings need an embedding model")
+        if not request.inputs:
+            raise ConnectError(Code.INVALID_ARGUMENT, "inputs: at least one text")
+        for i, text in enumerate(request.inputs):
+            if not text:
+                raise ConnectError(Code.INVALID_ARGUMENT, f"inputs[{i}] is empty")
+        result = await embed(served.engine, [loaded.tokenizer.encode(text) for text in request.inputs])  # RoomError: resource_exhausted
+        return inf.EmbedResponse(embeddings=[inf.Embedding(values=v.tolist()) for v in result.vectors], prompt_tokens=result.num_tokens)
 
     def _start(self, request: inf.GenerateRequest) -> _Run:
         """Resolve the model or session, build the prompt ids, submit."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -16,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.kv import RoomError
 from ..engine.request import Delta, Done, Failed, FinishReason
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError, Fields, read_json
-from .outbox import Outbox, until_disconnect
-from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start, text_prompt_ids
+from .outbox import Outbox, embed, until_disconnect
+from .prompt import chat_prompt_ids, conversation, find_model, find_target, remember, sampling_params, start, text_prompt_ids
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["OpenAI", "error_response"]
@@ -314,6 +316,33 @@ class OpenAI:
         return JSONResponse(body)
 
     @_dialect
+    async def embeddings(self, request: Request) -> Response:
+        f = Fields(await read_json(request))
+        name = f.string("model")
+        served = find_model(self.catalog, name)
+        loaded = served.engine.loaded
+        if not loaded.embeds:
+            raise f.error("model", f"{served.id} generates text; embeddings need an embedding model (use /v1/chat/completions with it)")
+        fmt = f.string("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise f.error("encoding_format", f"expected float or base64, got {fmt!r}")
+        width = int(loaded.model.cfg.hidden_size)
+        dims = f.integer("dimensions", low=1)
+        if dims is not None and dims != width:
+            raise f.error("dimensions", f"{served.id} makes {width}-dimensional vectors and does not truncate them: leave dimensions out or give {width}")
+        batch = _embedding_inputs(f, served)
+        try:
+            result = await embed(served.engine, batch)
+        except RoomError as exc:
+            raise f.error("input", str(exc)) from None
+        data = []
+        for i, vector in enumerate(result.vectors):
+            value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode() if fmt == "base64" else vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
+        return JSONResponse({"object": "list", "data": data, "model": name or served.id, "usage": usage, "jitllm": result.figures})
+
+    @_dialect
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded) for e in self.catalog.entries()]})
 
@@ -424,6 +453,36 @@ def _completion_prompt(f: Fields, served: ServedModel) -> tuple[list[int], str]:
             raise f.error("prompt", f"token ids must be in [0, {vocab})")
         return list(prompt), served.engine.loaded.tokenizer.decode(prompt, skip_special_tokens=False)
     raise f.error("prompt", "expected a string, an array of token ids, or a one-element array of either")
+
+
+def _embedding_inputs(f: Fields, served: ServedModel) -> list[list[int]]:
+    """input: a string, strings, token ids, or lists of token ids -> one token-id list per input."""
+    value = f.raw("input")
+    if value is None:
+        raise f.error("input", "this field is required")
+    tokenizer = served.engine.loaded.tokenizer
+    is_ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif is_ids(value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
+        items = value
+    else:
+        raise f.error("input", "expected a string, an array of strings, an array of token ids, or an array of arrays of token ids (none empty)")
+    if len(items) > 2048:
+        raise f.error("input", f"at most 2048 inputs per request, got {len(items)}")
+    batch = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise f.error("input", f"input {i} is an empty string")
+            batch.append(tokenizer.encode(item))
+        else:
+            if any(not 0 <= t < tokenizer.vocab_size for t in item):
+                raise f.error("input", f"input {i}: token ids must be in [0, {tokenizer.vocab_size})")
+            batch.append(list(item))
+    return batch
 
 
 def _model_card(model_id: str, created: int, loaded: bool) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 
 from ..engine.engine import Engine
-from ..engine.request import Delta, Done, Event, Failed, Request
+from ..engine.request import Delta, Done, Embedded, Event, Failed, Request
 from ..engine.sampler import SamplingParams
 
-__all__ = ["Outbox", "until_disconnect"]
+__all__ = ["Outbox", "embed", "until_disconnect"]
 
 T = TypeVar("T")
 
@@ -60,6 +60,29 @@ class Outbox:
             elif isinstance(ev, Failed):
                 raise RuntimeError(ev.message)
         raise RuntimeError("the engine ended the request without a final event")
+
+
+async def embed(engine: Engine, batch: list[list[int]]) -> Embedded:
+    """Run an embedding job on the model's engine thread (its errors raise here, before waiting)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Event] = loop.create_future()
+
+    def settle(ev: Event) -> None:
+        if not done.done():  # the waiter may have been cancelled
+            done.set_result(ev)
+
+    def emit(ev: Event) -> None:  # on the engine thread
+        try:
+            loop.call_soon_threadsafe(settle, ev)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    engine.embed(batch, emit)
+    ev = await done
+    if isinstance(ev, Failed):
+        raise RuntimeError(ev.message)
+    assert isinstance(ev, Embedded)
+    return ev
 
 
 async def _disconnected(request: HTTPRequest) -> None:

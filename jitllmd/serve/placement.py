@@ -17,8 +17,9 @@ __all__ = ["Placement"]
 
 
 def _block_names(served: ServedModel) -> list[str]:
-    num_layers = served.engine.loaded.num_blocks - 2
-    return ["embed", *(f"blocks.{i}" for i in range(num_layers)), "head"]
+    loaded = served.engine.loaded
+    num_layers = int(loaded.model.cfg.num_layers)
+    return ["embed", *(f"blocks.{i}" for i in range(num_layers)), *([] if loaded.embeds else ["head"])]
 
 
 def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
@@ -26,7 +27,7 @@ def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     place = loaded.device_ids[0] if loaded.device_ids else "host"
     residency = plc.RESIDENCY_DEVICE if loaded.device_ids else plc.RESIDENCY_RESIDENT
     names = _block_names(served)
-    kv_per_layer = session.kv.nbytes() // max(1, len(names) - 2) if session is not None else 0
+    kv_per_layer = session.kv.nbytes() // max(1, int(loaded.model.cfg.num_layers)) if session is not None else 0
     blocks = [
         plc.BlockPlacement(
             index=i, name=name, place=place, bytes=loaded.jlm.block_nbytes(name),

@@ -62,6 +62,8 @@ def chat_prompt_ids(
     """Messages (and tool definitions, OpenAI shape) through the model's own chat template; `prefill` is the start
     of the answer, continued as is. A template that does not use tools renders without them."""
     loaded = served.engine.loaded
+    if loaded.embeds:
+        raise APIError(f"model {served.id!r} is an embedding model: send its inputs to /v1/embeddings", param="model")
     if not loaded.chat.available:
         raise APIError(f"model {served.id!r} has no chat template: send a raw prompt to /v1/completions instead", param="model")
     try:
@@ -77,6 +79,8 @@ def text_prompt_ids(served: ServedModel, text: str) -> list[int]:
 
 def start(served: ServedModel, prompt_ids: list[int], params: SamplingParams, *, param: str, **submit_kw: Any) -> Outbox:
     """Submit to the model's engine. A prompt that does not fit, or bad ids, is a 400 naming `param`."""
+    if served.engine.loaded.embeds:
+        raise APIError(f"model {served.id!r} is an embedding model: send its inputs to /v1/embeddings", param="model")
     try:
         return Outbox(served.engine, prompt_ids, params, **submit_kw)
     except RoomError as exc:

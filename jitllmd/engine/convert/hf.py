@@ -5,18 +5,31 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..jlm import TensorSpec
+from ..models.bert import BertConfig
 from .source import ConvertError, Source, block_order
 
 __all__ = ["is_hf_dir", "read_hf"]
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "bert")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_BERT_LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
+_BERT_EMBED = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+               "LayerNorm.weight", "LayerNorm.bias")
+_BERT_LAYER_NAMES = tuple(
+    f"{m}.{p}" for m in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+    for p in ("weight", "bias")
+)
+# sentence-transformers' 1_Pooling/config.json flags -> the .jlm's pooling
+_POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+_ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -81,38 +94,19 @@ def _jlm_name(name: str) -> str | None:
 
 def read_hf(path: Path, dtype: torch.dtype) -> Source:
     """Describe the .jlm a Hugging Face directory becomes; tensors are read from its safetensors when written."""
-    from safetensors import safe_open
-
     hf = _read_json(path / "config.json")
     arch = hf.get("model_type")
     if arch not in _ARCHS:
         raise ConvertError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
+    if arch == "bert":
+        return _read_bert(path, hf, dtype)
     try:
         config = _config(hf, path)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConvertError(f"{path}/config.json: missing or bad field {exc}") from None
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConvertError(f"{path}: no *.safetensors files")
-    specs: list[TensorSpec] = []
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt")
-            names = list(handle.keys())
-        except Exception as exc:  # safetensors raises its own error types on a damaged file
-            raise ConvertError(f"{file}: not a readable safetensors file ({exc})") from None
-        for name in names:
-            target = _jlm_name(name)
-            if target is None or (target == "head.lm_head.weight" and config["tie_word_embeddings"]):
-                continue
-            shape = tuple(handle.get_slice(name).get_shape())
-            specs.append(
-                TensorSpec(target, dtype, shape, functools.partial(_read, handle, name, dtype))
-            )
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ConvertError(f"{path}: no tokenizer.json")
-    tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
+    tied = config["tie_word_embeddings"]
+    specs = _tensor_specs(path, dtype, lambda n: None if tied and n == "lm_head.weight" else _jlm_name(n))
+    tokenizer_json = _tokenizer_json(path)
     tcfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
     template = tcfg.get("chat_template")
     if isinstance(template, list):  # named templates: the default one is the chat template
@@ -129,7 +123,6 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
             eos_ids.append(i)
     if not eos_ids:
         raise ConvertError(f"{path}: no end-of-sequence token (tokenizer_config.json eos_token or generation_config.json)")
-    specs.sort(key=block_order)
     return Source(
         arch=arch,
         config=config,
@@ -141,6 +134,165 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
         add_bos_token=bool(tcfg.get("add_bos_token", False)),
         chat_template=template,
         source={"kind": "hf", "dir": path.name, "model_type": arch},
+    )
+
+
+def _tensor_specs(path: Path, dtype: torch.dtype, rename: Callable[[str], str | None]) -> list[TensorSpec]:
+    """Every tensor of the directory's safetensors files that `rename` maps to a .jlm name, in block order."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{path}: no *.safetensors files")
+    specs: list[TensorSpec] = []
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+            names = list(handle.keys())
+        except Exception as exc:  # safetensors raises its own error types on a damaged file
+            raise ConvertError(f"{file}: not a readable safetensors file ({exc})") from None
+        for name in names:
+            target = rename(name)
+            if target is None:
+                continue
+            shape = tuple(handle.get_slice(name).get_shape())
+            specs.append(TensorSpec(target, dtype, shape, functools.partial(_read, handle, name, dtype)))
+    specs.sort(key=block_order)
+    return specs
+
+
+def _tokenizer_json(path: Path) -> str:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ConvertError(f"{path}: no tokenizer.json")
+    return tokenizer_file.read_text(encoding="utf-8")
+
+
+# -- BERT encoders (plain BertModel directories and sentence-transformers models) ---------------------------------------
+
+
+def _bert_name(name: str) -> str | None:
+    """A BERT checkpoint name -> its .jlm name; None for what an embedding model does not use (pooler, MLM head)."""
+    name = name.removeprefix("bert.")
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
+    if name.startswith("embeddings.") and name.removeprefix("embeddings.") in _BERT_EMBED:
+        return "embed." + name.removeprefix("embeddings.")
+    if m := _BERT_LAYER.fullmatch(name):
+        return f"blocks.{m.group(1)}.{m.group(2)}"
+    return None
+
+
+def _bert_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConvertError(f"{path}/config.json: position_embedding_type {hf['position_embedding_type']!r} is not supported (absolute)")
+    try:
+        positions = int(hf.get("max_position_embeddings", 512))
+        config = {
+            "vocab_size": int(hf["vocab_size"]),
+            "hidden_size": int(hf["hidden_size"]),
+            "num_layers": int(hf["num_hidden_layers"]),
+            "num_heads": int(hf["num_attention_heads"]),
+            "intermediate_size": int(hf["intermediate_size"]),
+            "max_position_embeddings": positions,
+            "type_vocab_size": int(hf.get("type_vocab_size", 2)),
+            "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
+            "hidden_act": str(hf.get("hidden_act", "gelu")),
+            "pad_token_id": int(hf.get("pad_token_id") or 0),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConvertError(f"{path}/config.json: missing or bad field {exc}") from None
+    config |= _sentence_transformers(path, positions)
+    try:
+        BertConfig.from_dict(config)
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+    return config
+
+
+def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:
+    """pooling, normalize and max_seq_length from a sentence-transformers layout (modules.json, 1_Pooling/,
+    sentence_bert_config.json); a plain BertModel directory without them pools the mean and normalises."""
+    modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else None
+    pooling_dir, normalize = path / "1_Pooling", True
+    if modules is not None:
+        normalize = False
+        for m in modules:
+            kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+            if kind == "Pooling":
+                pooling_dir = path / m.get("path", "1_Pooling")
+            elif kind == "Normalize":
+                normalize = True
+            elif kind != "Transformer":
+                raise ConvertError(f"{path}/modules.json: module {m.get('type')!r} is not supported (Transformer, Pooling, Normalize)")
+    pooling = "mean"
+    if (pooling_dir / "config.json").is_file():
+        pcfg = _read_json(pooling_dir / "config.json")
+        modes = [mode for key, mode in _POOLING_MODES.items() if pcfg.get(key)]
+        other = [key for key in _ST_UNSUPPORTED if pcfg.get(key)]
+        if len(modes) != 1 or other:
+            raise ConvertError(
+                f"{pooling_dir}/config.json: pooling {', '.join(modes + other) or 'none'} is not supported "
+                "(exactly one of mean, cls, lasttoken)"
+            )
+        pooling = modes[0]
+    limit = positions
+    if (path / "sentence_bert_config.json").is_file():
+        given = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
+        if isinstance(given, int) and given > 0:
+            limit = min(given, positions)
+    return {"pooling": pooling, "normalize": normalize, "max_seq_length": limit}
+
+
+def _encoder_tokenizer(path: Path, tokenizer_json: str, tcfg: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The tokenizer JSON with padding and truncation off (the engine batches; the API decides about long inputs),
+    and the [CLS]/[SEP]/[PAD] tokens it uses. Its post-processor must already wrap a text as [CLS] ... [SEP]."""
+    from tokenizers import Tokenizer
+
+    try:
+        doc = json.loads(tokenizer_json)
+        doc["padding"] = None
+        doc["truncation"] = None
+        tokenizer_json = json.dumps(doc, ensure_ascii=False)
+        backend = Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # tokenizers raises its own exception type
+        raise ConvertError(f"{path}/tokenizer.json: not a tokenizers document ({exc})") from None
+    names = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]"}
+    special = {}
+    for key, default in names.items():
+        token = _token_str(tcfg.get(key)) or default
+        if backend.token_to_id(token) is not None:
+            special[key] = token
+    ids = backend.encode("a").ids
+    cls, sep = (backend.token_to_id(special.get(k, "")) for k in ("cls_token", "sep_token"))
+    if cls is None or sep is None or len(ids) < 2 or ids[0] != cls or ids[-1] != sep:
+        raise ConvertError(f"{path}/tokenizer.json: its post-processor does not wrap a text as [CLS] ... [SEP]")
+    return tokenizer_json, special
+
+
+def _read_bert(path: Path, hf: dict[str, Any], dtype: torch.dtype) -> Source:
+    config = _bert_config(path, hf)
+    specs = _tensor_specs(path, dtype, _bert_name)
+    have = {s.name for s in specs}
+    wanted = [f"embed.{n}" for n in _BERT_EMBED] + [
+        f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in _BERT_LAYER_NAMES
+    ]
+    missing = [n for n in wanted if n not in have]
+    if missing:
+        raise ConvertError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    tcfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+    tokenizer_json, special = _encoder_tokenizer(path, _tokenizer_json(path), tcfg)
+    return Source(
+        arch="bert",
+        config=config,
+        tensors=specs,
+        tokenizer_json=tokenizer_json,
+        bos_token=None,
+        eos_token=None,
+        eos_token_ids=[],
+        add_bos_token=False,
+        chat_template=None,
+        source={"kind": "hf", "dir": path.name, "model_type": "bert"},
+        special_tokens=special,
     )
 
 

@@ -26,6 +26,7 @@ class Source:
     add_bos_token: bool
     chat_template: str | None
     source: dict[str, Any] = field(default_factory=dict)
+    special_tokens: dict[str, str] = field(default_factory=dict)  # more roles, e.g. an encoder's cls_token, sep_token
 
     def meta(self) -> dict[str, Any]:
         """The .jlm metadata document (see docs/format.md)."""
@@ -40,10 +41,19 @@ class Source:
                 "eos_token": self.eos_token,
                 "eos_token_ids": self.eos_token_ids,
                 "add_bos_token": self.add_bos_token,
+                **self._roles(),
             },
             "quantization": {},
             "source": self.source,
         }
+
+    def _roles(self) -> dict[str, Any]:
+        """The other special tokens as `{role: token, role_id: id}` (an encoder's cls_token, sep_token, pad_token)."""
+        out: dict[str, Any] = {}
+        for role, token in self.special_tokens.items():
+            out[role] = token
+            out[f"{role}_id"] = self._token_id(token)
+        return out
 
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
@@ -54,7 +64,7 @@ class Source:
 
 
 def block_order(spec: TensorSpec) -> tuple[int, int, str]:
-    """embed, blocks in order, head: each block's bytes stay contiguous in the file."""
+    """embed, blocks in order, head (if the model has one): each block's bytes stay contiguous in the file."""
     n = spec.name
     if n.startswith("embed."):
         return (0, 0, n)

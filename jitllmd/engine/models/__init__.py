@@ -9,9 +9,9 @@ import torch
 
 from ..jlm import JLMFile
 from ..kv import RowSpan, SessionKV
-from . import llama
+from . import bert, llama
 
-__all__ = ["FAMILIES", "DecoderModel", "build_model"]
+__all__ = ["ENCODER_ARCHS", "FAMILIES", "DecoderModel", "EncoderModel", "build_model"]
 
 
 class DecoderModel(Protocol):
@@ -30,8 +30,23 @@ class DecoderModel(Protocol):
     def weight_nbytes(self) -> int: ...
 
 
+class EncoderModel(Protocol):
+    """What the engine needs of an encoder family: a batch of token-id lists in, one pooled f32 vector per list out."""
+
+    cfg: Any
+    dtype: torch.dtype
+    device: torch.device
+
+    def embed(self, batch: list[list[int]]) -> torch.Tensor: ...
+
+    def weight_nbytes(self) -> int: ...
+
+
 # arch -> (config class, model class)
 FAMILIES: dict[str, tuple[Any, Any]] = {arch: (llama.LlamaConfig, llama.LlamaModel) for arch in llama.ARCHS}
+FAMILIES.update({arch: (bert.BertConfig, bert.BertModel) for arch in bert.ARCHS})
+# the arches whose models embed (EncoderModel) rather than generate (DecoderModel)
+ENCODER_ARCHS = frozenset(bert.ARCHS)
 
 
 def build_model(
