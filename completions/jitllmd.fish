@@ -21,7 +21,7 @@ complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o host-concurrency -
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o device-concurrency -x -d 'Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o max-batch -x -d 'Rows per step of a device model; 0 is -sessions, 1 turns batching off.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o prompt-chunk -x -d 'Prompt tokens a joining request feeds into one step; 0 is 512.'
-complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o joint-steps -x -a 'auto always never' -d 'auto, always or never. Validated; today every step runs its rows jointly.'
+complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o joint-steps -x -a 'auto always never' -d 'auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.'
 complete -c jitllmd -n '__fish_seen_subcommand_from models' -o load -r -F -d 'Load this .jlm (or .gguf) of the server\'s model directory.'
 complete -c jitllmd -n '__fish_seen_subcommand_from models' -o id -x -d 'With -load: the id clients send. Default: generated.'
 complete -c jitllmd -n '__fish_seen_subcommand_from models' -o devices -x -a 'auto cpu cuda cuda:0' -d 'With -load: devices to place it on (cpu, cuda:0, cuda:0,cuda:1). Default: the server\'s -devices.'

@@ -28,7 +28,7 @@ def serve(
     device_concurrency: Annotated[int, typer.Option("-device-concurrency", "--device-concurrency", help="Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.")] = 1,
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model; 0 is -sessions, 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is 512.")] = 0,
-    joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. Validated; today every step runs its rows jointly.")] = "auto",
+    joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.")] = "auto",
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 

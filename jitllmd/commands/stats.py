@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -62,21 +62,28 @@ def stats(
         return
 
 
+def _joint(m: Any) -> str:
+    """The joint-step mode, and per row count what auto chose (j joint, s sequential, ? still measuring)."""
+    picks = " ".join(f"{j.rows}:{j.choice[0] if j.choice != 'measuring' else '?'}" for j in m.joint)
+    return f"{m.joint_steps} {picks}".strip()
+
+
 def _table(resp: GetStatsResponse) -> Table:
     from rich.table import Table
     from rich.text import Text
 
     caption = f"up {resp.uptime_s:.0f} s, server RSS {resp.rss_bytes / 1e6:.0f} MB"
     table = Table(box=None, pad_edge=False, caption=caption, caption_justify="left", show_footer=bool(resp.models))
-    names = ("requests", "generated", "tok/s", "active", "queue", "rows/step", "sessions", "weight MB", "KV MB")
+    names = ("requests", "generated", "tok/s", "active", "queue", "rows/step", "prompt/step", "sessions", "weight MB", "KV MB", "joint steps")
     table.add_column("model", no_wrap=True, footer="total")
-    totals = (resp.requests, resp.generated_tokens, f"{resp.tokens_per_second:.1f}", resp.active_rows, resp.queue_depth, "", resp.sessions, "", "")
+    totals = (resp.requests, resp.generated_tokens, f"{resp.tokens_per_second:.1f}", resp.active_rows, resp.queue_depth, "", "", resp.sessions, "", "", "")
     for name, total in zip(names, totals):
         table.add_column(name, justify="right", footer=str(total))
     for m in resp.models:
         table.add_row(
             Text(m.model), str(m.requests), str(m.generated_tokens), f"{m.tokens_per_second:.1f}", str(m.active_rows),
-            str(m.queue_depth), f"{m.rows_per_step:.2f}", str(m.sessions), f"{m.weight_bytes / 1e6:.1f}", f"{m.kv_bytes / 1e6:.1f}",
+            str(m.queue_depth), f"{m.rows_per_step:.2f}", f"{m.prompt_tokens_per_step:.1f}", str(m.sessions), f"{m.weight_bytes / 1e6:.1f}",
+            f"{m.kv_bytes / 1e6:.1f}", _joint(m),
         )
     if not resp.models:
         table.caption = f"no models loaded; {caption}"

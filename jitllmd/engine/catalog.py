@@ -159,6 +159,7 @@ class Catalog:
             max_seq=config.max_seq,
             max_batch=_rows(config, device),
             prompt_chunk=config.prompt_chunk or _DEFAULT_PROMPT_CHUNK,
+            joint_steps=config.joint_steps,
             on_progress=on_load,
         )
         served = ServedModel(model_id, names, engine)

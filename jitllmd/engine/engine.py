@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .joint import JointSteps
 from .kv import RoomError, RowSpan
 from .loader import LoadedModel, load_model
 from .request import Delta, Done, Embedded, Event, Failed, FinishReason, Request, RequestState
@@ -28,9 +29,10 @@ log = logging.getLogger("jitllmd.engine")
 class Engine:
     """Runs one loaded model. Thread-safe `submit`/`cancel`; events reach each request's `emit` from the engine thread."""
 
-    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512):
+    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto"):
         self.loaded = loaded
         self.scheduler = Scheduler(max_batch, prompt_chunk)
+        self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
@@ -42,7 +44,7 @@ class Engine:
     # -- public API -----------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, **load_kw) -> Engine:
+    def load(cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", **load_kw) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
         Torch's CPU thread pool belongs to the thread that first uses it: loading on one thread and stepping
@@ -54,7 +56,7 @@ class Engine:
 
         def main() -> None:
             try:
-                engine = cls(load_model(path, **load_kw), max_batch=max_batch, prompt_chunk=prompt_chunk)
+                engine = cls(load_model(path, **load_kw), max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps)
             except BaseException as exc:  # handed to the caller
                 box["error"] = exc
                 ready.set()
@@ -288,6 +290,15 @@ class Engine:
         if not spans:
             return torch.empty(0)
         self.stats.step(len(spans), num_prompt)
+        decode_only = num_prompt == 0
+        joint = self.joint.joint(len(spans), decode_only)
+        t0 = time.perf_counter()
+        logits = self._forward(tokens, positions, spans, logits_at) if joint else self._forward_each(tokens, positions, spans, logits_at)
+        self.joint.record(len(spans), joint, time.perf_counter() - t0, decode_only)
+        return logits
+
+    def _forward(self, tokens: list[int], positions: list[int], spans: list[RowSpan], logits_at: list[int]) -> torch.Tensor:
+        """Every row in one packed forward: dense layers once over all tokens, attention per row."""
         model = self.loaded.model
         dev = model.device
         return model.forward(
@@ -296,6 +307,17 @@ class Engine:
             spans,
             torch.tensor(logits_at, dtype=torch.long, device=dev),
         )
+
+    def _forward_each(self, tokens: list[int], positions: list[int], spans: list[RowSpan], logits_at: list[int]) -> torch.Tensor:
+        """The rows one after another, each its own forward; logits in the same order as the joint step's."""
+        out = []
+        for span in spans:
+            end = span.start + span.num_tokens
+            at = [i - span.start for i in logits_at if span.start <= i < end]
+            row = RowSpan(0, span.num_tokens, span.kv)
+            logits = self._forward(tokens[span.start : end], positions[span.start : end], [row], at)
+            out.append(logits)
+        return torch.cat(out) if out else torch.empty(0)
 
     def _postprocess(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> None:
         now = time.perf_counter()

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelStats(_message.Message):
-    __slots__ = ("model", "requests", "cancelled", "prompt_tokens", "generated_tokens", "steps", "active_rows", "queue_depth", "rows_per_step", "prompt_tokens_per_step", "tokens_per_second", "weight_bytes", "kv_bytes", "sessions", "max_rows")
+    __slots__ = ("model", "requests", "cancelled", "prompt_tokens", "generated_tokens", "steps", "active_rows", "queue_depth", "rows_per_step", "prompt_tokens_per_step", "tokens_per_second", "weight_bytes", "kv_bytes", "sessions", "max_rows", "joint_steps", "joint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class ModelStats(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    JOINT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    JOINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     requests: int
     cancelled: int
@@ -38,7 +40,21 @@ class ModelStats(_message.Message):
     kv_bytes: int
     sessions: int
     max_rows: int
-    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., cancelled: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active_rows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rows_per_step: _Optional[float] = ..., prompt_tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+    joint_steps: str
+    joint: _containers.RepeatedCompositeFieldContainer[JointStep]
+    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., cancelled: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active_rows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rows_per_step: _Optional[float] = ..., prompt_tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., max_rows: _Optional[int] = ..., joint_steps: _Optional[str] = ..., joint: _Optional[_Iterable[_Union[JointStep, _Mapping]]] = ...) -> None: ...
+
+class JointStep(_message.Message):
+    __slots__ = ("rows", "choice", "joint_ms", "sequential_ms")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    JOINT_MS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENTIAL_MS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    choice: str
+    joint_ms: float
+    sequential_ms: float
+    def __init__(self, rows: _Optional[int] = ..., choice: _Optional[str] = ..., joint_ms: _Optional[float] = ..., sequential_ms: _Optional[float] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

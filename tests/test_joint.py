@@ -1,0 +1,63 @@
+"""Joint steps: the policy as pure logic, and a batched engine giving every row the tokens it gets alone, in each mode."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from jitllmd.engine.engine import Engine
+from jitllmd.engine.joint import SAMPLES, JointSteps
+from tests.test_engine import GREEDY, PROMPTS, TIMEOUT, Result, collect, hf_greedy
+
+
+def test_forced_modes():
+    assert JointSteps("always").joint(4, True) and not JointSteps("never").joint(4, True)
+    assert JointSteps("never").joint(1, True)  # one row is one forward either way
+    with pytest.raises(ValueError, match="joint_steps"):
+        JointSteps("sometimes")
+
+
+def test_auto_alternates_then_keeps_the_faster():
+    policy = JointSteps("auto")
+    seen = []
+    for _ in range(2 * SAMPLES):
+        joint = policy.joint(3, decode_only=True)
+        seen.append(joint)
+        policy.record(3, joint, 0.010 if joint else 0.004, decode_only=True)  # sequential is faster here
+    assert seen.count(True) == seen.count(False) == SAMPLES
+    assert policy.joint(3, decode_only=True) is False
+    assert policy.choices() == {3: ("sequential", 10.0, 4.0)}
+    assert policy.joint(3, decode_only=False) is False  # decided: prompt steps follow the choice too
+    assert policy.joint(5, decode_only=False) is True  # undecided: a prompt step runs jointly and teaches nothing
+    policy.record(5, True, 1.0, decode_only=False)
+    assert 5 not in policy.timings or not policy.timings[5].joint_ms
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from jitllmd.engine.loader import load_model
+
+    hf_dir, hf_model, jlm = tiny_llama
+    return load_model(jlm, max_seq=256), hf_model
+
+
+@pytest.mark.parametrize("mode", ["always", "never", "auto"])
+def test_four_rows_match_alone_in_every_mode(tiny, mode: str) -> None:
+    loaded, hf_model = tiny
+    e = Engine(loaded, max_batch=4, prompt_chunk=5, joint_steps=mode).start()
+    wants = [(PROMPTS[k], 16 + k) for k in range(4)]
+    try:
+        gens = [e.generate(p, GREEDY, max_tokens=n, ignore_eos=True) for p, n in wants]  # all submitted before any is read
+        results: dict[int, Result] = {}
+        threads = [threading.Thread(target=lambda k=k, g=g: results.__setitem__(k, collect(g))) for k, g in enumerate(gens)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        for k, (p, n) in enumerate(wants):
+            assert results[k].ids == hf_greedy(hf_model, p, n, eos=()), (mode, k)
+        if mode == "auto":  # both kinds of step were timed on the decode-only steps
+            assert any(t.joint_ms and t.sequential_ms for t in e.joint.timings.values())
+    finally:
+        e.stop()
