@@ -1,0 +1,156 @@
+"""Continuous batching through the HTTP surface: a device model (the CPU named as a device) runs its requests as rows."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from jitllmd.engine.request import RequestState
+from jitllmd.engine.scheduler import Scheduler
+from tests.serving import Server
+
+PROMPTS = ["abc", "The quick brown fox", "hello there, general", "xyz " * 6, "once upon a time", "Qq", "numbers 1 2 3 4", "end."]
+
+
+def complete(server, prompt: str, n: int, **extra) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+
+
+def at_once(fn, args: list[tuple]) -> list:
+    out: list = [None] * len(args)
+    threads = [threading.Thread(target=lambda i=i, a=a: out.__setitem__(i, fn(*a))) for i, a in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_server) -> list[str]:
+    """Each prompt's greedy text when it runs alone (the one-row host server)."""
+    return [complete(tiny_server, p, 12 + i)["choices"][0]["text"] for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, mode):
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-seq", "512", "-joint-steps", mode, "-prompt-chunk", "7")
+    try:
+        results = at_once(lambda p, n: complete(server, p, n), [(p, 12 + i) for i, p in enumerate(PROMPTS)])
+        assert [r["choices"][0]["text"] for r in results] == alone
+        assert max(r["jitllm"]["queue_depth_on_entry"] for r in results) <= 7
+        stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=10).json()["models"][0]
+        assert stats["jointSteps"] == mode and float(stats["rowsPerStep"]) > 0
+    finally:
+        server.stop()
+
+
+def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-max-seq", "512")
+    try:
+        results = at_once(lambda p: complete(server, p, 30), [(p,) for p in PROMPTS[:6]])
+        assert all(r["usage"]["completion_tokens"] == 30 for r in results)
+        depths = sorted(r["jitllm"]["queue_depth_on_entry"] for r in results)
+        waited = [r for r in results if r["jitllm"]["queued_ms"] > r["jitllm"]["prefill_ms"]]
+        assert depths[-1] >= 2 and len(waited) >= 2  # at most two ran at once; the rest waited their turn
+    finally:
+        server.stop()
+
+
+def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
+    """Four rows stream; a 400-token prompt joins in 16-token chunks: the rows keep getting tokens meanwhile."""
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-seq", "1024", "-prompt-chunk", "16")
+    stamps: dict[int, list[float]] = {i: [] for i in range(4)}
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    stamps[i].append(time.perf_counter())
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps.values()) < 20:
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        joined = complete(server, "long prompt " * 40, 4)
+        t1 = time.perf_counter()
+        for t in threads:
+            t.join(120)
+        assert joined["usage"]["prompt_tokens"] >= 300, joined
+        for s in stamps.values():
+            during = [b - a for a, b in zip(s, s[1:]) if t0 <= b <= t1]
+            assert during, "no tokens while the prompt joined"
+            typical = sorted(b - a for a, b in zip(s, s[1:]))[len(s) // 2]
+            assert max(during) < 10 * typical + 0.05  # no gap of more than a few steps
+    finally:
+        server.stop()
+
+
+# -- the scheduler as pure logic ------------------------------------------------------------------------------------
+
+
+class _Req:
+    """Just what the scheduler reads of a request."""
+
+    def __init__(self, n_prompt: int, session: object | None = None):
+        self.prompt_ids = list(range(n_prompt))
+        self.fed = 0
+        self.state = RequestState.WAITING
+        self.session = session if session is not None else type("S", (), {"busy": False})()
+        self.queue_depth_on_entry = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt_ids) - self.fed
+
+
+def test_scheduler_admits_up_to_max_batch_and_chunks_prompts():
+    s = Scheduler(max_batch=2, prompt_chunk=10)
+    a, b, c = _Req(15), _Req(8), _Req(3)
+    for r in (a, b, c):
+        s.add(r)
+    assert [r.queue_depth_on_entry for r in (a, b, c)] == [0, 1, 2]
+    rows = s.schedule()
+    assert rows == [(a, 10)]  # the chunk budget goes first come first served
+    a.fed = 10
+    rows = s.schedule()
+    assert rows == [(a, 5), (b, 5)] and c in s.waiting
+    a.state, a.fed, b.fed = RequestState.DECODE, 15, 5
+    assert s.schedule() == [(a, 1), (b, 3)]
+    a.state = RequestState.FINISHED  # a row that ends leaves, and the waiting request takes its place at once
+    b.state, b.fed = RequestState.DECODE, 8
+    assert s.schedule() == [(b, 1), (c, 3)]
+
+
+def test_scheduler_keeps_a_busy_sessions_request_in_line():
+    shared = type("S", (), {"busy": False})()
+    s = Scheduler(max_batch=4, prompt_chunk=100)
+    a, b, c = _Req(4, shared), _Req(4, shared), _Req(4)
+    for r in (a, b, c):
+        s.add(r)
+    assert [r for r, _ in s.schedule()] == [a, c]  # b waits for its session; c goes past it
+    assert list(s.waiting) == [b]
+    s.remove(b)  # cancelled while waiting: it never runs
+    a.state = RequestState.FINISHED
+    shared.busy = False
+    assert b not in [r for r, _ in s.schedule()]
+
+
+def test_scheduler_validates():
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(max_batch=0)
+    with pytest.raises(ValueError, match="prompt_chunk"):
+        Scheduler(prompt_chunk=0)
