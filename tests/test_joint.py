@@ -61,3 +61,20 @@ def test_four_rows_match_alone_in_every_mode(tiny, mode: str) -> None:
             assert any(t.joint_ms and t.sequential_ms for t in e.joint.timings.values())
     finally:
         e.stop()
+
+
+def test_ephemeral_requests_reuse_a_pooled_slots_prefix(tiny) -> None:
+    """No named session: the engine keeps one KV slot per row, and a prompt that extends the last one feeds only
+    what is new, with the same tokens as a cold run."""
+    loaded, hf_model = tiny
+    e = Engine(loaded, max_batch=1).start()
+    try:
+        first = collect(e.generate(PROMPTS[2], GREEDY, max_tokens=6, ignore_eos=True))
+        assert first.done.fed_tokens == len(PROMPTS[2])
+        longer = PROMPTS[2] + first.ids + PROMPTS[0][:3]
+        second = collect(e.generate(longer, GREEDY, max_tokens=6, ignore_eos=True))
+        assert second.done.fed_tokens <= len(longer) - len(PROMPTS[2])  # the earlier prompt came from the cache
+        assert second.ids == hf_greedy(hf_model, longer, 6, eos=())
+        assert len(e.slots) == 1 and first.done.figures["session_id"] == second.done.figures["session_id"]
+    finally:
+        e.stop()

@@ -37,6 +37,8 @@ class Engine:
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
         self._eos = frozenset(loaded.eos_token_ids)
+        self._slots: list[Session] = []  # ephemeral sessions kept for prefix reuse, at most one per row
+        self._slots_lock = threading.Lock()
         self._weight_bytes = loaded.model.weight_nbytes()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -113,8 +115,8 @@ class Engine:
         vocab = self.loaded.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if session is None:  # ephemeral: never registered, gone with the request
-            session = Session(new_session_id(), self.loaded.name, self.loaded.new_kv())
+        if session is None:  # ephemeral: never registered; a pooled slot keeps its KV for the next prompt
+            session = self._slot(prompt_ids)
         cap, n = session.max_seq, len(prompt_ids)
         if n >= cap:
             raise RoomError(f"the prompt has {n} tokens but the session has room for {cap}: no room is left to generate")
@@ -133,6 +135,28 @@ class Engine:
         )
         self._inbox.put(("submit", req))
         return req
+
+    @property
+    def slots(self) -> list[Session]:
+        """The pooled ephemeral sessions (their KV stays for prefix reuse)."""
+        with self._slots_lock:
+            return list(self._slots)
+
+    def _slot(self, prompt_ids: list[int]) -> Session:
+        """An ephemeral session for a request: the free pooled slot whose cached tokens share the longest prefix
+        with the prompt (so only the rest is fed), a new slot while the pool has fewer than the engine's rows, else
+        a fresh session that goes with the request."""
+        with self._slots_lock:
+            free = [s for s in self._slots if not s.reserved]
+            if free:
+                best = max(free, key=lambda s: _common_prefix(s.token_ids, prompt_ids))
+            elif len(self._slots) < self.scheduler.max_batch:
+                best = Session(new_session_id(), self.loaded.name, self.loaded.new_kv())
+                self._slots.append(best)
+            else:
+                return Session(new_session_id(), self.loaded.name, self.loaded.new_kv())
+            best.reserved = True
+            return best
 
     def embed(self, batch: list[list[int]], emit: Callable[[Event], None]) -> None:
         """Queue an embedding job: `emit(Embedded)` (or Failed) from the engine thread, between steps."""
@@ -401,6 +425,7 @@ class Engine:
     def _end(self, req: Request) -> None:
         if req.state is not RequestState.WAITING:  # admitted: it holds its session
             req.session.busy = False
+        req.session.reserved = False  # a pooled slot is free for the next request
         req.state = RequestState.FINISHED
         self.scheduler.remove(req)
 
@@ -430,6 +455,15 @@ class _EmbedJob:
     emit: Callable[[Event], None]
     t_arrival: float
     depth: int
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _overlap(text: str, stop: str) -> int:

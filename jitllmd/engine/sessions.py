@@ -47,6 +47,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     busy: bool = False  # a request is running on it
+    reserved: bool = False  # a pooled ephemeral slot promised to a request (waiting or running)
     messages: list[dict[str, str]] = field(default_factory=list)  # a named session's chat so far
 
     @property

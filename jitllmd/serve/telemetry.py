@@ -67,7 +67,8 @@ class Telemetry(TelemetryService):
             st, engine = m.engine.stats, m.engine
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
-            kv = sum(s.kv.nbytes() for s in sessions) + sum(r.session.kv.nbytes() for r in running if r.session not in sessions)
+            holders = {id(s): s for s in [*sessions, *engine.slots, *(r.session for r in running)]}  # each KV once
+            kv = sum(s.kv.nbytes() for s in holders.values())
             out.append(tel.ModelStats(
                 model=m.id, requests=st.requests, cancelled=st.cancelled, prompt_tokens=st.prompt_tokens,
                 generated_tokens=st.generated_tokens, steps=st.steps, active_rows=len(running), queue_depth=len(waiting),
