@@ -28,7 +28,7 @@ from bench.decode import TEXT, prepare  # noqa: E402
 
 def start_server(path: Path, sessions: int, joint: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", "-load", str(path), "-id", "smol",
-           "-devices", "cpu", "-sessions", str(sessions), "-max-seq", "1024", "-joint-steps", joint]
+           "-devices", "cpu", "-sessions", str(sessions), "-max-batch", str(sessions), "-max-seq", "1024", "-joint-steps", joint]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "400"})
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -97,7 +97,7 @@ def main() -> None:
         proc.wait()
     med = {num: {k: statistics.median(x[k] for x in v) for k in v[0]} for num, v in results.items()}
     base = med[counts[0]]["aggregate"]
-    print(f"\nSmolLM2-135M-Instruct {a.dtype}, serve -devices cpu -sessions {max(counts)} -joint-steps {a.joint_steps}, "
+    print(f"\nSmolLM2-135M-Instruct {a.dtype}, serve -devices cpu -sessions {max(counts)} -max-batch {max(counts)} -joint-steps {a.joint_steps}, "
           f"{a.tokens} generated tokens per client, median of {a.rounds} rounds")
     print("| clients | aggregate tok/s | per-client tok/s | TTFT p50 ms | TTFT p95 ms | speedup vs N=1 |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -39,7 +39,7 @@ def alone(tiny_server) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, mode):
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-seq", "512", "-joint-steps", mode, "-prompt-chunk", "7")
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512", "-joint-steps", mode, "-prompt-chunk", "7")
     try:
         results = at_once(lambda p, n: complete(server, p, n), [(p, 12 + i) for i, p in enumerate(PROMPTS)])
         assert [r["choices"][0]["text"] for r in results] == alone
@@ -64,7 +64,7 @@ def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
 
 def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
     """Four rows stream; a 400-token prompt joins in 16-token chunks: the rows keep getting tokens meanwhile."""
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-seq", "1024", "-prompt-chunk", "16")
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "1024", "-prompt-chunk", "16")
     stamps: dict[int, list[float]] = {i: [] for i in range(4)}
 
     def stream(i: int) -> None:
@@ -154,3 +154,23 @@ def test_scheduler_validates():
         Scheduler(max_batch=0)
     with pytest.raises(ValueError, match="prompt_chunk"):
         Scheduler(prompt_chunk=0)
+
+
+def test_max_batch_and_prompt_chunk_zero_are_measured(tiny_serve_jlm, tiny_llama):
+    from jitllmd.engine.calibrate import CHUNKS, calibrate
+    from jitllmd.engine.loader import load_model
+
+    loaded = load_model(tiny_llama[2], max_seq=256)
+    cal = calibrate(loaded.model, max_rows=0, row_limit=8, prompt_chunk=0, chunk_limit=256)
+    assert cal.max_rows in (1, 2, 4, 8) and set(cal.decode_tokens_per_second) <= {1, 2, 4, 8, 16}
+    assert cal.prompt_chunk in CHUNKS and cal.prompt_chunk <= 256 and all(r > 0 for r in cal.prefill_tokens_per_second.values())
+    kept = calibrate(loaded.model, max_rows=3, row_limit=8, prompt_chunk=0, chunk_limit=40)
+    assert kept.max_rows == 3 and kept.prompt_chunk == 32 and not kept.decode_tokens_per_second
+
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "4", "-max-seq", "512")
+    try:
+        assert "measured:" in server.log
+        stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=10).json()["models"][0]
+        assert stats["maxRows"] in (1, 2, 4) and stats["promptChunk"] in CHUNKS
+    finally:
+        server.stop()

@@ -256,7 +256,7 @@ def test_port_in_use_is_a_clear_error(tiny_serve_jlm):
 def test_every_spec_flag_with_the_cpu_as_a_device(tiny_serve_jlm):
     """-devices cpu puts the whole model on the CPU as a device; every other flag of the spec's table is taken."""
     args = ["-load", str(tiny_serve_jlm), "-id", "dev", "-devices", "cpu", "-maxmem", "1G", "-gpu-layers", "-1", "-sessions", "2",
-            "-max-seq", "512", "-host-concurrency", "1", "-device-concurrency", "1", "-max-batch", "0", "-prompt-chunk", "64",
+            "-max-seq", "512", "-host-concurrency", "1", "-device-concurrency", "1", "-max-batch", "2", "-prompt-chunk", "64",
             "-joint-steps", "always"]
     server = Server(*args)
     try:

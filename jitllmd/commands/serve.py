@@ -26,8 +26,8 @@ def serve(
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity per session, in positions. Default: the model's context, capped to a quarter of free memory.", show_default=False)] = None,
     host_concurrency: Annotated[int, typer.Option("-host-concurrency", "--host-concurrency", help="Requests a host model runs at once; more wait in line.")] = 1,
     device_concurrency: Annotated[int, typer.Option("-device-concurrency", "--device-concurrency", help="Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.")] = 1,
-    max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model; 0 is -sessions, 1 turns batching off.")] = 0,
-    prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is 512.")] = 0,
+    max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 measures the widest step worth running at load, 1 turns batching off.")] = 0,
+    prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 measures a device model's chunk at load (a host model takes 512).")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.")] = "auto",
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
@@ -99,6 +99,9 @@ def serve(
     where = f"on {', '.join(loaded.device_ids)}" if loaded.device_ids else "on the host"
     names = ", ".join((served.id, *served.aliases))
     err_console.print(f"serving {loaded.path.name} as {names} ({loaded.num_blocks} blocks {where}, session room {loaded.max_seq}) at {url}")
+    cal = served.engine.calibration
+    if cal is not None:
+        err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
     err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
     if not is_loopback(host):
         err_console.print(f"[yellow]warning:[/] listening on every interface ({addr}): anyone who can reach this machine can use the API; -addr 127.0.0.1:{bound_port} keeps it local")

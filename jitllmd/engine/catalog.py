@@ -22,7 +22,7 @@ from .sessions import Session
 __all__ = ["Catalog", "ModelEntry", "ServedModel"]
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step until batching measures the device's own chunk
+_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step of a host model (a device model measures its own with -prompt-chunk 0)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ class Catalog:
             device=device,
             max_seq=config.max_seq,
             max_batch=_rows(config, device),
-            prompt_chunk=config.prompt_chunk or _DEFAULT_PROMPT_CHUNK,
+            row_limit=config.sessions,
+            prompt_chunk=config.prompt_chunk or (0 if device else _DEFAULT_PROMPT_CHUNK),
             joint_steps=config.joint_steps,
             on_progress=on_load,
         )
@@ -203,10 +204,11 @@ def _device_for(path: Path, devices: list[str], gpu_layers: int) -> str | None:
 
 
 def _rows(config: EngineConfig, device: str | None) -> int:
-    """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows."""
+    """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows,
+    -max-batch capping them (0: the engine measures the widest step worth running, at most -sessions)."""
     if device is None:
         return config.host_concurrency
-    return config.sessions if config.max_batch == 0 else min(config.max_batch, config.sessions)
+    return 0 if config.max_batch == 0 else min(config.max_batch, config.sessions)
 
 
 def _is_gguf(path: Path) -> bool:

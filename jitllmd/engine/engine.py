@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .calibrate import Calibration, calibrate
 from .joint import JointSteps
 from .kv import RoomError, RowSpan
 from .loader import LoadedModel, load_model
@@ -37,6 +38,7 @@ class Engine:
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
         self._eos = frozenset(loaded.eos_token_ids)
+        self.calibration: Calibration | None = None  # what load measured for -max-batch 0 / -prompt-chunk 0
         self._slots: list[Session] = []  # ephemeral sessions kept for prefix reuse, at most one per row
         self._slots_lock = threading.Lock()
         self._weight_bytes = loaded.model.weight_nbytes()
@@ -46,19 +48,28 @@ class Engine:
     # -- public API -----------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", **load_kw) -> Engine:
+    def load(cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1, **load_kw) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
         Torch's CPU thread pool belongs to the thread that first uses it: loading on one thread and stepping
         on another leaves two pools fighting over the cores (measured: decode 2x slower on 2 cores).
         load_kw go to `load_model` (name, device, max_seq, on_progress); its errors raise here.
+        max_batch 0 measures the widest decode step worth running (at most `row_limit` rows); prompt_chunk 0
+        measures the prefill chunk (engine/calibrate.py), on this same thread.
         """
         box: dict = {}
         ready = threading.Event()
 
         def main() -> None:
             try:
-                engine = cls(load_model(path, **load_kw), max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps)
+                loaded = load_model(path, **load_kw)
+                calibration = None
+                rows, chunk = max_batch, prompt_chunk
+                if (rows == 0 or chunk == 0) and not loaded.embeds:
+                    calibration = calibrate(loaded.model, max_rows=rows, row_limit=row_limit, prompt_chunk=chunk, chunk_limit=loaded.max_seq)
+                    rows, chunk = calibration.max_rows, calibration.prompt_chunk
+                engine = cls(loaded, max_batch=rows or 1, prompt_chunk=chunk or 512, joint_steps=joint_steps)
+                engine.calibration = calibration
             except BaseException as exc:  # handed to the caller
                 box["error"] = exc
                 ready.set()
