@@ -92,8 +92,8 @@ def test_catalog_loads_resolves_and_lists(tmp_path, tiny_serve_jlm):
 
 
 def test_host_and_device_rows():
-    """A host model runs -host-concurrency requests at once; a device model batches -sessions, capped by -max-batch."""
+    """A host model runs -host-concurrency requests at once; a device model batches -max-batch rows, at most -sessions."""
     assert _rows(EngineConfig(host_concurrency=3), None) == 3
     assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=4), "cpu") == 4
-    assert _rows(EngineConfig(devices="cpu", sessions=8), "cpu") == 8
+    assert _rows(EngineConfig(devices="cpu", sessions=8), "cpu") == 0  # -max-batch 0: the engine measures, up to -sessions
     assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=1), "cpu") == 1
