@@ -169,7 +169,10 @@ def test_max_batch_and_prompt_chunk_zero_are_measured(tiny_serve_jlm, tiny_llama
 
     server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "4", "-max-seq", "512")
     try:
-        assert "measured:" in server.log
+        deadline = time.monotonic() + 10  # the line after the one Server waits for
+        while "measured:" not in server.log:
+            assert time.monotonic() < deadline, server.log
+            time.sleep(0.05)
         stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=10).json()["models"][0]
         assert stats["maxRows"] in (1, 2, 4) and stats["promptChunk"] in CHUNKS
     finally:
