@@ -15,7 +15,7 @@ complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o id -x -d 'The mode
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o devices -x -a 'auto cpu cuda cuda:0' -d 'Where to run, in the device grammar: empty (host only), auto, cpu, cuda, cuda:0. A model runs wholly on the one device named.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o maxmem -x -d 'Host page budget, e.g. 8G. Validated and kept; host blocks stay wholly resident until the pager enforces it.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o gpu-layers -x -d 'At most N blocks on a device; -1 is as many as fit. A model runs wholly on its device (-1, or N >= its blocks) or wholly on the host (0).'
-complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o sessions -x -d 'Concurrent sessions of a device model: its requests that run at once, each as a row of the step.'
+complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o sessions -x -d 'Concurrent sessions of a device model: at most this many of its requests run at once, as rows of one step (see -max-batch); more wait in line.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o max-seq -x -d 'KV capacity per session, in positions. Default: the model\'s context, capped to a quarter of free memory.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o host-concurrency -x -d 'Requests a host model runs at once; more wait in line.'
 complete -c jitllmd -n '__fish_seen_subcommand_from serve' -o device-concurrency -x -d 'Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.'

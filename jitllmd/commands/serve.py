@@ -22,7 +22,7 @@ def serve(
     devices: Annotated[str, typer.Option("-devices", "--devices", help="Where to run, in the device grammar: empty (host only), auto, cpu, cuda, cuda:0. A model runs wholly on the one device named.")] = "",
     maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="Host page budget, e.g. 8G. Validated and kept; host blocks stay wholly resident until the pager enforces it.", show_default=False)] = None,
     gpu_layers: Annotated[int, typer.Option("-gpu-layers", "--gpu-layers", help="At most N blocks on a device; -1 is as many as fit. A model runs wholly on its device (-1, or N >= its blocks) or wholly on the host (0).")] = -1,
-    sessions: Annotated[int, typer.Option("-sessions", "--sessions", help="Concurrent sessions of a device model: its requests that run at once, each as a row of the step.")] = 1,
+    sessions: Annotated[int, typer.Option("-sessions", "--sessions", help="Concurrent sessions of a device model: at most this many of its requests run at once, as rows of one step (see -max-batch); more wait in line.")] = 1,
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity per session, in positions. Default: the model's context, capped to a quarter of free memory.", show_default=False)] = None,
     host_concurrency: Annotated[int, typer.Option("-host-concurrency", "--host-concurrency", help="Requests a host model runs at once; more wait in line.")] = 1,
     device_concurrency: Annotated[int, typer.Option("-device-concurrency", "--device-concurrency", help="Sessions that may run alone on one device at once. Validated; no effect yet, since a device model batches its sessions.")] = 1,
