@@ -63,7 +63,7 @@ def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
 
 
 def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
-    """Four rows stream; a 400-token prompt joins in 16-token chunks: the rows keep getting tokens meanwhile."""
+    """Four rows stream; a 440-token prompt joins in 16-token chunks: the rows keep getting tokens meanwhile."""
     server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "1024", "-prompt-chunk", "16")
     stamps: dict[int, list[float]] = {i: [] for i in range(4)}
 
@@ -86,11 +86,11 @@ def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
         for t in threads:
             t.join(120)
         assert joined["usage"]["prompt_tokens"] >= 300, joined
-        for s in stamps.values():
-            during = [b - a for a, b in zip(s, s[1:]) if t0 <= b <= t1]
-            assert during, "no tokens while the prompt joined"
-            typical = sorted(b - a for a, b in zip(s, s[1:]))[len(s) // 2]
-            assert max(during) < 10 * typical + 0.05  # no gap of more than a few steps
+        for s in stamps.values():  # ~28 chunk steps: a stalled row would get ~nothing until the prompt was in
+            during = [b for b in s if t0 <= b <= t1]
+            assert len(during) >= 10, f"{len(during)} tokens while the prompt joined"
+            gaps = [b - a for a, b in zip(s, s[1:]) if t0 <= b <= t1]
+            assert max(gaps) < 0.5 * (t1 - t0)  # no single stall covering the prefill
     finally:
         server.stop()
 
