@@ -11,10 +11,7 @@ p95, and the speedup of the aggregate over N = 1.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,32 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.decode import TEXT, prepare  # noqa: E402
-
-
-def start_server(path: Path, sessions: int, joint: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", "-load", str(path), "-id", "smol",
-           "-devices", "cpu", "-sessions", str(sessions), "-max-batch", str(sessions), "-max-seq", "1024", "-joint-steps", joint]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "400"})
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if " at http://" in line:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the log
-            return proc, line.split(" at ")[-1].strip()
-    sys.exit(f"the server did not start (exit {proc.wait()})")
+from bench.serve import start_server, stream_completion  # noqa: E402
 
 
 def client(url: str, prompt: str, n: int, out: list[dict]) -> None:
     import httpx
 
-    body = {"model": "smol", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    stamps: list[float] = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                obj = json.loads(line[6:])
-                if obj["choices"] and obj["choices"][0]["text"]:
-                    stamps.append(time.perf_counter())
+    body = {"model": "smol", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    t0, stamps = stream_completion(httpx, url, body)
     out.append({"t0": t0, "ttft": stamps[0] - t0, "end": stamps[-1], "tokens": n, "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
 
 
@@ -83,7 +62,8 @@ def main() -> None:
     a = ap.parse_args()
     counts = [int(c) for c in a.clients.split(",")]
     path = prepare()[a.dtype]
-    proc, url = start_server(path, max(counts), a.joint_steps)
+    rows = str(max(counts))
+    proc, url = start_server(path, "smol", "-devices", "cpu", "-sessions", rows, "-max-batch", rows, "-max-seq", "1024", "-joint-steps", a.joint_steps)
     results: dict[int, list[dict[str, float]]] = {}
     try:
         run(url, max(counts), 8)  # warm up, and let auto meet the row counts

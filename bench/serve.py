@@ -18,6 +18,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,27 +28,34 @@ sys.path.insert(0, str(ROOT))
 from bench.decode import cache, prepare, prompt_ids  # noqa: E402
 
 
-def start_server(path: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", "-load", str(path), "-id", "bench", "-max-seq", "2048"]
+def start_server(path: Path, model_id: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`jitllmd serve` of `path` as `model_id` on a free loopback port: (the process, its URL)."""
+    cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", "-load", str(path), "-id", model_id, *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "400"})
     assert proc.stderr is not None
     for line in proc.stderr:
         if " at http://" in line:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the log
             return proc, line.split(" at ")[-1].strip()
     sys.exit(f"the server did not start (exit {proc.wait()})")
 
 
-def run_http(client, url: str, ids: list[int], n: int) -> dict[str, float]:
-    body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+def stream_completion(client, url: str, body: dict) -> tuple[float, list[float]]:
+    """Stream a completion: (the send time, the time each content chunk arrived)."""
     t0 = time.perf_counter()
     stamps: list[float] = []
-    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 obj = json.loads(line[6:])
                 if obj["choices"] and obj["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
-    return _figures(t0, stamps)
+    return t0, stamps
+
+
+def run_http(client, url: str, ids: list[int], n: int) -> dict[str, float]:
+    body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    return _figures(*stream_completion(client, url, body))
 
 
 def run_direct(engine, ids: list[int], n: int) -> dict[str, float]:
@@ -86,7 +94,7 @@ def main() -> None:
     path = prepare()[a.dtype]
     engine = Engine.load(path, max_seq=2048)
     ids = prompt_ids(engine.loaded.tokenizer.encode, a.prompt)
-    proc, url = start_server(path)
+    proc, url = start_server(path, "bench", "-max-seq", "2048")
     results: dict[str, list[dict[str, float]]] = {"direct": [], "http": []}
     try:
         with httpx.Client() as client:

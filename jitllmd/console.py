@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-__all__ = ["console", "err_console", "fail", "progress_bar"]
+if TYPE_CHECKING:
+    from .client import Client
+
+__all__ = ["connect", "console", "err_console", "fail", "progress_bar"]
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -20,6 +24,16 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     """Print `error: message` on stderr and return the Exit to raise."""
     err_console.print(f"[red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
+
+
+def connect(addr: str | None) -> Client:
+    """The client of the server at -addr (default 127.0.0.1:8080); a malformed address is a usage error (exit 2)."""
+    from .client import DEFAULT_ADDR, Client
+
+    try:
+        return Client(addr or DEFAULT_ADDR)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
 
 
 @contextlib.contextmanager

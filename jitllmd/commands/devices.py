@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..client import DEFAULT_ADDR, Client, to_dict
-from ..console import console, fail
+from ..client import DEFAULT_ADDR, to_dict
+from ..console import connect, console, fail
 
 __all__ = ["devices"]
 
@@ -18,10 +18,7 @@ def devices(
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """List the devices a running server can place blocks on, with total, free and spendable memory, and the host's memory."""
-    try:
-        client = Client(addr)
-    except ValueError as exc:
-        raise fail(str(exc), 2) from None
+    client = connect(addr)
 
     from connectrpc.errors import ConnectError
     from rich.table import Table

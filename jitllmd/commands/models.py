@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..client import DEFAULT_ADDR, Client, to_dict
-from ..console import console, fail
+from ..client import DEFAULT_ADDR, to_dict
+from ..console import connect, console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.model_pb2 import Model
@@ -34,10 +34,7 @@ def models(
         raise fail("-id, -devices, -gpu-layers and -max-seq go with -load", 2)
     if max_seq is not None and max_seq <= 0:
         raise fail("-max-seq must be positive", 2)
-    try:
-        client = Client(addr)
-    except ValueError as exc:
-        raise fail(str(exc), 2) from None
+    client = connect(addr)
 
     from connectrpc.errors import ConnectError
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..client import DEFAULT_ADDR, Client, to_dict
-from ..console import console, fail
+from ..client import DEFAULT_ADDR, to_dict
+from ..console import connect, console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.placement_pb2 import GetResidencyResponse, Placement
@@ -59,9 +59,9 @@ def place(
     try:
         span = parse_range(move) if move is not None else (0, 0)
         budget = parse_size(maxmem) if maxmem is not None else 0
-        client = Client(addr)
     except ValueError as exc:
         raise fail(str(exc), 2) from None
+    client = connect(addr)
 
     from connectrpc.errors import ConnectError
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..console import console, err_console, fail, progress_bar
+from ..console import connect, console, err_console, fail, progress_bar
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -162,11 +163,7 @@ def _stream(engine: Engine, ids: list[int], params: SamplingParams, n: int | Non
             elif isinstance(ev, Done):
                 out.write("\n")
                 f = ev.figures
-                err_console.print(
-                    f"{ev.prompt_tokens} prompt tokens ({ev.fed_tokens} fed) · {ev.completion_tokens} generated · "
-                    f"prefill {f['prefill_ms']:.0f} ms · {f['decode_tokens_per_second']:.1f} tok/s · {ev.finish_reason.value}",
-                    style="dim",
-                )
+                _summary(ev.prompt_tokens, ev.fed_tokens, ev.completion_tokens, f["prefill_ms"], f["decode_tokens_per_second"], ev.finish_reason.value)
             elif isinstance(ev, Failed):
                 raise fail(ev.message)
     except KeyboardInterrupt:
@@ -186,13 +183,33 @@ def _collect(engine: Engine, ids: list[int], params: SamplingParams, n: int | No
         elif isinstance(ev, Failed):
             raise fail(ev.message)
         elif isinstance(ev, Done):
-            return {
-                "text": "".join(text),
-                "finish_reason": ev.finish_reason.value,
-                "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens, "fed_tokens": ev.fed_tokens},
-                "jitllm": ev.figures,
-            }
+            return _result("".join(text), ev.finish_reason.value, ev.prompt_tokens, ev.completion_tokens, ev.fed_tokens, ev.figures)
     raise fail("the engine ended without an answer")
+
+
+def _summary(prompt: int, fed: int, generated: int, prefill_ms: float, tokens_per_second: float, reason: str) -> None:
+    """The dim line of figures after an answer, on stderr."""
+    err_console.print(
+        f"{prompt} prompt tokens ({fed} fed) · {generated} generated · prefill {prefill_ms:.0f} ms · {tokens_per_second:.1f} tok/s · {reason}",
+        style="dim",
+    )
+
+
+def _result(text: str, reason: str, prompt: int, generated: int, fed: int, figures: dict[str, Any]) -> dict[str, Any]:
+    """What -json prints."""
+    return {"text": text, "finish_reason": reason, "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "fed_tokens": fed}, "jitllm": figures}
+
+
+def _turns() -> Iterator[str]:
+    """The lines typed at the chat prompt, blank ones skipped, until Ctrl-D (or Ctrl-C at the prompt)."""
+    while True:
+        try:
+            line = console.input("[bold green]> [/]")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if line.strip():
+            yield line
 
 
 def _interactive(engine: Engine, params: SamplingParams, n: int | None, system: str | None) -> None:
@@ -205,14 +222,7 @@ def _interactive(engine: Engine, params: SamplingParams, n: int | None, system: 
     session = engine.new_session()
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     err_console.print(f"chatting with {loaded.name} (session room {session.max_seq} tokens); Ctrl-D quits", style="dim")
-    while True:
-        try:
-            line = console.input("[bold green]> [/]")
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return
-        if not line.strip():
-            continue
+    for line in _turns():
         messages.append({"role": "user", "content": line})
         ids = _prompt_ids(loaded, messages)
         try:
@@ -237,10 +247,9 @@ def _remote(
     """The same run through the server's InferenceService: one answer, or an interactive chat until Ctrl-D."""
     from connectrpc.errors import ConnectError
 
-    from ..client import DEFAULT_ADDR, Client
     from ..gen.jitllm.v1 import common_pb2, inference_pb2
 
-    client = Client(addr or DEFAULT_ADDR)
+    client = connect(addr)
     params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
 
     def request(messages: list[dict[str, str]] | None, text: str | None) -> Any:
@@ -271,7 +280,6 @@ def _remote(
 
 def _remote_stream(client: Any, req: Any) -> str:
     """Print the answer as the server streams it, then the figures line on stderr. Ctrl-C stops this answer."""
-    from ..gen.jitllm.v1 import common_pb2
 
     parts: list[str] = []
     events = client.inference.generate(req)
@@ -285,12 +293,7 @@ def _remote_stream(client: Any, req: Any) -> str:
             elif kind == "finished":
                 sys.stdout.write("\n")
                 f, u = ev.finished.figures, ev.finished.usage
-                reason = common_pb2.FinishReason.Name(ev.finished.finish_reason).removeprefix("FINISH_REASON_").lower()
-                err_console.print(
-                    f"{u.prompt_tokens} prompt tokens ({u.prompt_tokens - u.cached_tokens} fed) · {u.completion_tokens} generated · "
-                    f"prefill {f.prefill_ms:.0f} ms · {f.decode_tokens_per_second:.1f} tok/s · {reason}",
-                    style="dim",
-                )
+                _summary(u.prompt_tokens, u.prompt_tokens - u.cached_tokens, u.completion_tokens, f.prefill_ms, f.decode_tokens_per_second, _reason(ev.finished.finish_reason))
     except KeyboardInterrupt:
         events.close()  # the server sees the client go and cancels the generation
         sys.stdout.write("\n")
@@ -300,18 +303,19 @@ def _remote_stream(client: Any, req: Any) -> str:
 
 def _remote_collect(client: Any, req: Any) -> dict[str, Any]:
     from ..client import to_dict
-    from ..gen.jitllm.v1 import common_pb2
 
     done = client.inference.complete(req)
-    fin = done.finished
+    fin, u = done.finished, done.finished.usage
     figures = to_dict(fin.figures)
     figures["bytes_per_token"] = int(figures["bytes_per_token"])
-    return {
-        "text": done.text,
-        "finish_reason": common_pb2.FinishReason.Name(fin.finish_reason).removeprefix("FINISH_REASON_").lower(),
-        "usage": {"prompt_tokens": fin.usage.prompt_tokens, "completion_tokens": fin.usage.completion_tokens, "fed_tokens": fin.usage.prompt_tokens - fin.usage.cached_tokens},
-        "jitllm": figures,
-    }
+    return _result(done.text, _reason(fin.finish_reason), u.prompt_tokens, u.completion_tokens, u.prompt_tokens - u.cached_tokens, figures)
+
+
+def _reason(code: int) -> str:
+    """A FinishReason enum value as the engine names it (stop, length, cancelled)."""
+    from ..gen.jitllm.v1 import common_pb2
+
+    return common_pb2.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
 
 
 def _remote_chat(client: Any, request: Any, system: str | None, on_session: bool) -> None:
@@ -322,14 +326,7 @@ def _remote_chat(client: Any, request: Any, system: str | None, on_session: bool
     opening = [{"role": "system", "content": system}] if system else []
     history: list[dict[str, str]] = list(opening)
     err_console.print(f"chatting through {client.where}; Ctrl-D quits", style="dim")
-    while True:
-        try:
-            line = console.input("[bold green]> [/]")
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return
-        if not line.strip():
-            continue
+    for line in _turns():
         turn = {"role": "user", "content": line}
         send = [*opening, turn] if on_session else [*history, turn]
         try:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..client import DEFAULT_ADDR, Client, to_dict
-from ..console import console, err_console, fail
+from ..client import DEFAULT_ADDR, to_dict
+from ..console import connect, console, err_console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.session_pb2 import GetDeviceQueueResponse, ListSessionsResponse
@@ -42,10 +42,7 @@ def sessions(
         raise fail("-model does not go with -reset or -close", 2)
     if max_seq is not None and max_seq <= 0:
         raise fail("-max-seq must be positive", 2)
-    try:
-        client = Client(addr)
-    except ValueError as exc:
-        raise fail(str(exc), 2) from None
+    client = connect(addr)
 
     from connectrpc.errors import ConnectError
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..client import DEFAULT_ADDR, Client, to_dict
-from ..console import console, fail
+from ..client import DEFAULT_ADDR, to_dict
+from ..console import connect, console, fail
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,10 +29,7 @@ def stats(
         raise fail("-interval goes with -watch", 2)
     if interval is not None and interval < 100:
         raise fail("-interval must be at least 100 (milliseconds)", 2)
-    try:
-        client = Client(addr)
-    except ValueError as exc:
-        raise fail(str(exc), 2) from None
+    client = connect(addr)
 
     from connectrpc.errors import ConnectError
 

@@ -62,16 +62,23 @@ class Catalog:
 
     # -- names ----------------------------------------------------------------------------------
 
+    def inside(self, name: str) -> Path:
+        """A path clients may name: relative to -models (or absolute) and, links resolved, still inside it."""
+        if self.models_dir is None:
+            raise PermissionError("the server has no -models directory")
+        path = (self.models_dir / Path(name).expanduser()).resolve()
+        if not path.is_relative_to(self.models_dir):
+            raise PermissionError(f"{name}: outside the -models directory")
+        return path
+
     def resolve(self, file: str, *, inside_only: bool = False) -> Path:
-        """The model file a -load argument names: absolute, or relative to -models (else to the working directory)."""
+        """The model file a -load argument names: absolute, or relative to -models (else to the working directory).
+        `inside_only` (a client's request) may not leave -models."""
         given = Path(file).expanduser()
-        base = self.models_dir or Path.cwd()
-        path = (given if given.is_absolute() else base / given).resolve()
         if inside_only:
-            if self.models_dir is None:
-                raise PermissionError("the server has no -models directory to load from")
-            if not path.is_relative_to(self.models_dir):
-                raise PermissionError(f"{file}: outside the -models directory")
+            path = self.inside(file)
+        else:
+            path = (given if given.is_absolute() else (self.models_dir or Path.cwd()) / given).resolve()
         if not path.is_file():
             where = (" in the model directory" if inside_only else f" in {self.models_dir}") if self.models_dir and not given.is_absolute() else ""
             raise FileNotFoundError(f"{file}: no such model file{where}")
@@ -217,5 +224,4 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _num_blocks(path: Path) -> int:
-    names = JLMFile(path).names
-    return len({n.split(".")[1] for n in names if n.startswith("blocks.")}) + 2
+    return len(JLMFile(path).block_names)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -270,15 +271,11 @@ class Engine:
         num_tokens = sum(len(ids) for ids in job.batch)
         self.stats.step(len(job.batch), num_tokens)
         self.stats.finished()
-        loaded = self.loaded
-        on_device = bool(loaded.device_ids)
         figures = {
             "session_id": "",
             "queued_ms": round((t0 - job.t_arrival) * 1000, 3),
             "queue_depth_on_entry": job.depth,
-            "device_blocks": loaded.num_blocks if on_device else 0,
-            "host_blocks": 0 if on_device else loaded.num_blocks,
-            "device_ids": list(loaded.device_ids),
+            **self._where(),
             "prefill_ms": round((t1 - t0) * 1000, 3),
             "decode_ms": 0.0,
             "decode_tokens_per_second": 0.0,
@@ -440,19 +437,25 @@ class Engine:
         req.state = RequestState.FINISHED
         self.scheduler.remove(req)
 
+    def _where(self) -> dict[str, Any]:
+        """The figures that say where the model ran: its blocks on devices or the host, and which devices."""
+        loaded = self.loaded
+        on_device = bool(loaded.device_ids)
+        return {
+            "device_blocks": loaded.num_blocks if on_device else 0,
+            "host_blocks": 0 if on_device else loaded.num_blocks,
+            "device_ids": list(loaded.device_ids),
+        }
+
     def _figures(self, req: Request) -> dict:
         ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
         decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
         generated_after_first = max(0, len(req.output_ids) - 1)
-        loaded = self.loaded
-        on_device = bool(loaded.device_ids)
         return {
             "session_id": req.session.id,
             "queued_ms": ms(req.t_arrival, req.t_first_step),
             "queue_depth_on_entry": req.queue_depth_on_entry,
-            "device_blocks": loaded.num_blocks if on_device else 0,
-            "host_blocks": 0 if on_device else loaded.num_blocks,
-            "device_ids": list(loaded.device_ids),
+            **self._where(),
             "prefill_ms": ms(req.t_first_step, req.t_first_token),
             "decode_ms": round(decode_s * 1000, 3),
             "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,

@@ -180,6 +180,12 @@ class JLMFile:
         t = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + start)
         return t.view(shape)
 
+    @property
+    def block_names(self) -> list[str]:
+        """The blocks the file holds, in model order: embed, blocks.0 ..., head (an encoder has none)."""
+        layers = sorted({int(n.split(".")[1]) for n in self._index if n.startswith("blocks.")})
+        return [p for p in ("embed",) if self.block_nbytes(p)] + [f"blocks.{i}" for i in layers] + [p for p in ("head",) if self.block_nbytes(p)]
+
     def block(self, prefix: str) -> dict[str, torch.Tensor]:
         """The tensors of one block (`embed`, `blocks.3`, `head`), keyed by the name after the prefix."""
         p = prefix + "."

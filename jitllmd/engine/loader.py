@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections.abc import Callable
@@ -47,10 +48,10 @@ class LoadedModel:
         """An embedding model (an encoder that pools), not one that generates."""
         return self.jlm.arch in ENCODER_ARCHS
 
-    @property
+    @functools.cached_property
     def num_blocks(self) -> int:
         """Transformer layers plus embed and head, which are blocks too (an encoder has no head)."""
-        return int(self.model.cfg.num_layers) + (1 if self.embeds else 2)
+        return len(self.jlm.block_names)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+from .devices import host_memory
 from .kv import RoomError, SessionKV
 
 __all__ = ["Session", "SessionRegistry", "default_max_seq", "new_session_id"]
@@ -15,20 +15,9 @@ __all__ = ["Session", "SessionRegistry", "default_max_seq", "new_session_id"]
 _seq = itertools.count(1)
 
 
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def default_max_seq(context_length: int, bytes_per_position: int, fraction: float = 0.25) -> int:
     """The model's context, capped so one session's full KV takes at most `fraction` of available memory."""
-    fits = int(_available_memory() * fraction) // max(1, bytes_per_position)
+    fits = int(host_memory()[1] * fraction) // max(1, bytes_per_position)
     return max(1, min(context_length, fits))
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,16 +13,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog
 from ..engine.request import Delta, Done, Failed, FinishReason
-from .body import APIError, Fields, read_json
+from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["Anthropic", "error_response"]
 
-log = logging.getLogger("jitllmd.serve")
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error", "too_large": "request_too_large"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error", "too_large": "request_too_large", "server": "api_error"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -33,40 +30,8 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": _ERROR_TYPES[exc.kind], "message": exc.message}}, status_code=exc.status)
 
 
-def _dialect(handler: Callable[[Any, Request], Awaitable[Response]]) -> Callable[[Any, Request], Awaitable[Response]]:
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except APIError as exc:
-            return error_response(exc)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
-            body = {"type": "error", "error": {"type": "api_error", "message": "internal server error (logged on the server)"}}
-            return JSONResponse(body, status_code=500)
-
-    return wrapper
-
-
 def _event(name: str, obj: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def _text(f: Fields, key: str) -> str:
-    """A string, or an array of text blocks joined (system, and content without tool blocks)."""
-    value = f.raw(key)
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise f.error(key, "expected a string or an array of content blocks")
-    texts = []
-    for j, block in enumerate(value):
-        b = Fields(block, f.name(f"{key}[{j}]."))
-        kind = b.string("type", required=True)
-        if kind != "text":
-            raise b.error("type", f"{kind!r} blocks are not supported here: this takes text blocks")
-        texts.append(b.string("text", required=True) or "")
-    return "".join(texts)
 
 
 def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
@@ -91,7 +56,7 @@ def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
                 raise b.error("input", "expected an object")
             calls.append({"id": b.string("id", required=True), "type": "function", "function": {"name": b.string("name", required=True), "arguments": tool_input}})
         elif kind == "tool_result" and role == "user":
-            result = _text(b, "content") if b.has("content") else ""
+            result = b.text("content", items="content blocks") if b.has("content") else ""
             results.append({"role": "tool", "content": result, "tool_call_id": b.string("tool_use_id", required=True)})
         else:
             raise b.error("type", f"{kind!r} blocks are not supported in a {role} message")
@@ -110,7 +75,7 @@ def _messages(f: Fields) -> tuple[list[dict[str, Any]], str | None]:
         raise f.error("messages", "must hold at least one message")
     out: list[dict[str, Any]] = []
     if f.has("system"):
-        system = _text(f, "system")
+        system = f.text("system", items="content blocks")
         if system:
             out.append({"role": "system", "content": system})
     for i, item in enumerate(raw):
@@ -169,7 +134,7 @@ class Anthropic:
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
-    @_dialect
+    @dialect(error_response)
     async def messages(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         tools = _tools(f)

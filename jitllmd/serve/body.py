@@ -1,14 +1,22 @@
-"""Request bodies: read with a size limit, parse as JSON, and take typed fields whose errors name the field."""
+"""Request bodies: read with a size limit, parse as JSON, take typed fields whose errors name the field; and the
+guard that renders a handler's errors in its dialect."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 
-__all__ = ["MAX_BODY", "APIError", "Fields", "read_json"]
+__all__ = ["MAX_BODY", "APIError", "Fields", "dialect", "read_json"]
+
+log = logging.getLogger("jitllmd.serve")
+Handler = Callable[[Any, Request], Awaitable[Response]]
 
 MAX_BODY = 32 << 20  # bytes
 
@@ -16,10 +24,10 @@ MAX_BODY = 32 << 20  # bytes
 class APIError(Exception):
     """A client error: each dialect renders it in its own error shape.
 
-    kind: "invalid_request" (400), "not_found" (404), "too_large" (413).
+    kind: "invalid_request" (400), "not_found" (404), "too_large" (413); "server" (500) is only for bugs.
     """
 
-    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413}
+    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413, "server": 500}
 
     def __init__(self, message: str, *, param: str | None = None, kind: str = "invalid_request", code: str | None = None):
         super().__init__(message)
@@ -31,6 +39,26 @@ class APIError(Exception):
     @property
     def status(self) -> int:
         return self.STATUS[self.kind]
+
+
+def dialect(render: Callable[[APIError], Response]) -> Callable[[Handler], Handler]:
+    """A route handler's errors in one dialect's shape: an APIError as the client error it is; anything else is a
+    bug: logged, and a generic 500 (never the exception's text)."""
+
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def guarded(self: Any, request: Request) -> Response:
+            try:
+                return await handler(self, request)
+            except APIError as exc:
+                return render(exc)
+            except Exception:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return render(APIError("internal server error (logged on the server)", kind="server"))
+
+        return guarded
+
+    return decorate
 
 
 def _no_constant(name: str) -> float:
@@ -152,6 +180,24 @@ class Fields:
         if not isinstance(value, list):
             raise self.error(key, f"expected an array, got {_kind(value)}")
         return value
+
+    def text(self, key: str, *, items: str) -> str:
+        """A string, or an array of {"type": "text", "text": ...} `items` joined; absent or null is ""."""
+        value = self.obj.get(key)
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise self.error(key, f"expected a string or an array of {items}")
+        texts = []
+        for j, item in enumerate(value):
+            t = Fields(item, self.name(f"{key}[{j}]."))
+            kind = t.string("type", required=True)
+            if kind != "text":
+                raise t.error("type", f"{kind!r} {items} are not supported here: this server takes text")
+            texts.append(t.string("text", required=True) or "")
+        return "".join(texts)
 
     def strings(self, key: str, *, most: int = 16) -> list[str]:
         """A string or an array of strings (stop sequences)."""

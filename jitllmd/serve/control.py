@@ -120,7 +120,7 @@ def _model_message(catalog: Catalog, served: ServedModel) -> mdl.Model:
 
 def _file_model(catalog: Catalog, entry_id: str, path: Path, created: int) -> mdl.Model:
     jlm = JLMFile(path)
-    blocks = len({n.split(".")[1] for n in jlm.names if n.startswith("blocks.")}) + 2
+    blocks = len(jlm.block_names)
     return mdl.Model(
         id=entry_id, file=_relative(catalog, path), loaded=False, arch=jlm.arch, num_blocks=blocks,
         weight_bytes=path.stat().st_size, context_length=int(jlm.config.get("max_position_embeddings", 0)),
@@ -190,8 +190,7 @@ class Models(ModelService):
             raise ConnectError(Code.FAILED_PRECONDITION, "the server has no -models directory to convert in")
         if not request.source or not request.output:
             raise ConnectError(Code.INVALID_ARGUMENT, "source and output are required")
-        src = _inside(self.catalog, request.source, "source")
-        dst = _inside(self.catalog, request.output, "output")
+        src, dst = self.catalog.inside(request.source), self.catalog.inside(request.output)  # PermissionError: permission_denied
         if dst.suffix != ".jlm":
             raise ConnectError(Code.INVALID_ARGUMENT, f"output {request.output!r}: the file name must end in .jlm")
         if dst.exists() and not request.force:
@@ -218,14 +217,6 @@ class Models(ModelService):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         text = loaded.chat.render(messages, add_generation_prompt=request.add_generation_prompt)
         return mdl.ApplyChatTemplateResponse(text=text, token_ids=loaded.tokenizer.encode(text))
-
-
-def _inside(catalog: Catalog, name: str, field: str) -> Path:
-    assert catalog.models_dir is not None
-    path = (catalog.models_dir / name).resolve()
-    if not path.is_relative_to(catalog.models_dir):
-        raise ConnectError(Code.PERMISSION_DENIED, f"{field} {name!r}: outside the model directory")
-    return path
 
 
 # -- DeviceService --------------------------------------------------------------------------------------------

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
-import functools
 import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +18,15 @@ from ..engine.kv import RoomError
 from ..engine.request import Delta, Done, Failed, FinishReason
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
-from .body import APIError, Fields, read_json
+from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, embed, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_model, find_target, remember, sampling_params, start, text_prompt_ids
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["OpenAI", "error_response"]
 
-log = logging.getLogger("jitllmd.serve")
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error", "server": "server_error"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -39,27 +35,6 @@ def error_response(exc: APIError) -> JSONResponse:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     body = {"error": {"message": exc.message, "type": _ERROR_TYPES[exc.kind], "param": exc.param, "code": exc.code}}
     return JSONResponse(body, status_code=exc.status)
-
-
-def _server_error() -> JSONResponse:
-    body = {"error": {"message": "internal server error (logged on the server)", "type": "server_error", "param": None, "code": None}}
-    return JSONResponse(body, status_code=500)
-
-
-def _dialect(handler: Callable[[Any, Request], Awaitable[Response]]) -> Callable[[Any, Request], Awaitable[Response]]:
-    """Client errors in OpenAI's shape; anything else is a bug: logged, and a generic 500."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except APIError as exc:
-            return error_response(exc)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
-            return _server_error()
-
-    return wrapper
 
 
 def _sse(obj: Any) -> bytes:
@@ -95,7 +70,8 @@ class _Generation:
 
 
 def _parse_common(
-    f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...], session: Session | None, chat: list[dict[str, Any]] | None = None
+    f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...], session: Session | None,
+    chat: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> _Generation:
     max_tokens = None
     for key in max_tokens_keys:  # the first one given wins
@@ -135,6 +111,7 @@ def _parse_common(
         ignore_eos=f.boolean("ignore_eos"),
         session=session,
         chat=chat,
+        tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None,
     )
 
 
@@ -145,25 +122,6 @@ def _usage(done: Done) -> dict[str, Any]:
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.prompt_tokens - done.fed_tokens},
     }
-
-
-def _message_text(m: Fields, key: str = "content") -> str:
-    """A message's content: a string, or an array of text parts joined."""
-    content = m.raw(key)
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise m.error(key, "expected a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        p = Fields(part, m.name(f"{key}[{j}]."))
-        kind = p.string("type", required=True)
-        if kind != "text":
-            raise p.error("type", f"{kind!r} content is not supported: this server takes text parts")
-        texts.append(p.string("text", required=True) or "")
-    return "".join(texts)
 
 
 def _chat_messages(f: Fields) -> list[dict[str, Any]]:
@@ -181,7 +139,7 @@ def _chat_messages(f: Fields) -> list[dict[str, Any]]:
             raise m.error("function_call", "the legacy function_call is not supported: use tool_calls")
         if role not in ("assistant", "tool") and m.raw("content") is None:
             raise m.error("content", "this field is required")
-        msg: dict[str, Any] = {"role": _ROLES.get(role, role), "content": _message_text(m)}
+        msg: dict[str, Any] = {"role": _ROLES.get(role, role), "content": m.text("content", items="content parts")}
         if role == "assistant" and m.has("tool_calls"):
             msg["tool_calls"] = _message_tool_calls(m)
         if role == "tool":
@@ -233,7 +191,7 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _finish_reason(done: Done, calls: list[ToolCall]) -> str:
+def _finish_reason(done: Done, calls: list[Any]) -> str:
     if calls and done.finish_reason is not FinishReason.CANCELLED:
         return "tool_calls"
     return done.finish_reason.value
@@ -247,7 +205,7 @@ class OpenAI:
 
     # -- routes ---------------------------------------------------------------------------------
 
-    @_dialect
+    @dialect(error_response)
     async def chat_completions(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         tools = _tools(f)
@@ -255,8 +213,7 @@ class OpenAI:
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         chat = conversation(session, _chat_messages(f))
         prompt_ids = chat_prompt_ids(served, chat, tools=tools)
-        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat)
-        gen = dataclasses.replace(gen, tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None)
+        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat, tools)
         outbox = gen.start("messages")
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
@@ -283,7 +240,7 @@ class OpenAI:
         }
         return JSONResponse(body)
 
-    @_dialect
+    @dialect(error_response)
     async def completions(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         name = f.string("model")
@@ -315,7 +272,7 @@ class OpenAI:
         }
         return JSONResponse(body)
 
-    @_dialect
+    @dialect(error_response)
     async def embeddings(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         name = f.string("model")
@@ -342,11 +299,11 @@ class OpenAI:
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
         return JSONResponse({"object": "list", "data": data, "model": name or served.id, "usage": usage, "jitllm": result.figures})
 
-    @_dialect
+    @dialect(error_response)
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded) for e in self.catalog.entries()]})
 
-    @_dialect
+    @dialect(error_response)
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         for e in self.catalog.entries():
@@ -361,19 +318,8 @@ class OpenAI:
     # -- streams --------------------------------------------------------------------------------
 
     async def _chat_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int) -> AsyncIterator[bytes]:
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-            obj: dict[str, Any] = {
-                "id": ident,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": gen.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            }
-            if gen.include_usage:
-                obj["usage"] = None
-            return _sse(obj | extra)
-
-        yield chunk({"role": "assistant", "content": ""})
+        out = _Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage)
+        yield out.choice(delta={"role": "assistant", "content": ""})
         parts: list[str] = []
         calls: list[dict[str, Any]] = []
         parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
@@ -383,10 +329,10 @@ class OpenAI:
                 if isinstance(piece, Text):
                     if piece.text:
                         parts.append(piece.text)
-                        yield chunk({"content": piece.text})
+                        yield out.choice(delta={"content": piece.text})
                 else:
                     calls.append(_tool_call(piece))
-                    yield chunk({"tool_calls": [{"index": len(calls) - 1, **calls[-1]}]})
+                    yield out.choice(delta={"tool_calls": [{"index": len(calls) - 1, **calls[-1]}]})
 
         async for ev in outbox:
             if isinstance(ev, Delta):
@@ -398,40 +344,55 @@ class OpenAI:
                     yield b
                 text = "".join(parts)
                 gen.done({"role": "assistant", "content": text or None, "tool_calls": calls} if calls else text)
-                finish = "tool_calls" if calls and ev.finish_reason is not FinishReason.CANCELLED else ev.finish_reason.value
-                yield chunk({}, finish, jitllm=ev.figures)
+                yield out.choice(_finish_reason(ev, calls), {"jitllm": ev.figures}, delta={})
                 if gen.include_usage:
-                    yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})
+                    yield out.usage(ev)
             elif isinstance(ev, Failed):
-                yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
+                yield out.failed(ev.message)
         yield b"data: [DONE]\n\n"
 
     async def _completion_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int, head: str) -> AsyncIterator[bytes]:
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
-            obj: dict[str, Any] = {
-                "id": ident,
-                "object": "text_completion",
-                "created": created,
-                "model": gen.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            }
-            if gen.include_usage:
-                obj["usage"] = None
-            return _sse(obj | extra)
-
+        out = _Chunks(ident, "text_completion", created, gen.model, gen.include_usage)
         if head:
-            yield chunk(head)
+            yield out.choice(text=head)
         async for ev in outbox:
             if isinstance(ev, Delta):
                 if ev.text:
-                    yield chunk(ev.text)
+                    yield out.choice(text=ev.text)
             elif isinstance(ev, Done):
-                yield chunk("", ev.finish_reason.value, jitllm=ev.figures)
+                yield out.choice(ev.finish_reason.value, {"jitllm": ev.figures}, text="")
                 if gen.include_usage:
-                    yield _sse({"id": ident, "object": "text_completion", "created": created, "model": gen.model, "choices": [], "usage": _usage(ev), "jitllm": ev.figures})
+                    yield out.usage(ev)
             elif isinstance(ev, Failed):
-                yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
+                yield out.failed(ev.message)
         yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """The SSE events of one stream: every chunk carries the same id, object, created and model, and `usage: null`
+    until the usage chunk when the client asked for one."""
+
+    ident: str
+    object: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        obj = {"id": self.ident, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+        return _sse(obj | extra)
+
+    def choice(self, finish: str | None = None, extra: dict[str, Any] | None = None, **fields: Any) -> bytes:
+        """A chunk of choice 0: its delta (chat) or text (completions), and the finish reason on the last."""
+        usage = {"usage": None} if self.include_usage else {}
+        return self._event([{"index": 0, **fields, "logprobs": None, "finish_reason": finish}], **usage, **(extra or {}))
+
+    def usage(self, done: Done) -> bytes:
+        return self._event([], usage=_usage(done), jitllm=done.figures)
+
+    def failed(self, message: str) -> bytes:
+        return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
 def _completion_prompt(f: Fields, served: ServedModel) -> tuple[list[int], str]:

@@ -16,17 +16,11 @@ from .control import PLACEMENT_LATER, model_of, session_of
 __all__ = ["Placement"]
 
 
-def _block_names(served: ServedModel) -> list[str]:
-    loaded = served.engine.loaded
-    num_layers = int(loaded.model.cfg.num_layers)
-    return ["embed", *(f"blocks.{i}" for i in range(num_layers)), *([] if loaded.embeds else ["head"])]
-
-
 def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     loaded = served.engine.loaded
     place = loaded.device_ids[0] if loaded.device_ids else "host"
     residency = plc.RESIDENCY_DEVICE if loaded.device_ids else plc.RESIDENCY_RESIDENT
-    names = _block_names(served)
+    names = loaded.jlm.block_names
     kv_per_layer = session.kv.nbytes() // max(1, int(loaded.model.cfg.num_layers)) if session is not None else 0
     blocks = [
         plc.BlockPlacement(
