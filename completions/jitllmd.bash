@@ -30,7 +30,7 @@ _jitllmd() {
     sessions)
       COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -addr -json -h" -- "$cur")) ;;
     place)
-      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -addr -json -h" -- "$cur")) ;;
     run)
       COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -h" -- "$cur")) ;;
     convert)

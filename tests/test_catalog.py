@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jitllmd.engine.catalog import Catalog, _rows
+from jitllmd.engine.catalog import Catalog
 from jitllmd.engine.config import EngineConfig, parse_size
 from jitllmd.engine.devices import parse_devices
 from jitllmd.serve.server import is_loopback, parse_addr
@@ -91,9 +91,19 @@ def test_catalog_loads_resolves_and_lists(tmp_path, tiny_serve_jlm):
         cat.stop()
 
 
-def test_host_and_device_rows():
-    """A host model runs -host-concurrency requests at once; a device model batches -max-batch rows, at most -sessions."""
-    assert _rows(EngineConfig(host_concurrency=3), None) == 3
-    assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=4), "cpu") == 4
-    assert _rows(EngineConfig(devices="cpu", sessions=8), "cpu") == 0  # -max-batch 0: the engine measures, up to -sessions
-    assert _rows(EngineConfig(devices="cpu", sessions=8, max_batch=1), "cpu") == 1
+def test_host_and_device_rows(tmp_path, tiny_serve_jlm):
+    """A host model runs -host-concurrency requests at once; a device model batches -max-batch rows, at most -sessions;
+    a block moved to the host turns the device model into a host one, and back."""
+    host = Catalog(tmp_path, EngineConfig(max_seq=64, host_concurrency=3), tmp_path / "cache")
+    device = Catalog(tmp_path, EngineConfig(max_seq=64, devices="cpu", sessions=8, max_batch=4), tmp_path / "cache")
+    try:
+        assert host.load(tiny_serve_jlm, id="h").engine.scheduler.max_batch == 3
+        engine = device.load(tiny_serve_jlm, id="d").engine
+        assert engine.scheduler.max_batch == 4
+        engine.relocate(1, 1, "host").result(timeout=30)
+        assert engine.scheduler.max_batch == 1  # -host-concurrency's default
+        engine.relocate(1, 1, "cpu").result(timeout=30)
+        assert engine.scheduler.max_batch == 4
+    finally:
+        host.stop()
+        device.stop()

@@ -109,10 +109,12 @@ def test_error_codes_per_service(clients):
     assert code_of(lambda: clients["devices"].get_device(dev.GetDeviceRequest(device="cuda:9"))) == Code.NOT_FOUND
     assert code_of(lambda: s.get_session(ses.GetSessionRequest(session_id="s-0-0"))) == Code.NOT_FOUND
     assert code_of(lambda: s.create_session(ses.CreateSessionRequest(model="tiny", max_seq=10**6))) == Code.INVALID_ARGUMENT
-    assert code_of(lambda: s.create_session(ses.CreateSessionRequest(model="tiny", devices="cuda:0"))) == Code.FAILED_PRECONDITION
+    assert code_of(lambda: s.create_session(ses.CreateSessionRequest(model="tiny", devices="cuda:0"))) == Code.INVALID_ARGUMENT  # no such device
+    assert code_of(lambda: s.create_session(ses.CreateSessionRequest(model="tiny", devices="cpu"))) == Code.FAILED_PRECONDITION  # not the model's
     assert code_of(lambda: p.get_placement(plc.GetPlacementRequest())) == Code.INVALID_ARGUMENT
     assert code_of(lambda: p.relocate_blocks(plc.RelocateBlocksRequest(model="tiny", first=2, last=9, to="host"))) == Code.INVALID_ARGUMENT
-    assert code_of(lambda: p.set_page_budget(plc.SetPageBudgetRequest(model="tiny", budget_bytes=1 << 20))) == Code.UNIMPLEMENTED
+    assert code_of(lambda: p.set_page_budget(plc.SetPageBudgetRequest(model="tiny", budget_bytes=1))) == Code.INVALID_ARGUMENT  # below one block
+    assert code_of(lambda: p.set_page_budget(plc.SetPageBudgetRequest(model="tiny"))) == Code.INVALID_ARGUMENT
     assert code_of(lambda: i.complete(inf.GenerateRequest(model="tiny"))) == Code.INVALID_ARGUMENT
     assert code_of(lambda: i.complete(inf.GenerateRequest(model="tiny", prompt="a" * 20000))) == Code.RESOURCE_EXHAUSTED
     assert code_of(lambda: i.complete(inf.GenerateRequest(model="tiny", prompt="a", sampling=common.SamplingParams(temperature=9)))) == Code.INVALID_ARGUMENT
@@ -264,7 +266,7 @@ def test_run_errors_against_a_server(tiny_server):
     assert r.returncode == 2 and "-addr" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_convert_list_sessions_queue_and_the_placement_calls_not_built(clients, tiny_server, tmp_path):
+def test_convert_list_sessions_queue_and_placement_on_a_host_model(clients, tiny_server, tmp_path):
     from tests.conftest import write_tiny_llama
 
     models_dir = Path(clients["telemetry"].get_server_info(tel.GetServerInfoRequest()).models_dir)
@@ -292,10 +294,14 @@ def test_convert_list_sessions_queue_and_the_placement_calls_not_built(clients, 
         assert time.monotonic() < deadline, "the abandoned Generate kept running"
         time.sleep(0.05)
 
-    p = clients["placement"]
-    assert code_of(lambda: p.set_placement(plc.SetPlacementRequest(model="tiny", devices="cpu"))) == Code.UNIMPLEMENTED
+    p = clients["placement"]  # tiny was loaded without devices: its blocks stay on the host
+    assert code_of(lambda: p.set_placement(plc.SetPlacementRequest(model="tiny", devices="cpu"))) == Code.INVALID_ARGUMENT
+    assert code_of(lambda: p.tune_seam(plc.TuneSeamRequest(model="tiny"))) == Code.INVALID_ARGUMENT
     assert code_of(lambda: p.set_relocation(plc.SetRelocationRequest(model="tiny", enabled=True))) == Code.UNIMPLEMENTED
-    assert code_of(lambda: p.tune_seam(plc.TuneSeamRequest(model="tiny"))) == Code.UNIMPLEMENTED
+    home = p.set_placement(plc.SetPlacementRequest(model="tiny")).placement  # no devices: every block home, as it is
+    assert home.host_blocks == 4 and home.device_blocks == 0
+    budget = p.get_residency(plc.GetResidencyRequest(model="tiny"))
+    assert not budget.HasField("page_budget_bytes") and all(b.residency == plc.RESIDENCY_RESIDENT for b in budget.blocks)
 
 
 def test_session_through_the_anthropic_route_and_a_resent_history(clients, tiny_server):

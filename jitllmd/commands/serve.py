@@ -20,8 +20,8 @@ def serve(
     load: Annotated[str | None, typer.Option("-load", "--load", help="A .jlm (or .gguf, converted once into -models/.cache) to load at start-up, absolute or relative to -models. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
     id: Annotated[str | None, typer.Option("-id", "--id", help="The model name clients send. Default: generated (m-...); the file name without .jlm works too.", show_default=False)] = None,
     devices: Annotated[str, typer.Option("-devices", "--devices", help="Where to run, in the device grammar: empty (host only), auto, cpu, cuda, cuda:0. A model runs wholly on the one device named.")] = "",
-    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="Host page budget, e.g. 8G. Validated and kept; host blocks stay wholly resident until the pager enforces it.", show_default=False)] = None,
-    gpu_layers: Annotated[int, typer.Option("-gpu-layers", "--gpu-layers", help="At most N blocks on a device; -1 is as many as fit. A model runs wholly on its device (-1, or N >= its blocks) or wholly on the host (0).")] = -1,
+    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="Host page budget, e.g. 8G: at most this many bytes of host blocks stay resident; the rest are read from the .jlm for their turn. Default: every host block resident.", show_default=False)] = None,
+    gpu_layers: Annotated[int, typer.Option("-gpu-layers", "--gpu-layers", help="At most N blocks on the devices (embed and head count), placed from the head backwards; -1 is as many as fit beside the KV of -sessions sessions of -max-seq. The rest are host blocks.")] = -1,
     sessions: Annotated[int, typer.Option("-sessions", "--sessions", help="Concurrent sessions of a device model: at most this many of its requests run at once, as rows of one step (see -max-batch); more wait in line.")] = 1,
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity per session, in positions. Default: the model's context, capped to a quarter of free memory.", show_default=False)] = None,
     host_concurrency: Annotated[int, typer.Option("-host-concurrency", "--host-concurrency", help="Requests a host model runs at once; more wait in line.")] = 1,
@@ -96,9 +96,12 @@ def serve(
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{url_host}:{bound_port}"
     loaded = served.engine.loaded
-    where = f"on {', '.join(loaded.device_ids)}" if loaded.device_ids else "on the host"
     names = ", ".join((served.id, *served.aliases))
-    err_console.print(f"serving {loaded.path.name} as {names} ({loaded.num_blocks} blocks {where}, session room {loaded.max_seq}) at {url}")
+    err_console.print(f"serving {loaded.path.name} as {names} ({_where(loaded)}, session room {loaded.max_seq}) at {url}")
+    pager = loaded.placement.pager if loaded.placement is not None else None
+    if pager is not None and pager.host and pager.budget is not None:
+        paged = sum(n not in pager.resident for n in pager.host)
+        err_console.print(f"  host pager: budget {pager.budget / 2**20:.0f} MiB, {pager.resident_bytes() / 2**20:.0f} MiB resident, {paged} blocks read for their turn", style="dim")
     cal = served.engine.calibration
     if cal is not None:
         err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
@@ -112,6 +115,17 @@ def serve(
         catalog.stop()
         sock.close()
     err_console.print("stopped", style="dim")
+
+
+def _where(loaded) -> str:
+    """'32 blocks on cpu', '12 blocks on cpu, 20 on the host' or '32 blocks on the host'."""
+    on_device = loaded.placement.num_device_blocks if loaded.placement is not None else (loaded.num_blocks if loaded.device_ids else 0)
+    if on_device == 0:
+        return f"{loaded.num_blocks} blocks on the host"
+    devices = ", ".join(loaded.device_ids)
+    if on_device == loaded.num_blocks:
+        return f"{on_device} blocks on {devices}"
+    return f"{on_device} blocks on {devices}, {loaded.num_blocks - on_device} on the host"
 
 
 def _flag_names(message: str) -> str:

@@ -15,14 +15,12 @@ from pathlib import Path
 from .config import EngineConfig
 from .devices import parse_devices, release_host_memory, trim_heap
 from .engine import Engine
-from .jlm import JLMFile
 from .loader import cached_conversion
 from .sessions import Session
 
 __all__ = ["Catalog", "ModelEntry", "ServedModel"]
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step of a host model (a device model measures its own with -prompt-chunk 0)
 
 
 @dataclass(frozen=True)
@@ -158,15 +156,18 @@ class Catalog:
             for m in self._models.values():
                 if model_id == m.id or model_id in m.aliases:
                     raise ValueError(f"a model named {model_id!r} is already loaded")
-        device = _device_for(path, placed_on, config.gpu_layers)
         engine = Engine.load(
             path,
             name=model_id,
-            device=device,
+            devices=placed_on,
+            gpu_layers=config.gpu_layers,
+            sessions=config.sessions,
             max_seq=config.max_seq,
-            max_batch=_rows(config, device),
+            page_budget=config.maxmem,
+            max_batch=0 if config.max_batch == 0 else min(config.max_batch, config.sessions),
+            host_rows=config.host_concurrency,
             row_limit=config.sessions,
-            prompt_chunk=config.prompt_chunk or (0 if device else _DEFAULT_PROMPT_CHUNK),
+            prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,
             on_progress=on_load,
         )
@@ -195,33 +196,6 @@ class Catalog:
             self.unload(m.id)
 
 
-def _device_for(path: Path, devices: list[str], gpu_layers: int) -> str | None:
-    """Host, or wholly on the one device named. Splitting a model needs the pager and placement."""
-    if not devices or gpu_layers == 0:
-        return None
-    if len(devices) > 1:
-        raise ValueError(f"-devices names {len(devices)} devices; a model runs wholly on one device for now: name one of {', '.join(devices)}")
-    num_blocks = _num_blocks(path)
-    if gpu_layers != -1 and gpu_layers < num_blocks:
-        raise ValueError(
-            f"-gpu-layers {gpu_layers}: {path.name} has {num_blocks} blocks (embed and head included); "
-            f"a model runs wholly on its device or wholly on the host for now: use -gpu-layers -1 or 0"
-        )
-    return devices[0]
-
-
-def _rows(config: EngineConfig, device: str | None) -> int:
-    """Requests that run at once: host models by -host-concurrency; device models batch up to -sessions rows,
-    -max-batch capping them (0: the engine measures the widest step worth running, at most -sessions)."""
-    if device is None:
-        return config.host_concurrency
-    return 0 if config.max_batch == 0 else min(config.max_batch, config.sessions)
-
-
 def _is_gguf(path: Path) -> bool:
     with path.open("rb") as f:
         return f.read(4) == b"GGUF"
-
-
-def _num_blocks(path: Path) -> int:
-    return len(JLMFile(path).block_names)

@@ -4,36 +4,43 @@ from __future__ import annotations
 
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .calibrate import Calibration, calibrate
 from .joint import JointSteps
-from .kv import RoomError, RowSpan
-from .loader import LoadedModel, load_model
+from .kv import RoomError, RowSpan, SessionKV
+from .loader import LoadedModel, load_model, spendable_bytes
+from .placement import HOST
 from .request import Delta, Done, Embedded, Event, Failed, FinishReason, Request, RequestState
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sessions import Session, SessionRegistry, new_session_id
 from .stats import EngineStats
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "SeamCandidate"]
 
 log = logging.getLogger("jitllmd.engine")
+T = TypeVar("T")
+_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step of a model with host blocks (a device model measures its own)
 
 
 class Engine:
     """Runs one loaded model. Thread-safe `submit`/`cancel`; events reach each request's `emit` from the engine thread."""
 
-    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto"):
+    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", host_rows: int | None = None):
         self.loaded = loaded
-        self.scheduler = Scheduler(max_batch, prompt_chunk)
+        self.device_rows = max_batch  # rows of a step while every block is on one device
+        self.host_rows = max_batch if host_rows is None else host_rows  # requests at once while any block is on the host
+        self.scheduler = Scheduler(self._rows_now(), prompt_chunk)
         self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
@@ -42,21 +49,26 @@ class Engine:
         self.calibration: Calibration | None = None  # what load measured for -max-batch 0 / -prompt-chunk 0
         self._slots: list[Session] = []  # ephemeral sessions kept for prefix reuse, at most one per row
         self._slots_lock = threading.Lock()
-        self._weight_bytes = loaded.model.weight_nbytes()
+        self._weight_bytes = self._decode_bytes()
+        self._jobs: list[_Job] = []  # placement changes waiting for their session's generation to end
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
 
     # -- public API -----------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1, **load_kw) -> Engine:
+    def load(
+        cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1, host_rows: int | None = None, **load_kw
+    ) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
         Torch's CPU thread pool belongs to the thread that first uses it: loading on one thread and stepping
         on another leaves two pools fighting over the cores (measured: decode 2x slower on 2 cores).
-        load_kw go to `load_model` (name, device, max_seq, on_progress); its errors raise here.
-        max_batch 0 measures the widest decode step worth running (at most `row_limit` rows); prompt_chunk 0
-        measures the prefill chunk (engine/calibrate.py), on this same thread.
+        load_kw go to `load_model` (name, devices, gpu_layers, sessions, max_seq, page_budget, on_progress); its
+        errors raise here. A model wholly on one device batches up to max_batch rows: 0 measures the widest decode
+        step worth running (at most `row_limit` rows); prompt_chunk 0 measures the prefill chunk (engine/calibrate.py),
+        on this same thread. A model with host blocks runs `host_rows` requests at once (default max_batch).
         """
         box: dict = {}
         ready = threading.Event()
@@ -66,11 +78,14 @@ class Engine:
                 loaded = load_model(path, **load_kw)
                 calibration = None
                 rows, chunk = max_batch, prompt_chunk
-                if (rows == 0 or chunk == 0) and not loaded.embeds:
+                on_device = loaded.placement is not None and loaded.placement.one_device
+                if (rows == 0 or chunk == 0) and on_device:
                     calibration = calibrate(loaded.model, max_rows=rows, row_limit=row_limit, prompt_chunk=chunk, chunk_limit=loaded.max_seq)
                     rows, chunk = calibration.max_rows, calibration.prompt_chunk
-                engine = cls(loaded, max_batch=rows or 1, prompt_chunk=chunk or 512, joint_steps=joint_steps)
+                rows = rows or row_limit
+                engine = cls(loaded, max_batch=rows, prompt_chunk=chunk or _DEFAULT_PROMPT_CHUNK, joint_steps=joint_steps, host_rows=host_rows)
                 engine.calibration = calibration
+                engine._owns_model = True
             except BaseException as exc:  # handed to the caller
                 box["error"] = exc
                 ready.set()
@@ -100,6 +115,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._owns_model:
+            self.loaded.close()
 
     def new_session(self, max_seq: int | None = None) -> Session:
         """A named session that keeps its KV cache across requests."""
@@ -223,9 +240,11 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._drain(block=self.scheduler.idle)
+            self._drain(block=self.scheduler.idle and not self._jobs)
             if self._stopping:
                 break
+            if self._jobs:
+                self._run_jobs()
             rows = self.scheduler.schedule()
             if not rows:
                 continue
@@ -238,6 +257,8 @@ class Engine:
                     self._fail(req, f"internal error in the engine: {type(exc).__name__}")
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, FinishReason.CANCELLED)
+        for job in self._jobs:
+            job.future.cancel()
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -252,6 +273,8 @@ class Engine:
                 self._cancel(req)
             elif kind == "embed":
                 self._embed(req)  # type: ignore[arg-type]
+            elif kind == "job":
+                self._jobs.append(req)  # type: ignore[arg-type]
             elif kind == "cancel_all":
                 for r in [*self.scheduler.running, *self.scheduler.waiting]:
                     self._cancel(r)
@@ -439,13 +462,130 @@ class Engine:
 
     def _where(self) -> dict[str, Any]:
         """The figures that say where the model ran: its blocks on devices or the host, and which devices."""
-        loaded = self.loaded
-        on_device = bool(loaded.device_ids)
-        return {
-            "device_blocks": loaded.num_blocks if on_device else 0,
-            "host_blocks": 0 if on_device else loaded.num_blocks,
-            "device_ids": list(loaded.device_ids),
-        }
+        loaded, placement = self.loaded, self.loaded.placement
+        if placement is None:  # an encoder: whole on its device, or the host
+            on_device = bool(loaded.device_ids)
+            device_blocks = loaded.num_blocks if on_device else 0
+        else:
+            device_blocks = placement.num_device_blocks
+        return {"device_blocks": device_blocks, "host_blocks": loaded.num_blocks - device_blocks, "device_ids": list(loaded.device_ids)}
+
+    def _decode_bytes(self) -> int:
+        """Bytes a decode step reads besides KV: the weights, wherever they are, and the hidden state over each seam."""
+        model, placement = self.loaded.model, self.loaded.placement
+        if placement is None:
+            return model.weight_nbytes()
+        width = int(model.cfg.hidden_size) * torch.empty((), dtype=model.act).element_size()
+        return model.weight_nbytes() + placement.num_seams * width
+
+    def _rows_now(self) -> int:
+        placement = self.loaded.placement
+        return self.device_rows if placement is None or placement.one_device else self.host_rows
+
+    # -- placement: changes run on the engine thread, between steps -----------------------------
+
+    def run_job(self, work: Callable[[], T], session: Session | None = None) -> Future[T]:
+        """Run `work` on the engine thread between steps, once `session` (if given) has no generation running.
+        The future holds its result or its exception."""
+        future: Future[T] = Future()
+        self._inbox.put(("job", _Job(work, session, future)))  # type: ignore[arg-type]
+        return future
+
+    def _run_jobs(self) -> None:
+        for job in list(self._jobs):
+            if job.session is not None and job.session.busy:
+                continue  # its generation goes on; the job runs after it
+            self._jobs.remove(job)
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(job.work())
+            except Exception as exc:  # handed to the caller
+                job.future.set_exception(exc)
+
+    def _kvs(self) -> list[SessionKV]:
+        """Every KV cache of this model: named sessions, pooled slots, and the sessions of queued or running requests."""
+        seen: dict[int, SessionKV] = {}
+        sessions = [*self.sessions.list(), *self.slots, *(r.session for r in [*self.scheduler.running, *self.scheduler.waiting])]
+        for s in sessions:
+            seen[id(s.kv)] = s.kv
+        return list(seen.values())
+
+    def _placed(self) -> None:
+        """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""
+        self.scheduler.max_batch = self._rows_now()
+        self.joint.timings.clear()  # conditions changed: auto measures again
+        self._weight_bytes = self._decode_bytes()
+
+    def _placement(self):
+        if self.loaded.placement is None:
+            raise ValueError(f"model {self.loaded.name} is an embedding model: it runs whole on its device, with no placement to change")
+        return self.loaded.placement
+
+    def relocate(self, first: int, last: int, to: str, session: Session | None = None) -> Future[None]:
+        """Move blocks first..last (0 is embed) to `to` (host or one of the model's devices), with every session's KV."""
+
+        def work() -> None:
+            self._placement().move(first, last, to, self._kvs())
+            self._placed()
+
+        return self.run_job(work, session)
+
+    def replace(self, devices: list[str], gpu_layers: int = -1, session: Session | None = None) -> Future[None]:
+        """Re-place every block over `devices` (none: all home to the host), at most `gpu_layers` on them (-1: all that fit)."""
+
+        def work() -> None:
+            placement = self._placement()
+            places = placement.plan(devices, gpu_layers, self._spendable)
+            placement.apply(places, self._kvs())
+            self._placed()
+
+        return self.run_job(work, session)
+
+    def set_page_budget(self, budget: int) -> Future[None]:
+        """Change the host page budget: blocks are read in or dropped to fit it."""
+
+        def work() -> None:
+            self._placement().pager.set_budget(budget)
+
+        return self.run_job(work)
+
+    def tune_seam(self, session: Session | None = None) -> Future[list[SeamCandidate]]:
+        """Time decode for candidate device-block counts that fit and keep the fastest. -> what each count measured."""
+        return self.run_job(self._tune_seam, session)
+
+    def _spendable(self, device: str) -> int:
+        pager = self._placement().pager
+        return spendable_bytes(device, pager.budget if pager.budget is not None else pager.resident_bytes())
+
+    def _tune_seam(self) -> list[SeamCandidate]:
+        placement = self._placement()
+        devices = placement.device_ids or placement.devices
+        if not devices:
+            raise ValueError(f"model {self.loaded.name} was loaded without devices: it has no seam to move")
+        most = sum(p != HOST for p in placement.plan(devices, -1, self._spendable))
+        counts = sorted({0, most // 4, most // 2, (3 * most) // 4, most})
+        out: list[SeamCandidate] = []
+        for n in counts:
+            placement.apply(placement.plan(devices, n, self._spendable), self._kvs())
+            out.append(SeamCandidate(n, self._decode_rate()))
+        best = max(out, key=lambda c: c.decode_tokens_per_second)
+        placement.apply(placement.plan(devices, best.device_blocks, self._spendable), self._kvs())
+        self._placed()
+        return out
+
+    def _decode_rate(self, prompt: int = 8, steps: int = 12) -> float:
+        """Decode tokens/s of one row on a scratch KV cache under the current placement (median step)."""
+        model = self.loaded.model
+        dev = model.device
+        kv = model.new_kv(prompt + steps + 1)
+        model.forward(torch.zeros(prompt, dtype=torch.long, device=dev), torch.arange(prompt, device=dev), [RowSpan(0, prompt, kv)], torch.tensor([prompt - 1], device=dev))
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            model.forward(torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([prompt + i], device=dev), [RowSpan(0, 1, kv)])
+            times.append(time.perf_counter() - t0)
+        return round(1.0 / statistics.median(times[2:]), 2)
 
     def _figures(self, req: Request) -> dict:
         ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
@@ -461,6 +601,21 @@ class Engine:
             "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,
             "bytes_per_token": int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
         }
+
+
+@dataclass(frozen=True)
+class SeamCandidate:
+    """What TuneSeam measured for one count of device blocks."""
+
+    device_blocks: int
+    decode_tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class _Job:
+    work: Callable[[], Any]
+    session: Session | None
+    future: Future
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,11 @@ class JLMFile:
         layers = sorted({int(n.split(".")[1]) for n in self._index if n.startswith("blocks.")})
         return [p for p in ("embed",) if self.block_nbytes(p)] + [f"blocks.{i}" for i in layers] + [p for p in ("head",) if self.block_nbytes(p)]
 
+    def locate(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        """Where a tensor's bytes are: (dtype, shape, offset in the file, byte count), for reads that bypass the map."""
+        dtype, shape, start, end = self._index[name]
+        return dtype, shape, self._data_start + start, end - start
+
     def block(self, prefix: str) -> dict[str, torch.Tensor]:
         """The tensors of one block (`embed`, `blocks.3`, `head`), keyed by the name after the prefix."""
         p = prefix + "."

@@ -19,6 +19,7 @@ class SessionKV:
     """K and V for every attention block of one session: [num_kv_heads, capacity, head_dim] per block.
 
     Storage grows on demand up to `capacity` (the session's -max-seq), so a session costs what it uses.
+    Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries them across.
     """
 
     def __init__(
@@ -28,7 +29,7 @@ class SessionKV:
         head_dim: int,
         capacity: int,
         dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | list[torch.device] = "cpu",
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -37,7 +38,7 @@ class SessionKV:
         self.head_dim = head_dim
         self.capacity = capacity
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.devices = list(device) if isinstance(device, list) else [torch.device(device)] * num_layers
         self.length = 0  # positions filled
         self._bytes_per_position = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self._allocated = 0
@@ -64,14 +65,32 @@ class SessionKV:
         shape = (self.num_kv_heads, new, self.head_dim)
         ks, vs = [], []
         for i in range(self.num_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k = torch.empty(shape, dtype=self.dtype, device=self.devices[i])
+            v = torch.empty(shape, dtype=self.dtype, device=self.devices[i])
             if self._allocated:
                 k[:, : self.length] = self.k[i][:, : self.length]
                 v[:, : self.length] = self.v[i][:, : self.length]
             ks.append(k)
             vs.append(v)
         self.k, self.v, self._allocated = ks, vs, new
+
+    @property
+    def device(self) -> torch.device:
+        """Where the first layer's K/V are (the masks of a forward are built there)."""
+        return self.devices[0]
+
+    def move(self, layer: int, device: torch.device) -> None:
+        """Carry one layer's K/V (the positions filled) to `device`, where its block now runs."""
+        if self.devices[layer] == device:
+            return
+        self.devices[layer] = device
+        if self._allocated:
+            self.k[layer] = self.k[layer].to(device)
+            self.v[layer] = self.v[layer].to(device)
+
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's K/V storage now."""
+        return self.nbytes() // max(1, self.num_layers)
 
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (prefix reuse, reset)."""
@@ -93,6 +112,7 @@ class RowSpan:
     kv: SessionKV
     mask: torch.Tensor | None = field(default=None)
     key_start: int = 0
+    _moved: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def pos(self) -> int:
@@ -116,3 +136,12 @@ class RowSpan:
         if window:
             mask &= keys[None, :] > queries[:, None] - window
         self.mask = mask.repeat(group, 1) if group > 1 else mask  # [group*n, keys]
+        self._moved.clear()
+
+    def mask_on(self, device: torch.device) -> torch.Tensor | None:
+        """The mask on a layer's device (a copy made once per forward when the layers span places)."""
+        if self.mask is None or self.mask.device == device:
+            return self.mask
+        if device not in self._moved:
+            self._moved[device] = self.mask.to(device)
+        return self._moved[device]

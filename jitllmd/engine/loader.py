@@ -13,15 +13,18 @@ from typing import Any, TypeVar
 import torch
 
 from .chat import ChatTemplate
+from .devices import device_info
 from .jlm import JLMFile
 from .kv import SessionKV
 from .models import ENCODER_ARCHS, DecoderModel, build_model
+from .pager import BlockReader, Pager
+from .placement import Placement
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
 T = TypeVar("T")
 
-__all__ = ["LoadedModel", "cached_conversion", "compute_dtype", "load_model", "on_own_thread"]
+__all__ = ["LoadedModel", "cached_conversion", "compute_dtype", "load_model", "on_own_thread", "spendable_bytes"]
 
 
 def compute_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
@@ -41,7 +44,18 @@ class LoadedModel:
     chat: ChatTemplate
     context_length: int
     max_seq: int  # default KV capacity of a session
-    device_ids: list[str]  # the devices its blocks are on; empty: every block is a host block
+    devices: list[str]  # the devices it was loaded with: its blocks may be placed on these (empty: host only)
+    placement: Placement | None = None  # a decoder's blocks on their places; an encoder runs whole on its device
+
+    @property
+    def device_ids(self) -> list[str]:
+        """The devices holding its blocks now; empty: every block is a host block."""
+        return self.placement.device_ids if self.placement is not None else list(self.devices)
+
+    def close(self) -> None:
+        """Let go of the weights, the pager's thread and its file now (the engine has stopped)."""
+        if self.placement is not None:
+            self.placement.close()
 
     @property
     def embeds(self) -> bool:
@@ -106,18 +120,25 @@ def load_model(
     path: str | Path,
     *,
     name: str | None = None,
-    device: str | None = None,
+    devices: list[str] | None = None,
+    gpu_layers: int = -1,
+    sessions: int = 1,
     max_seq: int | None = None,
+    page_budget: int | None = None,
+    read_ahead: bool = True,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
-    """Open a .jlm and build its model on the host, or wholly on `device` (a name from the device grammar, `cpu`
-    included). Raises JLMError / ValueError with one-line messages."""
+    """Open a .jlm and place its blocks: on `devices` (names from the device grammar, `cpu` included) from the head
+    backwards, at most `gpu_layers` of them (-1: as many as fit beside the KV of `sessions` sessions), the rest on the
+    host, where at most `page_budget` bytes stay resident (None: all) and the others are read for their turn.
+    An encoder runs whole on the first device, or the host. Raises JLMError / ValueError with one-line messages."""
     path = Path(path)
+    devices = list(devices or [])
     jlm = JLMFile(path)
     meta = jlm.meta
-    dev = torch.device(device or "cpu")
+    first = torch.device(devices[0] if devices else "cpu")
     stored = next((jlm.tensor(n).dtype for n in jlm.names if n.startswith("blocks.")), torch.float32)
-    model = build_model(jlm, compute_dtype(stored, dev), dev, on_progress)
+    dtype = compute_dtype(stored, first)
     special = meta.get("special_tokens", {})
     tokenizer = Tokenizer(
         meta["tokenizer"],
@@ -129,11 +150,15 @@ def load_model(
     context = int(jlm.config.get("max_position_embeddings", 4096))
     if max_seq is not None and max_seq < 1:
         raise ValueError(f"max_seq must be >= 1, got {max_seq}")
+    placement = None
     if jlm.arch in ENCODER_ARCHS:  # an encoder keeps no KV: its room is the longest input it takes
+        model = build_model(jlm, dtype, first, on_progress)
         cap = int(jlm.config.get("max_seq_length", context))
     else:
-        probe = model.new_kv(1)
-        cap = min(max_seq, context) if max_seq else default_max_seq(context, probe.bytes_per_position())
+        model = build_model(jlm, dtype, first)
+        per_position = model.new_kv(1).bytes_per_position()
+        cap = min(max_seq, context) if max_seq else default_max_seq(context, per_position)
+        placement = _place(model, jlm, devices, gpu_layers, sessions * cap * per_position // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
     return LoadedModel(
         name=name or path.name.removesuffix(".jlm"),
         path=path,
@@ -143,6 +168,28 @@ def load_model(
         chat=chat,
         context_length=context,
         max_seq=cap,
-        device_ids=[device] if device else [],
+        devices=devices,
+        placement=placement,
     )
 
+
+def _place(model, jlm: JLMFile, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool, on_progress) -> Placement:
+    pager = Pager(BlockReader(jlm), model.layouts, lambda name, parts: None, budget=None, read_ahead=read_ahead)
+    if page_budget is not None:
+        pager.check_budget(page_budget)
+    pager.budget = page_budget
+    placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes)
+    model.placement = placement
+    places = placement.plan(devices, gpu_layers, lambda d: spendable_bytes(d, page_budget))
+    try:
+        placement.apply(places, [], on_progress)
+    except BaseException:
+        pager.close()
+        raise
+    return placement
+
+
+def spendable_bytes(device: str, page_budget: int | None) -> int:
+    """Free memory a device can take blocks into: the driver's figure; the CPU's, less the host page budget."""
+    info = device_info(device)
+    return max(0, info.free_bytes - (page_budget or 0)) if info.kind == "cpu" else info.free_bytes

@@ -15,7 +15,7 @@ from connectrpc.errors import ConnectError
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
 from ..engine.convert import ConvertError, convert
-from ..engine.devices import available_devices, cpu_name, device_info, host_memory
+from ..engine.devices import available_devices, cpu_name, device_info, host_memory, parse_devices
 from ..engine.jlm import JLMError, JLMFile
 from ..engine.kv import RoomError
 from ..engine.loader import on_own_thread
@@ -33,7 +33,6 @@ __all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_
 log = logging.getLogger("jitllmd.serve")
 
 _STATE = {RequestState.WAITING: ses.REQUEST_STATE_WAITING, RequestState.PREFILL: ses.REQUEST_STATE_PREFILL, RequestState.DECODE: ses.REQUEST_STATE_DECODE}
-PLACEMENT_LATER = "moving blocks at runtime and the host pager are not built yet: a model stays where it was loaded"
 
 
 class ErrorMapper:
@@ -226,10 +225,18 @@ class Devices(DeviceService):
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
+    def _budgets(self) -> tuple[int | None, int]:
+        """The loaded models' host page budgets together (None when none has one), and the part not yet resident."""
+        pagers = [m.engine.loaded.placement.pager for m in self.catalog.loaded() if m.engine.loaded.placement is not None]
+        budgets = [(p.budget, p.resident_bytes()) for p in pagers if p.budget is not None]
+        if not budgets:
+            return self.catalog.config.maxmem, self.catalog.config.maxmem or 0
+        return sum(b for b, _ in budgets), sum(max(0, b - r) for b, r in budgets)
+
     def _device(self, device_id: str) -> dev.Device:
         info = device_info(device_id)
-        budget = self.catalog.config.maxmem or 0
-        spendable = max(0, info.free_bytes - budget) if info.kind == "cpu" else info.free_bytes
+        unspent = self._budgets()[1]  # the pager may still read this much into host memory
+        spendable = max(0, info.free_bytes - unspent) if info.kind == "cpu" else info.free_bytes
         return dev.Device(
             id=info.id, kind=info.kind, name=info.name, total_bytes=info.total_bytes, free_bytes=info.free_bytes,
             spendable_bytes=spendable, opened=info.id in self.catalog.devices,
@@ -238,8 +245,9 @@ class Devices(DeviceService):
     async def list_devices(self, request: dev.ListDevicesRequest, ctx: Any) -> dev.ListDevicesResponse:
         total, available = host_memory()
         host = dev.HostMemory(total_bytes=total, available_bytes=available, num_cpus=os.cpu_count() or 1, cpu_name=cpu_name())
-        if self.catalog.config.maxmem is not None:
-            host.page_budget_bytes = self.catalog.config.maxmem
+        budget = self._budgets()[0]
+        if budget is not None:
+            host.page_budget_bytes = budget
         return dev.ListDevicesResponse(devices=[self._device(d) for d in available_devices()], host=host)
 
     async def get_device(self, request: dev.GetDeviceRequest, ctx: Any) -> dev.GetDeviceResponse:
@@ -268,9 +276,13 @@ class Sessions(SessionService):
     async def create_session(self, request: ses.CreateSessionRequest, ctx: Any) -> ses.CreateSessionResponse:
         served = model_of(self.catalog, request.model)
         loaded = served.engine.loaded
-        if request.devices and request.devices.split(",") != loaded.device_ids:
-            where = ", ".join(loaded.device_ids) or "the host"
-            raise ConnectError(Code.FAILED_PRECONDITION, f"devices {request.devices!r}: model {served.id} runs on {where}; a session runs where its model is ({PLACEMENT_LATER})")
+        asked = parse_devices(request.devices) if request.devices else []
+        if any(d not in loaded.devices for d in asked):
+            where = ", ".join(loaded.devices) or "no device"
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"devices {request.devices!r}: model {served.id} was loaded with {where}; a session's KV lives with its model's blocks, on those devices or the host",
+            )
         max_seq = request.max_seq if request.HasField("max_seq") else None
         if max_seq is not None and not 1 <= max_seq <= loaded.context_length:
             raise ConnectError(Code.INVALID_ARGUMENT, f"max_seq must be between 1 and the model's context {loaded.context_length}, got {max_seq}")

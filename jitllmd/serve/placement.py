@@ -1,39 +1,74 @@
-"""PlacementService: where each block of a model is, read from the loaded model; moving blocks is not built yet."""
+"""PlacementService: where each block of a model is, moving blocks with their KV, the seam, and the host pager's budget."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.devices import parse_devices
+from ..engine.placement import HOST, layer_of
 from ..engine.sessions import Session
 from ..gen.jitllm.v1 import placement_pb2 as plc
 from ..gen.jitllm.v1.placement_connect import PlacementService
-from .control import PLACEMENT_LATER, model_of, session_of
+from .control import model_of, session_of
 
 __all__ = ["Placement"]
+
+_RESIDENCY = {"device": plc.RESIDENCY_DEVICE, "resident": plc.RESIDENCY_RESIDENT, "paged": plc.RESIDENCY_PAGED}
+RELOCATION_WHY = (
+    "automatic relocation is not offered: a block moved while requests run costs a whole block's copy for a gain "
+    "that depends on traffic the server cannot foresee; TuneSeam measures the seam on request and moves it to the fastest"
+)
 
 
 def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     loaded = served.engine.loaded
-    place = loaded.device_ids[0] if loaded.device_ids else "host"
-    residency = plc.RESIDENCY_DEVICE if loaded.device_ids else plc.RESIDENCY_RESIDENT
+    placement = loaded.placement
     names = loaded.jlm.block_names
-    kv_per_layer = session.kv.nbytes() // max(1, int(loaded.model.cfg.num_layers)) if session is not None else 0
+    kv_layer = session.kv.layer_nbytes() if session is not None else 0
+    if placement is None:  # an encoder: whole on its device, or the host
+        place = loaded.device_ids[0] if loaded.device_ids else HOST
+        residency = plc.RESIDENCY_DEVICE if loaded.device_ids else plc.RESIDENCY_RESIDENT
+        blocks = [plc.BlockPlacement(index=i, name=n, place=place, bytes=loaded.jlm.block_nbytes(n), residency=residency) for i, n in enumerate(names)]
+        on_device = len(blocks) if loaded.device_ids else 0
+        return plc.Placement(model=served.id, session_id=session.id if session else "", blocks=blocks, device_blocks=on_device, host_blocks=len(blocks) - on_device)
+    places = list(placement.places)
     blocks = [
         plc.BlockPlacement(
-            index=i, name=name, place=place, bytes=loaded.jlm.block_nbytes(name),
-            kv_bytes=kv_per_layer if name.startswith("blocks.") else 0, residency=residency,
+            index=i, name=name, place=places[i], bytes=placement.block_bytes[i],
+            kv_bytes=kv_layer if layer_of(name) is not None else 0, residency=_RESIDENCY[placement.residency(i)],
         )
-        for i, name in enumerate(names)
+        for i, name in enumerate(placement.names)
     ]
-    on_device = len(blocks) if loaded.device_ids else 0
+    on_device = sum(p != HOST for p in places)
     return plc.Placement(
         model=served.id, session_id=session.id if session else "", blocks=blocks,
-        device_blocks=on_device, host_blocks=len(blocks) - on_device, num_seams=0,
+        device_blocks=on_device, host_blocks=len(blocks) - on_device, num_seams=sum(a != b for a, b in zip(places, places[1:])),
     )
+
+
+def _residency(served: ServedModel) -> plc.GetResidencyResponse:
+    loaded = served.engine.loaded
+    placement = loaded.placement
+    if placement is None:
+        raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} is an embedding model: it runs whole on its device, with no pager")
+    pager = placement.pager
+    stats = dict(pager.reader.stats)
+    blocks = []
+    for i, name in enumerate(placement.names):
+        s = stats.get(name)
+        blocks.append(plc.BlockResidency(
+            index=i, name=name, residency=_RESIDENCY[placement.residency(i)], bytes=placement.block_bytes[i],
+            reads=s.reads if s else 0, read_ms=round(s.seconds * 1000, 3) if s else 0.0,
+        ))
+    out = plc.GetResidencyResponse(model=served.id, blocks=blocks, resident_bytes=pager.resident_bytes())
+    if pager.budget is not None:
+        out.page_budget_bytes = pager.budget
+    return out
 
 
 class Placement(PlacementService):
@@ -51,33 +86,39 @@ class Placement(PlacementService):
         return plc.GetPlacementResponse(placement=_placement(*self._target(request.session_id, request.model)))
 
     async def get_residency(self, request: plc.GetResidencyRequest, ctx: Any) -> plc.GetResidencyResponse:
-        served = model_of(self.catalog, request.model)
-        placement = _placement(served, None)
-        blocks = [plc.BlockResidency(index=b.index, name=b.name, residency=b.residency, bytes=b.bytes) for b in placement.blocks]
-        out = plc.GetResidencyResponse(model=served.id, blocks=blocks, resident_bytes=sum(b.bytes for b in blocks))
-        if self.catalog.config.maxmem is not None:
-            out.page_budget_bytes = self.catalog.config.maxmem
-        return out
+        return _residency(model_of(self.catalog, request.model))
 
     async def set_placement(self, request: plc.SetPlacementRequest, ctx: Any) -> plc.SetPlacementResponse:
-        self._target(request.session_id, request.model)
-        raise ConnectError(Code.UNIMPLEMENTED, f"SetPlacement: {PLACEMENT_LATER}")
+        served, session = self._target(request.session_id, request.model)
+        devices = parse_devices(request.devices)  # the grammar; an unknown device is a ValueError naming what exists
+        gpu_layers = request.gpu_layers if request.HasField("gpu_layers") else -1
+        if gpu_layers < -1:
+            raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {gpu_layers}")
+        await asyncio.wrap_future(served.engine.replace(devices, gpu_layers, session))
+        return plc.SetPlacementResponse(placement=_placement(served, session))
 
     async def relocate_blocks(self, request: plc.RelocateBlocksRequest, ctx: Any) -> plc.RelocateBlocksResponse:
-        served, _ = self._target(request.session_id, request.model)
-        last = served.engine.loaded.num_blocks - 1
-        if request.first > request.last or request.last > last:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"blocks {request.first}:{request.last}: give first <= last within 0:{last}")
-        raise ConnectError(Code.UNIMPLEMENTED, f"RelocateBlocks: {PLACEMENT_LATER}")
+        served, session = self._target(request.session_id, request.model)
+        if not request.to:
+            raise ConnectError(Code.INVALID_ARGUMENT, "to: give host or a device id")
+        await asyncio.wrap_future(served.engine.relocate(request.first, request.last, request.to, session))
+        return plc.RelocateBlocksResponse(placement=_placement(served, session))
 
     async def set_relocation(self, request: plc.SetRelocationRequest, ctx: Any) -> plc.SetRelocationResponse:
         model_of(self.catalog, request.model)
-        raise ConnectError(Code.UNIMPLEMENTED, f"SetRelocation: {PLACEMENT_LATER}")
+        if not request.enabled:
+            return plc.SetRelocationResponse(enabled=False)  # off is what there is
+        raise ConnectError(Code.UNIMPLEMENTED, RELOCATION_WHY)
 
     async def tune_seam(self, request: plc.TuneSeamRequest, ctx: Any) -> plc.TuneSeamResponse:
-        self._target(request.session_id, request.model)
-        raise ConnectError(Code.UNIMPLEMENTED, f"TuneSeam: {PLACEMENT_LATER}")
+        served, session = self._target(request.session_id, request.model)
+        measured = await asyncio.wrap_future(served.engine.tune_seam(session))
+        candidates = [plc.SeamCandidate(device_blocks=c.device_blocks, decode_tokens_per_second=c.decode_tokens_per_second) for c in measured]
+        return plc.TuneSeamResponse(candidates=candidates, placement=_placement(served, session))
 
     async def set_page_budget(self, request: plc.SetPageBudgetRequest, ctx: Any) -> plc.SetPageBudgetResponse:
-        model_of(self.catalog, request.model)
-        raise ConnectError(Code.UNIMPLEMENTED, f"SetPageBudget: {PLACEMENT_LATER}")
+        served = model_of(self.catalog, request.model)
+        if request.budget_bytes == 0:
+            raise ConnectError(Code.INVALID_ARGUMENT, "budget_bytes: give the host page budget in bytes (more than 0)")
+        await asyncio.wrap_future(served.engine.set_page_budget(request.budget_bytes))
+        return plc.SetPageBudgetResponse(residency=_residency(served))

@@ -15,11 +15,17 @@ __all__ = ["ENCODER_ARCHS", "FAMILIES", "DecoderModel", "EncoderModel", "build_m
 
 
 class DecoderModel(Protocol):
-    """What the engine needs of a decoder family: one forward over a packed batch, and session KV."""
+    """What the engine needs of a decoder family: its blocks' parts and how to build each (placement puts them on
+    their places and pages the host ones), one forward over a packed batch, and session KV."""
 
     cfg: Any
     dtype: torch.dtype
+    act: torch.dtype  # the dtype of activations and KV
     device: torch.device
+    layouts: dict[str, dict[str, list[str]]]
+    placement: Any
+
+    def build(self, name: str, parts: dict[str, Any], device: torch.device) -> Any: ...
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[RowSpan], logits_at: torch.Tensor | None = None
@@ -49,14 +55,12 @@ FAMILIES.update({arch: (bert.BertConfig, bert.BertModel) for arch in bert.ARCHS}
 ENCODER_ARCHS = frozenset(bert.ARCHS)
 
 
-def build_model(
-    jlm: JLMFile,
-    dtype: torch.dtype,
-    device: torch.device,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> DecoderModel:
-    """Build the model a .jlm describes, computing in `dtype` on `device`."""
+def build_model(jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int, int], None] | None = None) -> Any:
+    """The model a .jlm describes, computing in `dtype`: an encoder built whole on `device`; a decoder without its
+    blocks, which the loader places (engine/placement.py)."""
     if jlm.arch not in FAMILIES:
         raise ValueError(f"{jlm.path}: arch {jlm.arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})")
     config_cls, model_cls = FAMILIES[jlm.arch]
-    return model_cls(config_cls.from_dict(jlm.config), jlm, dtype, device, on_progress)
+    if jlm.arch in ENCODER_ARCHS:
+        return model_cls(config_cls.from_dict(jlm.config), jlm, dtype, device, on_progress)
+    return model_cls(config_cls.from_dict(jlm.config), jlm, dtype)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
 from ..kv import RowSpan, SessionKV
+from ..placement import Placement
 
-__all__ = ["ARCHS", "LlamaConfig", "LlamaModel"]
+__all__ = ["ARCHS", "DecoderBlock", "Embed", "Head", "LlamaConfig", "LlamaModel", "layouts"]
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Up to this many tokens (decode rows of a batched step), f32 projections stay weight-stationary row-block GEMMs:
@@ -137,31 +138,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderBlock:
-    """One transformer layer: attention with its session KV, then the gated MLP."""
+    """One transformer layer: attention with its session KV, then the gated MLP. Built from the parts
+    `LlamaModel.layouts` names (q, k and v stacked into qkv; gate and up into gate_up: fewer, wider GEMVs)."""
 
-    def __init__(
-        self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int
-    ):
+    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int):
         self.index = index
         self.act = act  # the residual stream, norms, RoPE and attention; projections run in the weights' dtype
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)
-        self.input_norm = t["input_layernorm.weight"].to(act)
-        self.post_norm = t["post_attention_layernorm.weight"].to(act)
-        a = "self_attn."
-        # q, k and v share one projection call; gate and up another (fewer, wider GEMVs).
-        qkv = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]).to(dtype)
-        bias = None
-        if a + "q_proj.bias" in t:
-            bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]).to(dtype)
-        self.qkv = Linear(qkv, bias, upcast=upcast, chunks=chunks)
-        self.o = Linear(cast(t[a + "o_proj.weight"]), None, upcast=upcast, chunks=chunks)
-        self.q_norm = t[a + "q_norm.weight"].to(act) if cfg.qk_norm else None
-        self.k_norm = t[a + "k_norm.weight"].to(act) if cfg.qk_norm else None
-        gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]).to(dtype)
-        self.gate_up = Linear(gate_up, None, upcast=upcast, chunks=chunks)
-        self.down = Linear(cast(t["mlp.down_proj.weight"]), None, upcast=upcast, chunks=chunks)
+        self.input_norm = t["input_norm"].to(act)
+        self.post_norm = t["post_norm"].to(act)
+        bias = cast(t["qkv_bias"]) if "qkv_bias" in t else None
+        self.qkv = Linear(cast(t["qkv"]), bias, upcast=upcast, chunks=chunks)
+        self.o = Linear(cast(t["o"]), None, upcast=upcast, chunks=chunks)
+        self.q_norm = t["q_norm"].to(act) if cfg.qk_norm else None
+        self.k_norm = t["k_norm"].to(act) if cfg.qk_norm else None
+        self.gate_up = Linear(cast(t["gate_up"]), None, upcast=upcast, chunks=chunks)
+        self.down = Linear(cast(t["down"]), None, upcast=upcast, chunks=chunks)
         self.intermediate = cfg.intermediate_size
 
     def nbytes(self) -> int:
@@ -197,50 +191,108 @@ class DecoderBlock:
         n, p = row.num_tokens, kv.length
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         g = H // Hkv
-        kc, vc = kv.k[self.index], kv.v[self.index]  # [Hkv, cap, D]
+        kc, vc = kv.k[self.index], kv.v[self.index]  # [Hkv, cap, D], on this block's place
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
         qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D)
         # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
         ks = row.key_start
-        out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask)
+        out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask_on(kc.device))
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
 
-class LlamaModel:
-    """embed -> blocks -> head, on one device, computing in `dtype`."""
+class Embed:
+    """The token embedding: a table on its place, or a paged one that reads only a step's rows from the file."""
 
-    def __init__(self, cfg: LlamaConfig, jlm: JLMFile, dtype: torch.dtype, device: str = "cpu", progress=None):
+    def __init__(self, table: Any, dtype: torch.dtype, act: torch.dtype):
+        self.paged = hasattr(table, "rows")
+        self.table = table if self.paged or table.dtype == dtype else table.to(dtype)  # [V, hidden]
+        self.dtype, self.act = dtype, act
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.rows(token_ids) if self.paged else F.embedding(token_ids, self.table)  # [T, hidden]
+        return rows.to(self.dtype).to(self.act)  # the stored dtype, then the compute dtype, as resident rows go
+
+
+class Head:
+    """Final norm and LM head: hidden states -> f32 logits."""
+
+    def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int):
+        self.norm = norm.to(act)
+        self.lm = Linear(lm if lm.dtype == dtype else lm.to(dtype), None, upcast=upcast, chunks=chunks)
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(rms_norm(x, self.norm, self.eps)).float()  # [T, V]
+
+    def nbytes(self) -> int:
+        return self.lm.nbytes() + self.norm.numel() * self.norm.element_size()
+
+
+def layouts(cfg: LlamaConfig, names: set[str]) -> dict[str, dict[str, list[str]]]:
+    """Each block's parts as the modules want them, from the .jlm's tensor names (stacked along dim 0)."""
+    out: dict[str, dict[str, list[str]]] = {"embed": {"table": ["embed.weight"]}}
+    for i in range(cfg.num_layers):
+        p, a = f"blocks.{i}.", f"blocks.{i}.self_attn."
+        block = {
+            "input_norm": [p + "input_layernorm.weight"],
+            "post_norm": [p + "post_attention_layernorm.weight"],
+            "qkv": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+            "o": [a + "o_proj.weight"],
+            "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            "down": [p + "mlp.down_proj.weight"],
+        }
+        if a + "q_proj.bias" in names:
+            block["qkv_bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        if cfg.qk_norm:
+            block["q_norm"], block["k_norm"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
+        out[f"blocks.{i}"] = block
+    untied = not cfg.tie_word_embeddings and "head.lm_head.weight" in names
+    out["head"] = {"norm": ["head.norm.weight"], "lm": ["head.lm_head.weight" if untied else "embed.weight"]}
+    return out
+
+
+class LlamaModel:
+    """embed -> blocks -> head, each block on its place (engine/placement.py), computing in `dtype`."""
+
+    def __init__(self, cfg: LlamaConfig, jlm: JLMFile, dtype: torch.dtype):
         self.cfg = cfg
         self.dtype = dtype
-        self.device = torch.device(device)
-        cpu = self.device.type == "cpu"
-        upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device.type)
-        chunks = torch.get_num_threads() if cpu and dtype == torch.float32 else 1
-        # Where bf16 is emulated, everything but the projections runs in f32 (K/V included): fewer conversions,
-        # faster there, and never less exact. Elsewhere activations follow the weights, as transformers does.
-        self.act = torch.float32 if upcast else dtype  # K/V are stored in this dtype too
-        embed = jlm.block("embed")["weight"]
-        self.embed = embed if embed.dtype == dtype else embed.to(dtype)  # [V, hidden]
-        self.blocks: list[DecoderBlock] = []
-        for i in range(cfg.num_layers):
-            self.blocks.append(DecoderBlock(cfg, i, jlm.block(f"blocks.{i}"), dtype, self.act, upcast, chunks))
-            if progress is not None:
-                progress(i + 1, cfg.num_layers)
-        head = jlm.block("head")
-        self.norm = head["norm.weight"].to(self.act)
-        lm = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in head else head["lm_head.weight"].to(dtype)
-        self.lm_head = Linear(lm, None, upcast=upcast, chunks=chunks)
+        # Where bf16 is emulated on the CPU (host blocks always run there), everything but the projections runs in
+        # f32 (K/V included): fewer conversions, faster there, never less exact. Elsewhere activations follow the weights.
+        self.act = torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_native("cpu") else dtype
+        self.layouts = layouts(cfg, set(jlm.names))
         self.inv_freq = rope_inv_freq(cfg)
         self.group = cfg.num_heads // cfg.num_kv_heads
+        self.placement: Placement | None = None  # set by the loader
+
+    def build(self, name: str, parts: dict[str, Any], device: torch.device) -> Any:
+        """The runnable block `name` from its parts, already on `device`."""
+        upcast = self.dtype == torch.bfloat16 and not bf16_matmul_native(device.type)
+        chunks = torch.get_num_threads() if device.type == "cpu" and self.dtype == torch.float32 else 1
+        if name == "embed":
+            return Embed(parts["table"], self.dtype, self.act)
+        if name == "head":
+            return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype, self.act, upcast, chunks)
+        index = int(name.split(".", 1)[1])
+        return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, upcast, chunks)
+
+    @property
+    def device(self) -> torch.device:
+        """Where a forward's inputs go: the token embedding's place."""
+        assert self.placement is not None
+        return self.placement.device_of(0)
 
     def new_kv(self, capacity: int) -> SessionKV:
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.act, self.device)
+        devices = self.placement.kv_devices() if self.placement is not None else [torch.device("cpu")] * c.num_layers
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.act, devices)
 
     def weight_nbytes(self) -> int:
-        return sum(b.nbytes() for b in self.blocks) + self.lm_head.nbytes()
+        """Weight bytes a decode step reads (every block but the embedding table, of which it reads a row)."""
+        assert self.placement is not None
+        return self.placement.decode_bytes()
 
     @torch.inference_mode()
     def forward(
@@ -252,24 +304,36 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run a packed batch. token_ids, positions: [T]; rows cover [0, T) in order.
 
-        Each row's K/V are written at its session position, which then advances by the row's tokens.
-        Returns f32 logits [len(logits_at), V] (every token when logits_at is None).
+        Each row's K/V are written at its session position, which then advances by the row's tokens. The hidden
+        state crosses each seam to the next block's device. Returns f32 logits [len(logits_at), V] (every token
+        when logits_at is None).
         """
+        assert self.placement is not None
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)
             row.build_mask(self.group, self.cfg.sliding_window)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         half = emb.shape[-1] // 2
         sin = emb.sin()
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the sign rotate_half puts on x2
-        cos, sin = emb.cos().to(self.act), sin.to(self.act)
-        x = F.embedding(token_ids, self.embed).to(self.act)  # [T, hidden]
-        for block in self.blocks:
-            x = block(x, cos, sin, rows)
-        for row in rows:
-            row.kv.length += row.num_tokens
-        if logits_at is not None:
-            x = x[logits_at]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        rope = {positions.device: (emb.cos().to(self.act), sin.to(self.act))}
+        walk = self.placement.walk()
+        try:
+            embed, dev = next(walk)
+            x = embed(token_ids.to(dev))  # [T, hidden]
+            for _ in range(self.cfg.num_layers):
+                block, dev = next(walk)
+                x = x.to(dev)  # over a seam, if there is one
+                if dev not in rope:
+                    cos, sin = next(iter(rope.values()))
+                    rope[dev] = (cos.to(dev), sin.to(dev))
+                x = block(x, *rope[dev], rows)
+            for row in rows:
+                row.kv.length += row.num_tokens
+            if logits_at is not None:
+                x = x[logits_at.to(x.device)]
+            head, dev = next(walk)
+            return head(x.to(dev))
+        finally:
+            walk.close()
