@@ -93,7 +93,8 @@ def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
     done(engine.generate(ids[:32], greedy, max_tokens=8, ignore_eos=True))  # warm up
     decode = [done(engine.generate(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True)).figures["decode_tokens_per_second"]
               for _ in range(REPEATS)]
-    prefill = [done(engine.generate(ids, greedy, max_tokens=1)).figures["prefill_ms"] / 1000 for _ in range(REPEATS)]
+    # each prefill in a fresh session: a pooled slot would reuse the last run's prompt and feed one token
+    prefill = [done(engine.generate(ids, greedy, max_tokens=1, session=engine.new_session())).figures["prefill_ms"] / 1000 for _ in range(REPEATS)]
     engine.stop()
     return {"prompt_tps": n_prompt / statistics.median(prefill), "decode_tps": statistics.median(decode)}
 

@@ -1,7 +1,7 @@
 """Decode speed and file reads under a host page budget: SmolLM2 with 100%, 50%, 25% and 10% of its bytes resident.
 
     python bench/pager.py                     # bf16, 3 rounds, 32-token prompt, 64 decoded tokens
-    python bench/pager.py --dtype f32 --rounds 5 --no-read-ahead
+    python bench/pager.py --dtype f32 --rounds 5 --read-ahead on
 
 Each round loads the model once per budget (budgets interleaved round by round: these shared machines drift), runs
 a warm-up and a timed greedy generation, and reads the pager's counters. The table shows medians: decode tokens/s
@@ -54,7 +54,7 @@ def sequential_read(path: Path, block: int = 4 << 20) -> float:
         os.close(fd)
 
 
-def measure(path: Path, fraction: float, n: int, read_ahead: bool) -> dict[str, float]:
+def measure(path: Path, fraction: float, n: int, read_ahead: bool | None) -> dict[str, float]:
     from jitllmd.engine.engine import Engine
     from jitllmd.engine.request import Done
     from jitllmd.engine.sampler import SamplingParams
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=64, help="decoded tokens per timed run")
-    ap.add_argument("--no-read-ahead", action="store_true", help="read each paged block when its turn comes, not ahead")
+    ap.add_argument("--read-ahead", choices=("auto", "on", "off"), default="auto", help="read the next paged block while this one runs (auto: where cores are spare)")
     args = ap.parse_args()
 
     import torch
@@ -109,14 +109,14 @@ def main() -> None:
     dd: list[float] = []
     for r in range(args.rounds):
         for f in FRACTIONS:
-            rows[f].append(measure(path, f, args.n, not args.no_read_ahead))
+            rows[f].append(measure(path, f, args.n, {"auto": None, "on": True, "off": False}[args.read_ahead]))
         dd.append(sequential_read(path))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     med = lambda f, k: statistics.median(x[k] for x in rows[f])
     dd_gb_s = statistics.median(dd)
     full = med(1.0, "tok_s")
-    print(f"SmolLM2 {args.dtype}, {path.stat().st_size / 1e6:.0f} MB file, {args.n} decoded tokens, read ahead {'off' if args.no_read_ahead else 'on'}, medians of {args.rounds}")
+    print(f"SmolLM2 {args.dtype}, {path.stat().st_size / 1e6:.0f} MB file, {args.n} decoded tokens, read ahead {args.read_ahead}, medians of {args.rounds}")
     print("| budget | budget MB | resident MB | decode tok/s | vs 100% | read MB/step | pager read GB/s | vs dd |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for f in FRACTIONS:

@@ -99,15 +99,16 @@ def test_moves_between_turns_keep_the_conversation(tiny_serve_jlm, reference) ->
         engine.stop()
 
 
-def test_a_paged_model_gives_the_same_tokens_within_its_budget(tiny_serve_jlm, reference) -> None:
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_paged_model_gives_the_same_tokens_within_its_budget(tiny_serve_jlm, reference, read_ahead: bool) -> None:
     """About a third of the model's bytes resident: the same conversation, resident bytes within the budget, and
-    the paged blocks read from the file at every step."""
+    the paged blocks read from the file at every step (read ahead of their turn, or at it)."""
     probe = Engine.load(tiny_serve_jlm, max_seq=512)
     total = sum(probe.loaded.placement.block_bytes)
     largest = probe.loaded.placement.pager.largest_layer()[1]
     probe.stop()
     budget = max(total // 3, largest)
-    engine = Engine.load(tiny_serve_jlm, max_seq=512, page_budget=budget)
+    engine = Engine.load(tiny_serve_jlm, max_seq=512, page_budget=budget, read_ahead=read_ahead)
     try:
         pager = engine.loaded.placement.pager
         session = engine.new_session()

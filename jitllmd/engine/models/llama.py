@@ -183,7 +183,7 @@ class DecoderBlock:
         x = x + self.o(attn)  # a bf16 projection added to an f32 stream promotes to f32
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
-        return x + self.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
+        return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D]"""
