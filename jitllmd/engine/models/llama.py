@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
+from ..kernels import MAX_ROWS, attend_rows, rows_kernel, rows_linear
 from ..kv import RowSpan, SessionKV
 from ..placement import Placement
 
@@ -95,7 +96,7 @@ class Linear:
     emulated bf16 GEMV, which is still memory-bound.
     """
 
-    __slots__ = ("bias", "chunks", "row_blocks", "upcast", "weight")
+    __slots__ = ("bias", "chunks", "row_blocks", "rows", "upcast", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1):
         self.weight = weight  # [out, in]
@@ -104,9 +105,16 @@ class Linear:
         self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 else 1
         o, i = weight.shape
         self.row_blocks = weight.view(self.chunks, o // self.chunks, i)  # [chunks, out/chunks, in], a view
+        self.rows = (  # the few-row kernel (engine/kernels): each weight row read once for all of a step's rows
+            weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and i % 8 == 0 and rows_kernel() is not None
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self.rows and 0 < T <= MAX_ROWS:
+            y = rows_linear(x, self.weight)  # [T, out] f32, bf16 weights widened exactly: kept in f32, never less exact
+            return y if self.bias is None else y + self.bias
         if self.chunks > 1 and 0 < T <= ROW_BLOCK_MAX_TOKENS:
             c = self.chunks
             y = torch.bmm(x.expand(c, T, x.shape[1]), self.row_blocks.transpose(1, 2))  # [c, T, o/c]: each thread reads its rows once
@@ -173,7 +181,10 @@ class DecoderBlock:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        if len(rows) == 1:
+        if T == len(rows) and self.decode_kernel(x):  # every row feeds one token: one call for all their attention
+            attn = attend_rows(q, k, v, [r.kv.k[self.index] for r in rows], [r.kv.v[self.index] for r in rows],
+                               [r.kv.length + 1 for r in rows], [r.key_start for r in rows])
+        elif len(rows) == 1:
             attn = self.attend(q, k, v, rows[0])
         else:
             attn = torch.empty((T, H * D), dtype=self.act, device=x.device)
@@ -184,6 +195,10 @@ class DecoderBlock:
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
         return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
+
+    def decode_kernel(self, x: torch.Tensor) -> bool:
+        """The decode-attention kernel runs f32 caches on the CPU (engine/kernels), for head sizes it vectorises."""
+        return self.act == torch.float32 and x.device.type == "cpu" and self.head_dim % 8 == 0 and rows_kernel() is not None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D]"""

@@ -1,0 +1,115 @@
+"""Compiled CPU kernels: C sources built once per machine with the system's C compiler, loaded with ctypes.
+
+Where they cannot be (no compiler, not x86 with AVX2 and FMA, a failed build), `rows_kernel` is None and the
+engine runs torch's own ops: the kernels make steps faster, never different in what they compute.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["MAX_ROWS", "attend_rows", "rows_kernel", "rows_linear"]
+
+log = logging.getLogger("jitllmd.kernels")
+
+MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
+_SOURCE = Path(__file__).with_name("rows.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(cache: Path) -> Path | None:
+    """The shared library for this source and these flags, compiled once into `cache` (atomically)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    out = cache / f"rows-{key}.so"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rows-", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+@functools.cache
+def rows_kernel() -> ctypes.CDLL | None:
+    """The few-row projection kernels (rows.c), or None where they cannot run here."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+        return None
+    try:
+        path = _build(Path.home() / ".cache" / "jitllmd" / "kernels")
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("few-row kernels unavailable, using torch's ops: %s", exc)
+        return None
+    for fn in (lib.rows_f32, lib.rows_bf16):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
+    lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_rows.restype = None
+    return lib
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] f32 @ weight [O, K] (f32 or bf16, contiguous, K a multiple of 8).T -> [T, O] f32, T <= MAX_ROWS."""
+    lib = rows_kernel()
+    assert lib is not None
+    x = x.float().contiguous()
+    rows, width = x.shape
+    out = weight.shape[0]
+    y = torch.empty((rows, out), dtype=torch.float32)
+    fn = lib.rows_f32 if weight.dtype == torch.float32 else lib.rows_bf16
+    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, out, torch.get_num_threads())
+    return y
+
+
+def attend_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]
+) -> torch.Tensor:
+    """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] go to position lengths[r] - 1 of
+    keys[r], values[r] ([Hkv, stride, D] f32 contiguous: its session's cache); then q[r] [H, D] attends to positions
+    starts[r] .. lengths[r] - 1. All f32. -> [R, H * D]."""
+    lib = rows_kernel()
+    assert lib is not None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    num_rows, num_heads, dim = q.shape
+    out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
+    meta = torch.tensor(
+        [[t.data_ptr() for t in keys], [t.data_ptr() for t in values], lengths, starts, [t.shape[1] for t in keys]], dtype=torch.int64
+    )  # [5, R]
+    ptr, step = meta.data_ptr(), meta.stride(0) * 8
+    lib.attend_rows(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr, ptr + step, ptr + 2 * step, ptr + 3 * step, ptr + 4 * step,
+        num_rows, num_heads, keys[0].shape[0], dim, dim**-0.5, torch.get_num_threads(),
+    )
+    return out
