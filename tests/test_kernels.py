@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitllmd.engine.kernels import MAX_ROWS, attend_rows, rows_kernel, rows_linear
+from jitllmd.engine.kernels import MAX_ROWS, attend_rows, rms_norm_rows, rows_kernel, rows_linear
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
@@ -47,3 +47,9 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
         vv = values[r][:, starts[r] : lengths[r]].repeat_interleave(H // Hkv, 0)
         ref = F.scaled_dot_product_attention(q[r][:, None, :][None], kk[None], vv[None])[0, :, 0, :].reshape(-1)
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_rows_matches_torch() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(MAX_ROWS, 72, generator=g), torch.randn(72, generator=g)
+    torch.testing.assert_close(rms_norm_rows(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), rtol=1e-5, atol=1e-6)

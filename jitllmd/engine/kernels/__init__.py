@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_rows", "rows_kernel", "rows_linear"]
+__all__ = ["MAX_ROWS", "attend_rows", "rms_norm_rows", "rows_kernel", "rows_linear"]
 
 log = logging.getLogger("jitllmd.kernels")
 
@@ -77,6 +77,8 @@ def rows_kernel() -> ctypes.CDLL | None:
         fn.restype = None
     lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
     lib.attend_rows.restype = None
+    lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.rms_norm_rows.restype = None
     return lib
 
 
@@ -113,3 +115,13 @@ def attend_rows(
         num_rows, num_heads, keys[0].shape[0], dim, dim**-0.5, torch.get_num_threads(),
     )
     return out
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a few f32 rows x [T, D] by an f32 weight [D] (D a multiple of 8), in f32 as Hugging Face does."""
+    lib = rows_kernel()
+    assert lib is not None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y

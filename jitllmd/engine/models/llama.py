@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
-from ..kernels import MAX_ROWS, attend_rows, rows_kernel, rows_linear
+from ..kernels import MAX_ROWS, attend_rows, rms_norm_rows, rows_kernel, rows_linear
 from ..kv import RowSpan, SessionKV
 from ..placement import Placement
 
@@ -132,9 +132,15 @@ class Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: in f32, cast back, then scaled by the weight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and _small_norm(x):
+        return rms_norm_rows(x, weight, eps)  # a step's few rows: one kernel call (engine/kernels)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def _small_norm(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.shape[1] % 8 == 0 and rows_kernel() is not None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
