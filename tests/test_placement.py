@@ -223,3 +223,18 @@ def test_tune_seam_measures_each_count_and_keeps_the_fastest(tiny_serve_jlm) -> 
         assert engine.loaded.placement.num_device_blocks == best.device_blocks
     finally:
         engine.stop()
+
+
+def test_rows_follow_the_placement() -> None:
+    """One device: the step's rows; any host block: -host-concurrency; several devices, no host block: -device-concurrency."""
+    from types import SimpleNamespace
+
+    from jitllmd.engine.placement import Placement
+
+    engine = Engine.__new__(Engine)
+    engine.device_rows, engine.host_rows, engine.split_rows = 8, 1, 3
+    for places, rows in ((["a"] * 3, 8), (["host", "a", "a"], 1), (["a", "b", "b"], 3), (["host", "a", "b"], 1)):
+        placement = Placement.__new__(Placement)
+        placement.places = places
+        engine.loaded = SimpleNamespace(placement=placement)
+        assert engine._rows_now() == rows, places

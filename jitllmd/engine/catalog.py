@@ -166,6 +166,7 @@ class Catalog:
             page_budget=config.maxmem,
             max_batch=0 if config.max_batch == 0 else min(config.max_batch, config.sessions),
             host_rows=config.host_concurrency,
+            split_rows=config.device_concurrency,
             row_limit=config.sessions,
             prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,

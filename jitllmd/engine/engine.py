@@ -36,10 +36,14 @@ _DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step of a model with host block
 class Engine:
     """Runs one loaded model. Thread-safe `submit`/`cancel`; events reach each request's `emit` from the engine thread."""
 
-    def __init__(self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", host_rows: int | None = None):
+    def __init__(
+        self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto",
+        host_rows: int | None = None, split_rows: int | None = None,
+    ):
         self.loaded = loaded
         self.device_rows = max_batch  # rows of a step while every block is on one device
         self.host_rows = max_batch if host_rows is None else host_rows  # requests at once while any block is on the host
+        self.split_rows = self.host_rows if split_rows is None else split_rows  # ... while split over devices, none on the host
         self.scheduler = Scheduler(self._rows_now(), prompt_chunk)
         self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
@@ -59,7 +63,8 @@ class Engine:
 
     @classmethod
     def load(
-        cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1, host_rows: int | None = None, **load_kw
+        cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1,
+        host_rows: int | None = None, split_rows: int | None = None, **load_kw,
     ) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
@@ -68,7 +73,8 @@ class Engine:
         load_kw go to `load_model` (name, devices, gpu_layers, sessions, max_seq, page_budget, on_progress); its
         errors raise here. A model wholly on one device batches up to max_batch rows: 0 measures the widest decode
         step worth running (at most `row_limit` rows); prompt_chunk 0 measures the prefill chunk (engine/calibrate.py),
-        on this same thread. A model with host blocks runs `host_rows` requests at once (default max_batch).
+        on this same thread. A model with host blocks runs `host_rows` requests at once (default max_batch); one split
+        over several devices with none on the host, `split_rows` (-device-concurrency; default host_rows).
         """
         box: dict = {}
         ready = threading.Event()
@@ -83,7 +89,7 @@ class Engine:
                     calibration = calibrate(loaded.model, max_rows=rows, row_limit=row_limit, prompt_chunk=chunk, chunk_limit=loaded.max_seq)
                     rows, chunk = calibration.max_rows, calibration.prompt_chunk
                 rows = rows or row_limit
-                engine = cls(loaded, max_batch=rows, prompt_chunk=chunk or _DEFAULT_PROMPT_CHUNK, joint_steps=joint_steps, host_rows=host_rows)
+                engine = cls(loaded, max_batch=rows, prompt_chunk=chunk or _DEFAULT_PROMPT_CHUNK, joint_steps=joint_steps, host_rows=host_rows, split_rows=split_rows)
                 engine.calibration = calibration
                 engine._owns_model = True
             except BaseException as exc:  # handed to the caller
@@ -480,7 +486,9 @@ class Engine:
 
     def _rows_now(self) -> int:
         placement = self.loaded.placement
-        return self.device_rows if placement is None or placement.one_device else self.host_rows
+        if placement is None or placement.one_device:
+            return self.device_rows
+        return self.split_rows if HOST not in placement.places else self.host_rows
 
     # -- placement: changes run on the engine thread, between steps -----------------------------
 
