@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from .calibrate import Calibration, calibrate
+from .figures import decode_bytes, request_figures, where
 from .joint import JointSteps
 from .kv import RoomError, RowSpan, SessionKV
 from .loader import LoadedModel, load_model, spendable_bytes
@@ -23,10 +23,11 @@ from .placement import HOST
 from .request import Delta, Done, Embedded, Event, Failed, FinishReason, Request, RequestState
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
+from .seam import SeamCandidate, tune_seam
 from .sessions import Session, SessionRegistry, new_session_id
 from .stats import EngineStats
 
-__all__ = ["Engine", "SeamCandidate"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("jitllmd.engine")
 T = TypeVar("T")
@@ -53,7 +54,7 @@ class Engine:
         self.calibration: Calibration | None = None  # what load measured for -max-batch 0 / -prompt-chunk 0
         self._slots: list[Session] = []  # ephemeral sessions kept for prefix reuse, at most one per row
         self._slots_lock = threading.Lock()
-        self._weight_bytes = self._decode_bytes()
+        self._weight_bytes = decode_bytes(loaded)
         self._jobs: list[_Job] = []  # placement changes waiting for their session's generation to end
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -304,7 +305,7 @@ class Engine:
             "session_id": "",
             "queued_ms": round((t0 - job.t_arrival) * 1000, 3),
             "queue_depth_on_entry": job.depth,
-            **self._where(),
+            **where(self.loaded),
             "prefill_ms": round((t1 - t0) * 1000, 3),
             "decode_ms": 0.0,
             "decode_tokens_per_second": 0.0,
@@ -449,7 +450,7 @@ class Engine:
                 return  # the flushed text held a stop string; _release finished the request
         self._end(req)
         self.stats.finished(cancelled=reason is FinishReason.CANCELLED)
-        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, self._figures(req)))
+        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded)))
 
     def _fail(self, req: Request, message: str) -> None:
         if req.finished:
@@ -465,24 +466,6 @@ class Engine:
         req.session.reserved = False  # a pooled slot is free for the next request
         req.state = RequestState.FINISHED
         self.scheduler.remove(req)
-
-    def _where(self) -> dict[str, Any]:
-        """The figures that say where the model ran: its blocks on devices or the host, and which devices."""
-        loaded, placement = self.loaded, self.loaded.placement
-        if placement is None:  # an encoder: whole on its device, or the host
-            on_device = bool(loaded.device_ids)
-            device_blocks = loaded.num_blocks if on_device else 0
-        else:
-            device_blocks = placement.num_device_blocks
-        return {"device_blocks": device_blocks, "host_blocks": loaded.num_blocks - device_blocks, "device_ids": list(loaded.device_ids)}
-
-    def _decode_bytes(self) -> int:
-        """Bytes a decode step reads besides KV: the weights, wherever they are, and the hidden state over each seam."""
-        model, placement = self.loaded.model, self.loaded.placement
-        if placement is None:
-            return model.weight_nbytes()
-        width = int(model.cfg.hidden_size) * torch.empty((), dtype=model.act).element_size()
-        return model.weight_nbytes() + placement.num_seams * width
 
     def _rows_now(self) -> int:
         placement = self.loaded.placement
@@ -523,7 +506,7 @@ class Engine:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""
         self.scheduler.max_batch = self._rows_now()
         self.joint.timings.clear()  # conditions changed: auto measures again
-        self._weight_bytes = self._decode_bytes()
+        self._weight_bytes = decode_bytes(self.loaded)
 
     def _placement(self):
         if self.loaded.placement is None:
@@ -560,64 +543,16 @@ class Engine:
 
     def tune_seam(self, session: Session | None = None) -> Future[list[SeamCandidate]]:
         """Time decode for candidate device-block counts that fit and keep the fastest. -> what each count measured."""
-        return self.run_job(self._tune_seam, session)
+        def work() -> list[SeamCandidate]:
+            measured = tune_seam(self.loaded.model, self._placement(), self._kvs(), self._spendable)
+            self._placed()
+            return measured
+
+        return self.run_job(work, session)
 
     def _spendable(self, device: str) -> int:
         pager = self._placement().pager
         return spendable_bytes(device, pager.budget if pager.budget is not None else pager.resident_bytes())
-
-    def _tune_seam(self) -> list[SeamCandidate]:
-        placement = self._placement()
-        devices = placement.device_ids or placement.devices
-        if not devices:
-            raise ValueError(f"model {self.loaded.name} was loaded without devices: it has no seam to move")
-        most = sum(p != HOST for p in placement.plan(devices, -1, self._spendable))
-        counts = sorted({0, most // 4, most // 2, (3 * most) // 4, most})
-        out: list[SeamCandidate] = []
-        for n in counts:
-            placement.apply(placement.plan(devices, n, self._spendable), self._kvs())
-            out.append(SeamCandidate(n, self._decode_rate()))
-        best = max(out, key=lambda c: c.decode_tokens_per_second)
-        placement.apply(placement.plan(devices, best.device_blocks, self._spendable), self._kvs())
-        self._placed()
-        return out
-
-    def _decode_rate(self, prompt: int = 8, steps: int = 12) -> float:
-        """Decode tokens/s of one row on a scratch KV cache under the current placement (median step)."""
-        model = self.loaded.model
-        dev = model.device
-        kv = model.new_kv(prompt + steps + 1)
-        model.forward(torch.zeros(prompt, dtype=torch.long, device=dev), torch.arange(prompt, device=dev), [RowSpan(0, prompt, kv)], torch.tensor([prompt - 1], device=dev))
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            model.forward(torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([prompt + i], device=dev), [RowSpan(0, 1, kv)])
-            times.append(time.perf_counter() - t0)
-        return round(1.0 / statistics.median(times[2:]), 2)
-
-    def _figures(self, req: Request) -> dict:
-        ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
-        decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
-        generated_after_first = max(0, len(req.output_ids) - 1)
-        return {
-            "session_id": req.session.id,
-            "queued_ms": ms(req.t_arrival, req.t_first_step),
-            "queue_depth_on_entry": req.queue_depth_on_entry,
-            **self._where(),
-            "prefill_ms": ms(req.t_first_step, req.t_first_token),
-            "decode_ms": round(decode_s * 1000, 3),
-            "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,
-            "bytes_per_token": int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
-        }
-
-
-@dataclass(frozen=True)
-class SeamCandidate:
-    """What TuneSeam measured for one count of device blocks."""
-
-    device_blocks: int
-    decode_tokens_per_second: float
-
 
 @dataclass(frozen=True)
 class _Job:
