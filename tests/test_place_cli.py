@@ -4,6 +4,7 @@ device: the conversation goes on across moves, the pager is re-budgeted live, an
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from connectrpc.code import Code
@@ -44,7 +45,11 @@ def _new_session(addr: str) -> str:
 
 
 def test_served_split_as_asked(server, addr: str, budget: int) -> None:
-    assert "2 blocks on cpu, 2 on the host" in server.log and "host pager: budget" in server.log
+    deadline = time.monotonic() + 30
+    while "host pager: budget" not in server.log:  # the line after the start line, which the fixture waited for
+        assert time.monotonic() < deadline, server.log
+        time.sleep(0.05)
+    assert "2 blocks on cpu, 2 on the host" in server.log
     p = as_json("place", "-model", "tiny", "-addr", addr)
     assert [b["place"] for b in p["blocks"]] == ["host", "host", "cpu", "cpu"]
     assert (p["device_blocks"], p["host_blocks"], p["num_seams"]) == (2, 2, 1)
