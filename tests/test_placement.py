@@ -3,8 +3,7 @@ their KV, a page budget, and the error cases; the CLI's `place` against a real s
 
 from __future__ import annotations
 
-import threading
-import time
+import queue
 
 import pytest
 
@@ -141,29 +140,18 @@ def test_a_move_mid_generation_happens_between_steps(tiny_serve_jlm) -> None:
     engine = Engine.load(tiny_serve_jlm, max_seq=1024, devices=["cpu"], gpu_layers=0)
     try:
         session = engine.new_session()
-        first = threading.Event()
-        out: list[int] = []
-        ended: list[float] = []
-
-        def run() -> None:
-            for ev in engine.generate(prompt, GREEDY, max_tokens=600, session=session, ignore_eos=True):
-                if isinstance(ev, Delta):
-                    out.extend(ev.token_ids)
-                    first.set()
-            ended.append(time.perf_counter())
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        assert first.wait(30)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        req = engine.submit(prompt, GREEDY, events.put, max_tokens=600, session=session, ignore_eos=True)
+        got = [events.get(timeout=30)]  # the first token is out: the generation runs
         engine.relocate(1, 3, "cpu").result(timeout=30)  # the model's blocks, between two steps
-        moved_at = len(out)
+        assert not req.finished, "the first move should land while the generation runs"
         waited = engine.relocate(0, 0, "cpu", session)  # waits for the session's generation
+        seen = engine.run_job(lambda: req.finished, session)  # what a job naming the session sees when it runs
         waited.result(timeout=60)
-        done_at = time.perf_counter()
-        worker.join(30)
-        assert out == expected
-        assert moved_at < 600, "the first move should land while the generation runs"
-        assert ended and ended[0] <= done_at
+        assert seen.result(timeout=60) is True
+        while not isinstance(got[-1], Done):
+            got.append(events.get(timeout=30))
+        assert [t for ev in got if isinstance(ev, Delta) for t in ev.token_ids] == expected
         assert engine.loaded.placement.places == ["cpu"] * 4
     finally:
         engine.stop()
