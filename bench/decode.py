@@ -159,7 +159,7 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
     for _ in range(steps):
         tok = step()
     wall = (time.perf_counter() - t0) / steps * 1000
-    kernels = _time_kernels(vocab)  # the C kernels are invisible to torch.profiler: time their calls directly
+    kernels = _KernelTimer(vocab)  # the C kernels are invisible to torch.profiler: time their calls directly
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(steps):
@@ -191,7 +191,7 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
     return rows
 
 
-class _time_kernels:
+class _KernelTimer:
     """Wrap the engine's kernel calls (engine/kernels) with timers, by category, until restore()."""
 
     def __init__(self, vocab: int):

@@ -119,13 +119,13 @@ def serve(
 
 def _where(loaded) -> str:
     """'32 blocks on cpu', '12 blocks on cpu, 20 on the host' or '32 blocks on the host'."""
-    on_device = loaded.placement.num_device_blocks if loaded.placement is not None else (loaded.num_blocks if loaded.device_ids else 0)
+    from ..engine.figures import where
+
+    w = where(loaded)
+    on_device, on_host, devices = w["device_blocks"], w["host_blocks"], ", ".join(w["device_ids"])
     if on_device == 0:
-        return f"{loaded.num_blocks} blocks on the host"
-    devices = ", ".join(loaded.device_ids)
-    if on_device == loaded.num_blocks:
-        return f"{on_device} blocks on {devices}"
-    return f"{on_device} blocks on {devices}, {loaded.num_blocks - on_device} on the host"
+        return f"{on_host} blocks on the host"
+    return f"{on_device} blocks on {devices}" + (f", {on_host} on the host" if on_host else "")
 
 
 def _flag_names(message: str) -> str:

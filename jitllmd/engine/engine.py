@@ -24,7 +24,7 @@ from .request import Delta, Done, Embedded, Event, Failed, FinishReason, Request
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .seam import SeamCandidate, tune_seam
-from .sessions import Session, SessionRegistry, new_session_id
+from .sessions import Session, SessionRegistry, common_prefix, new_session_id
 from .stats import EngineStats
 
 __all__ = ["Engine"]
@@ -185,7 +185,7 @@ class Engine:
         with self._slots_lock:
             free = [s for s in self._slots if not s.reserved]
             if free:
-                best = max(free, key=lambda s: _common_prefix(s.token_ids, prompt_ids))
+                best = max(free, key=lambda s: common_prefix(s.token_ids, prompt_ids))
             elif len(self._slots) < self.scheduler.max_batch:
                 best = Session(new_session_id(), self.loaded.name, self.loaded.new_kv())
                 self._slots.append(best)
@@ -543,6 +543,7 @@ class Engine:
 
     def tune_seam(self, session: Session | None = None) -> Future[list[SeamCandidate]]:
         """Time decode for candidate device-block counts that fit and keep the fastest. -> what each count measured."""
+
         def work() -> list[SeamCandidate]:
             measured = tune_seam(self.loaded.model, self._placement(), self._kvs(), self._spendable)
             self._placed()
@@ -551,8 +552,8 @@ class Engine:
         return self.run_job(work, session)
 
     def _spendable(self, device: str) -> int:
-        pager = self._placement().pager
-        return spendable_bytes(device, pager.budget if pager.budget is not None else pager.resident_bytes())
+        return spendable_bytes(device, self._placement().pager.unspent_bytes())
+
 
 @dataclass(frozen=True)
 class _Job:
@@ -567,15 +568,6 @@ class _EmbedJob:
     emit: Callable[[Event], None]
     t_arrival: float
     depth: int
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _overlap(text: str, stop: str) -> int:

@@ -180,13 +180,10 @@ def _place(model, jlm: JLMFile, devices: list[str], gpu_layers: int, kv_layer_by
         # From the page cache a read is a memcpy: on a CPU whose every core runs torch's pool, a reader thread only
         # competes with the step (measured, bench/pager.py on 2 cores: 10% resident 16.5 tok/s without, 13.3 with).
         read_ahead = (os.cpu_count() or 1) > torch.get_num_threads()
-    pager = Pager(BlockReader(jlm), model.layouts, lambda name, parts: None, budget=None, read_ahead=read_ahead)
-    if page_budget is not None:
-        pager.check_budget(page_budget)
-    pager.budget = page_budget
+    pager = Pager(BlockReader(jlm), model.layouts, budget=page_budget, read_ahead=read_ahead)
     placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes)
     model.placement = placement
-    places = placement.plan(devices, gpu_layers, lambda d: spendable_bytes(d, page_budget))
+    places = placement.plan(devices, gpu_layers, lambda d: spendable_bytes(d, pager.unspent_bytes()))
     try:
         placement.apply(places, [], on_progress)
     except BaseException:
@@ -195,7 +192,8 @@ def _place(model, jlm: JLMFile, devices: list[str], gpu_layers: int, kv_layer_by
     return placement
 
 
-def spendable_bytes(device: str, page_budget: int | None) -> int:
-    """Free memory a device can take blocks into: the driver's figure; the CPU's, less the host page budget."""
+def spendable_bytes(device: str, unspent_budget: int) -> int:
+    """Free memory a device can take blocks into: the driver's figure; the CPU's, less what the host page budget
+    may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure)."""
     info = device_info(device)
-    return max(0, info.free_bytes - (page_budget or 0)) if info.kind == "cpu" else info.free_bytes
+    return max(0, info.free_bytes - unspent_budget) if info.kind == "cpu" else info.free_bytes

@@ -136,12 +136,15 @@ class Pager:
     that evicts: the paged ones cost one read each per step whatever is kept.
     """
 
-    def __init__(self, reader: BlockReader, layouts: dict[str, Layout], build: Build, budget: int | None = None, read_ahead: bool = True):
+    def __init__(self, reader: BlockReader, layouts: dict[str, Layout], budget: int | None = None, read_ahead: bool = True):
         self.reader = reader
         self.layouts = layouts
-        self.build = build
+        self.build: Build = lambda name, parts: None  # set by the Placement that owns this pager
+        if budget is not None:
+            self.check_budget(budget)
         self.budget = budget  # None: every host block resident
         self.host: list[str] = []  # host blocks in model order
+        self._paged: list[str] = []  # host blocks read for their turn, in model order
         self.resident: dict[str, Any] = {}  # name -> built block
         self._parts: dict[str, dict[str, torch.Tensor]] = {}  # the parts of resident blocks (a tied head shares the embedding's)
         self._rows: dict[str, Any] = {}  # built row-read blocks, for paged embeddings
@@ -168,6 +171,10 @@ class Pager:
             for t in parts.values():
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
+
+    def unspent_bytes(self) -> int:
+        """What the budget still lets the pager read into memory (0 without a budget: every host block is in)."""
+        return 0 if self.budget is None else max(0, self.budget - self.resident_bytes())
 
     def working_bytes(self) -> int:
         """The pool's buffers: what paging holds besides the resident blocks (one block running, one read ahead)."""
@@ -204,6 +211,7 @@ class Pager:
                 parts = self._read_resident(name)
                 self._parts[name] = parts
                 self.resident[name] = self.build(name, parts)
+        self._paged = [n for n in self.host if n not in self.resident and n not in ROW_BLOCKS]
 
     def _choose(self) -> list[str]:
         """The host blocks to keep resident under the budget, in the order of preference, in model order."""
@@ -265,7 +273,7 @@ class Pager:
         """Read ahead the next paged block (wrapping to the next step's first) while this one runs."""
         if self._io is None:
             return
-        paged = [n for n in self.host if n not in self.resident and n not in ROW_BLOCKS]
+        paged = self._paged
         if len(paged) < 2 and name in paged:
             return  # one paged block: nothing else to read
         i = paged.index(name) if name in paged else -1

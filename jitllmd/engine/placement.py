@@ -221,6 +221,3 @@ class Placement:
         self._held_parts.clear()
         self.pager.close()
 
-    def held_bytes(self) -> int:
-        seen = {t.data_ptr(): t.numel() * t.element_size() for parts in self._held_parts.values() for t in parts.values()}
-        return sum(seen.values())

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from .devices import host_memory
 from .kv import RoomError, SessionKV
 
-__all__ = ["Session", "SessionRegistry", "default_max_seq", "new_session_id"]
+__all__ = ["Session", "SessionRegistry", "common_prefix", "default_max_seq", "new_session_id"]
 
 _seq = itertools.count(1)
 
@@ -19,6 +19,16 @@ def default_max_seq(context_length: int, bytes_per_position: int, fraction: floa
     """The model's context, capped so one session's full KV takes at most `fraction` of available memory."""
     fits = int(host_memory()[1] * fraction) // max(1, bytes_per_position)
     return max(1, min(context_length, fits))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two id lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def new_session_id() -> str:
@@ -51,10 +61,7 @@ class Session:
         """Keep the longest cached prefix of `prompt_ids` (leaving at least one token to feed); return its length."""
         if len(prompt_ids) > self.kv.capacity:
             raise RoomError(f"prompt has {len(prompt_ids)} tokens; the session has room for {self.kv.capacity}")
-        n = 0
-        limit = min(len(self.token_ids), len(prompt_ids) - 1)
-        while n < limit and self.token_ids[n] == prompt_ids[n]:
-            n += 1
+        n = common_prefix(self.token_ids, prompt_ids[:-1])
         self.kv.truncate(n)
         del self.token_ids[n:]
         return n

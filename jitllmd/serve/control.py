@@ -228,10 +228,10 @@ class Devices(DeviceService):
     def _budgets(self) -> tuple[int | None, int]:
         """The loaded models' host page budgets together (None when none has one), and the part not yet resident."""
         pagers = [m.engine.loaded.placement.pager for m in self.catalog.loaded() if m.engine.loaded.placement is not None]
-        budgets = [(p.budget, p.resident_bytes()) for p in pagers if p.budget is not None]
-        if not budgets:
+        budgeted = [p for p in pagers if p.budget is not None]
+        if not budgeted:
             return self.catalog.config.maxmem, self.catalog.config.maxmem or 0
-        return sum(b for b, _ in budgets), sum(max(0, b - r) for b, r in budgets)
+        return sum(p.budget or 0 for p in budgeted), sum(p.unspent_bytes() for p in budgeted)
 
     def _device(self, device_id: str) -> dev.Device:
         info = device_info(device_id)

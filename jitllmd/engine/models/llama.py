@@ -125,10 +125,6 @@ class Linear:
             return F.linear(x.float(), self.weight.float(), b).to(self.weight.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
-    def nbytes(self) -> int:
-        w, b = self.weight, self.bias
-        return w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: in f32, cast back, then scaled by the weight."""
@@ -171,10 +167,8 @@ class DecoderBlock:
         self.gate_up = Linear(cast(t["gate_up"]), None, upcast=upcast, chunks=chunks)
         self.down = Linear(cast(t["down"]), None, upcast=upcast, chunks=chunks)
         self.intermediate = cfg.intermediate_size
-
-    def nbytes(self) -> int:
-        norms = [self.input_norm, self.post_norm] + [n for n in (self.q_norm, self.k_norm) if n is not None]
-        return sum(m.nbytes() for m in (self.qkv, self.o, self.gate_up, self.down)) + sum(n.numel() * n.element_size() for n in norms)
+        # the decode-attention kernel (engine/kernels) takes f32 caches on the CPU, for head sizes it vectorises
+        self.decode_kernel = act == torch.float32 and self.input_norm.device.type == "cpu" and self.head_dim % 8 == 0 and rows_kernel() is not None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
         T = x.shape[0]
@@ -187,7 +181,7 @@ class DecoderBlock:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        if T == len(rows) and self.decode_kernel(x):  # every row feeds one token: one call for all their attention
+        if T == len(rows) and self.decode_kernel:  # every row feeds one token: one call for all their attention
             attn = attend_rows(q, k, v, [r.kv.k[self.index] for r in rows], [r.kv.v[self.index] for r in rows],
                                [r.kv.length + 1 for r in rows], [r.key_start for r in rows])
         elif len(rows) == 1:
@@ -201,10 +195,6 @@ class DecoderBlock:
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
         return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
-
-    def decode_kernel(self, x: torch.Tensor) -> bool:
-        """The decode-attention kernel runs f32 caches on the CPU (engine/kernels), for head sizes it vectorises."""
-        return self.act == torch.float32 and x.device.type == "cpu" and self.head_dim % 8 == 0 and rows_kernel() is not None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D]"""
@@ -246,9 +236,6 @@ class Head:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(rms_norm(x, self.norm, self.eps)).float()  # [T, V]
-
-    def nbytes(self) -> int:
-        return self.lm.nbytes() + self.norm.numel() * self.norm.element_size()
 
 
 def layouts(cfg: LlamaConfig, names: set[str]) -> dict[str, dict[str, list[str]]]:
