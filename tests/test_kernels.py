@@ -1,4 +1,4 @@
-"""The compiled few-row kernels against torch's own ops: projections (f32 and bf16 weights) and decode attention."""
+"""The compiled kernels against torch's own ops: few-row and panel projections, decode attention, RMSNorm."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitllmd.engine.kernels import MAX_ROWS, attend_rows, rms_norm_rows, rows_kernel, rows_linear
+from jitllmd.engine.kernels import MAX_ROWS, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
@@ -49,7 +49,44 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_rows_matches_torch() -> None:
+@pytest.mark.parametrize("rows", [1, MAX_ROWS, 300])
+def test_rms_norm_rows_matches_torch(rows: int) -> None:
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(MAX_ROWS, 72, generator=g), torch.randn(72, generator=g)
+    x, w = torch.randn(rows, 72, generator=g), torch.randn(72, generator=g)
     torch.testing.assert_close(rms_norm_rows(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_silu_mul_rows_matches_torch(rows: int) -> None:
+    """Ordinary values, and gates where e^-g under- or overflows (silu(g) is then g, or 0)."""
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(rows, 2 * 40, generator=g) * 4
+    gate_up[0, :8] = torch.tensor([-200.0, -88.5, -87.0, -20.0, 0.0, 20.0, 88.5, 200.0])
+    gate, up = gate_up[:, :40], gate_up[:, 40:]
+    torch.testing.assert_close(silu_mul_rows(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("out", "width"), [(48, 64), (200, 300), (7, 5), (24, 520)])
+def test_panel_linear_matches_torch_for_any_rows(out: int, width: int) -> None:
+    """Full and narrow last panels (200 = 8 x 24 + 8; 7 < 24), K across the 256-wide blocks and not a multiple of 8,
+    and row counts from one to more than one packed block (144) on each thread."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(out, width, generator=g)
+    ref_w = w.clone()
+    packed = pack_panels(w)
+    assert packed.data_ptr() == w.data_ptr()  # in place: a block keeps no second copy
+    for rows in (1, 2, 3, 4, 5, 31, 33, 300):
+        x = torch.randn(rows, width, generator=g)
+        torch.testing.assert_close(panel_linear(x, packed), F.linear(x, ref_w), rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_panel_result_does_not_depend_on_its_step() -> None:
+    """A decode step's row and a prompt's row are summed alike: one row alone equals that row among 300 (which the
+    threads split by rows, where a few rows split the panels), bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = pack_panels(torch.randn(120, 600, generator=g))
+    x = torch.randn(300, 600, generator=g)
+    together = panel_linear(x, w)
+    for r in (0, 5, 143, 144, 299):
+        assert torch.equal(panel_linear(x[r : r + 1], w)[0], together[r])
+        assert torch.equal(panel_linear(x[r : r + 3], w)[0], together[r])

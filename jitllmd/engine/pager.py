@@ -124,7 +124,7 @@ class PagedRows:
         return self.reader.rows(self.block, self.name, ids.tolist())
 
 
-Build = Callable[[str, dict[str, Any]], Any]  # (block name, parts) -> the runnable block
+Build = Callable[[str, dict[str, Any], bool], Any]  # (block name, parts, for one turn only) -> the runnable block
 
 
 class Pager:
@@ -139,7 +139,7 @@ class Pager:
     def __init__(self, reader: BlockReader, layouts: dict[str, Layout], budget: int | None = None, read_ahead: bool = True):
         self.reader = reader
         self.layouts = layouts
-        self.build: Build = lambda name, parts: None  # set by the Placement that owns this pager
+        self.build: Build = lambda name, parts, once: None  # set by the Placement that owns this pager
         if budget is not None:
             self.check_budget(budget)
         self.budget = budget  # None: every host block resident
@@ -210,7 +210,7 @@ class Pager:
             if name not in self.resident:
                 parts = self._read_resident(name)
                 self._parts[name] = parts
-                self.resident[name] = self.build(name, parts)
+                self.resident[name] = self.build(name, parts, False)
         self._paged = [n for n in self.host if n not in self.resident and n not in ROW_BLOCKS]
 
     def _choose(self) -> list[str]:
@@ -246,7 +246,7 @@ class Pager:
         if name in ROW_BLOCKS:
             if name not in self._rows:
                 ((part, names),) = self.layouts[name].items()
-                self._rows[name] = self.build(name, {part: PagedRows(self.reader, name, names[0])})
+                self._rows[name] = self.build(name, {part: PagedRows(self.reader, name, names[0])}, False)
             return self._rows[name]
         parts = None
         if self._ahead is not None:
@@ -261,7 +261,7 @@ class Pager:
             parts = self.reader.read(name, self.layouts[name], self._buffers(name))
         self._lent[name] = parts
         self._read_next(name)
-        return self.build(name, parts)
+        return self.build(name, parts, True)
 
     def release(self, name: str) -> None:
         """A paged block's turn is over: its buffers go back to the pool."""

@@ -53,7 +53,9 @@ class Placement:
     Only the engine thread calls `walk`, `apply`, `move`: a move happens between steps, never inside one.
     """
 
-    def __init__(self, names: list[str], pager: Pager, build: Callable[[str, dict[str, Any], torch.device], Any], devices: list[str], kv_layer_bytes: int):
+    def __init__(
+        self, names: list[str], pager: Pager, build: Callable[[str, dict[str, Any], torch.device, bool], Any], devices: list[str], kv_layer_bytes: int
+    ):
         self.names = names
         self.pager = pager
         self.devices = list(devices)  # what the model was loaded with: the only devices its blocks may go to
@@ -155,7 +157,7 @@ class Placement:
                 if places[i] != HOST and name not in self.held:
                     parts = self._read_on(name, self.torch_device(places[i]))
                     self._held_parts[name] = parts
-                    self.held[name] = self._build(name, parts, self.torch_device(places[i]))
+                    self.held[name] = self._build(name, parts, self.torch_device(places[i]), False)
                     tick()
         finally:
             self._progress = None
@@ -190,8 +192,8 @@ class Placement:
 
     # -- reading blocks -------------------------------------------------------------------------
 
-    def _build_host(self, name: str, parts: dict[str, Any]) -> Any:
-        block = self._build(name, parts, self.torch_device(HOST))
+    def _build_host(self, name: str, parts: dict[str, Any], once: bool = False) -> Any:
+        block = self._build(name, parts, self.torch_device(HOST), once)
         if self._progress is not None:
             self._progress()
         return block

@@ -1,7 +1,9 @@
 """Compiled CPU kernels: C sources built once per machine with the system's C compiler, loaded with ctypes.
 
-Where they cannot be (no compiler, not x86 with AVX2 and FMA, a failed build), `rows_kernel` is None and the
-engine runs torch's own ops: the kernels make steps faster, never different in what they compute.
+rows.c: few-row projections, decode attention, RMSNorm. panels.c: f32 projections over weights rewritten once into
+column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). Where they cannot be built (no compiler,
+not x86 with AVX2 and FMA, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels
+make steps faster, never different in what they compute.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_rows", "rms_norm_rows", "rows_kernel", "rows_linear"]
+__all__ = ["MAX_ROWS", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
 
 log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
-_SOURCE = Path(__file__).with_name("rows.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 
 
@@ -40,11 +42,11 @@ def _cpu_flags() -> set[str]:
 
 
 def _build(cache: Path) -> Path | None:
-    """The shared library for this source and these flags, compiled once into `cache` (atomically)."""
+    """The shared library for these sources and flags, compiled once into `cache` (atomically)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:12]
     out = cache / f"rows-{key}.so"
     if out.exists():
         return out
@@ -52,7 +54,7 @@ def _build(cache: Path) -> Path | None:
     fd, tmp = tempfile.mkstemp(prefix=".rows-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -61,7 +63,7 @@ def _build(cache: Path) -> Path | None:
 
 @functools.cache
 def rows_kernel() -> ctypes.CDLL | None:
-    """The few-row projection kernels (rows.c), or None where they cannot run here."""
+    """The compiled kernels (rows.c, panels.c), or None where they cannot run here."""
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         return None
     try:
@@ -77,8 +79,14 @@ def rows_kernel() -> ctypes.CDLL | None:
         fn.restype = None
     lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
     lib.attend_rows.restype = None
-    lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rms_norm_rows.restype = None
+    lib.silu_mul_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.silu_mul_rows.restype = None
+    lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.pack_panels.restype = None
+    lib.panel_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.panel_linear.restype = ctypes.c_int
     return lib
 
 
@@ -92,6 +100,29 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, out), dtype=torch.float32)
     fn = lib.rows_f32 if weight.dtype == torch.float32 else lib.rows_bf16
     fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, out, torch.get_num_threads())
+    return y
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """Rewrite an f32 CPU weight [N, K] (contiguous) in place into panels.c's column-panel layout; returns it. The
+    tensor keeps its shape and size but only `panel_linear` reads it right from then on."""
+    lib = rows_kernel()
+    assert lib is not None and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
+    tmp = torch.empty_like(weight)
+    lib.pack_panels(weight.data_ptr(), tmp.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return weight
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M."""
+    lib = rows_kernel()
+    assert lib is not None
+    x = x.float().contiguous()
+    rows, width = x.shape
+    out = panels.shape[0]
+    y = torch.empty((rows, out), dtype=torch.float32)
+    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out, width, torch.get_num_threads()) != 0:
+        raise MemoryError("panel_linear: no memory for its packing buffers")
     return y
 
 
@@ -118,10 +149,21 @@ def attend_rows(
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of a few f32 rows x [T, D] by an f32 weight [D] (D a multiple of 8), in f32 as Hugging Face does."""
+    """RMSNorm of f32 rows x [T, D] by an f32 weight [D] (D a multiple of 8), in f32 as Hugging Face does."""
     lib = rows_kernel()
     assert lib is not None
     x = x.contiguous()
     y = torch.empty_like(x)
-    lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return y
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for f32 rows gate_up [T, 2I] (I a multiple of 8) -> [T, I], in one pass."""
+    lib = rows_kernel()
+    assert lib is not None
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=torch.float32)
+    lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out

@@ -25,7 +25,7 @@ class DecoderModel(Protocol):
     layouts: dict[str, dict[str, list[str]]]
     placement: Any
 
-    def build(self, name: str, parts: dict[str, Any], device: torch.device) -> Any: ...
+    def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any: ...
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[RowSpan], logits_at: torch.Tensor | None = None

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
-from ..kernels import MAX_ROWS, attend_rows, rms_norm_rows, rows_kernel, rows_linear
+from ..kernels import MAX_ROWS, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
 from ..kv import RowSpan, SessionKV
 from ..placement import Placement
 
@@ -90,16 +90,24 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 class Linear:
     """A projection, run the way the device runs it fastest (measured on 2-core AVX2 CPUs, bench/decode.py).
 
-    f32 single tokens on the CPU: one batched GEMV per thread over row blocks of the weight (a view, no copy),
-    ~20 GB/s where one sgemv call reaches ~13. bf16 on a CPU without bf16 units: many-token batches multiply in
-    f32 (the weight upcast per call, the result rounded to bf16 as a bf16 GEMM's is); single tokens run the
-    emulated bf16 GEMV, which is still memory-bound.
+    f32 weights a block keeps on the CPU (`panels`): rewritten once, in place, into column panels that one compiled
+    kernel multiplies for any number of rows, ~185 GFLOP/s on a prompt where MKL's sgemm reaches ~145 (it repacks
+    the weight every call), and one pass over the weights for a decode step's rows. Other f32 weights on the CPU
+    (a paged block's, read for one turn; a tied head's, shared with the embedding): the few-row kernel, else one
+    batched GEMV per thread over row blocks of the weight (a view, no copy), ~20 GB/s where one sgemv call reaches
+    ~13. bf16 on a CPU without bf16 units: many-token batches multiply in f32 (the weight upcast per call, the
+    result rounded to bf16 as a bf16 GEMM's is); single tokens run the emulated bf16 GEMV, which is still
+    memory-bound.
     """
 
-    __slots__ = ("bias", "chunks", "row_blocks", "rows", "upcast", "weight")
+    __slots__ = ("bias", "chunks", "panels", "row_blocks", "rows", "upcast", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1):
-        self.weight = weight  # [out, in]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1, panels: bool = False):
+        self.panels = (
+            panels and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
+            and rows_kernel() is not None
+        )
+        self.weight = pack_panels(weight) if self.panels else weight  # [out, in]; panels: same bytes, panel order
         self.bias = bias
         self.upcast = upcast
         self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 else 1
@@ -112,6 +120,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self.panels:
+            y = panel_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
         if self.rows and 0 < T <= MAX_ROWS:
             y = rows_linear(x, self.weight)  # [T, out] f32, bf16 weights widened exactly: kept in f32, never less exact
             return y if self.bias is None else y + self.bias
@@ -128,14 +139,14 @@ class Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: in f32, cast back, then scaled by the weight."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and _small_norm(x):
-        return rms_norm_rows(x, weight, eps)  # a step's few rows: one kernel call (engine/kernels)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and _kernel_norm(x):
+        return rms_norm_rows(x, weight, eps)  # one kernel call (engine/kernels): a step's few rows or a prompt's
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
-def _small_norm(x: torch.Tensor) -> bool:
+def _kernel_norm(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[1] % 8 == 0 and rows_kernel() is not None
 
 
@@ -151,24 +162,29 @@ class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP. Built from the parts
     `LlamaModel.layouts` names (q, k and v stacked into qkv; gate and up into gate_up: fewer, wider GEMVs)."""
 
-    def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int):
+    def __init__(
+        self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int, panels: bool
+    ):
         self.index = index
         self.act = act  # the residual stream, norms, RoPE and attention; projections run in the weights' dtype
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
+        self.window = cfg.sliding_window
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)
         self.input_norm = t["input_norm"].to(act)
         self.post_norm = t["post_norm"].to(act)
         bias = cast(t["qkv_bias"]) if "qkv_bias" in t else None
-        self.qkv = Linear(cast(t["qkv"]), bias, upcast=upcast, chunks=chunks)
-        self.o = Linear(cast(t["o"]), None, upcast=upcast, chunks=chunks)
+        self.qkv = Linear(cast(t["qkv"]), bias, upcast=upcast, chunks=chunks, panels=panels)
+        self.o = Linear(cast(t["o"]), None, upcast=upcast, chunks=chunks, panels=panels)
         self.q_norm = t["q_norm"].to(act) if cfg.qk_norm else None
         self.k_norm = t["k_norm"].to(act) if cfg.qk_norm else None
-        self.gate_up = Linear(cast(t["gate_up"]), None, upcast=upcast, chunks=chunks)
-        self.down = Linear(cast(t["down"]), None, upcast=upcast, chunks=chunks)
+        self.gate_up = Linear(cast(t["gate_up"]), None, upcast=upcast, chunks=chunks, panels=panels)
+        self.down = Linear(cast(t["down"]), None, upcast=upcast, chunks=chunks, panels=panels)
         self.intermediate = cfg.intermediate_size
+        cpu_kernels = self.input_norm.device.type == "cpu" and rows_kernel() is not None
+        self.silu_kernel = cpu_kernels and self.intermediate % 8 == 0  # silu(gate) * up in one pass (engine/kernels)
         # the decode-attention kernel (engine/kernels) takes f32 caches on the CPU, for head sizes it vectorises
-        self.decode_kernel = act == torch.float32 and self.input_norm.device.type == "cpu" and self.head_dim % 8 == 0 and rows_kernel() is not None
+        self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
         T = x.shape[0]
@@ -194,6 +210,8 @@ class DecoderBlock:
         x = x + self.o(attn)  # a bf16 projection added to an f32 stream promotes to f32
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
+        if self.silu_kernel and gu.dtype == torch.float32:
+            return x + self.down(silu_mul_rows(gu))
         return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
@@ -205,10 +223,14 @@ class DecoderBlock:
         kc, vc = kv.k[self.index], kv.v[self.index]  # [Hkv, cap, D], on this block's place
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
+        ks = row.key_start
+        if p == 0 and ks == 0 and (self.window is None or n <= self.window):
+            # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :n], vc[None, :, :n], is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1).reshape(n, H * D)
         # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
         qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D)
         # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
-        ks = row.key_start
         out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask_on(kc.device))
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
@@ -275,8 +297,10 @@ class LlamaModel:
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.placement: Placement | None = None  # set by the loader
 
-    def build(self, name: str, parts: dict[str, Any], device: torch.device) -> Any:
-        """The runnable block `name` from its parts, already on `device`."""
+    def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any:
+        """The runnable block `name` from its parts, already on `device`. `once`: built for one turn from a paged
+        block's buffers, so its weights stay as read (rewriting them into panels would cost a pass every step);
+        a block that stays takes its f32 projections as panels (`Linear`), its parts rewritten in place."""
         upcast = self.dtype == torch.bfloat16 and not bf16_matmul_native(device.type)
         chunks = torch.get_num_threads() if device.type == "cpu" and self.dtype == torch.float32 else 1
         if name == "embed":
@@ -284,7 +308,7 @@ class LlamaModel:
         if name == "head":
             return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype, self.act, upcast, chunks)
         index = int(name.split(".", 1)[1])
-        return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, upcast, chunks)
+        return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, upcast, chunks, panels=not once)
 
     @property
     def device(self) -> torch.device:
