@@ -166,7 +166,7 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
                 tok = step()
     finally:
         kernels.restore()
-    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "sampling": 0.0, "other ops": 0.0}
+    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "sampling": 0.0, "other ops": 0.0}
     for cat, seconds in kernels.seconds.items():
         cats[cat] += seconds / steps * 1000
     for ev in prof.key_averages(group_by_input_shape=True):
@@ -180,6 +180,8 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
             cats["attention"] += us
         elif "rms_norm" in name:
             cats["norms"] += us
+        elif name in ("aten::silu", "aten::mul_"):
+            cats["activation"] += us
         elif name in ("aten::topk", "aten::sort", "aten::softmax", "aten::_softmax", "aten::multinomial", "aten::cumsum", "aten::argmax"):
             cats["sampling"] += us
         elif name.startswith("aten::"):
@@ -198,8 +200,9 @@ class _KernelTimer:
         import jitllmd.engine.models.llama as llama
 
         self.module = llama
-        self.seconds = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0}
-        self.saved = {name: getattr(llama, name) for name in ("rows_linear", "attend_rows", "rms_norm_rows")}
+        self.seconds = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0}
+        kinds = {"rows_linear": "projections", "panel_linear": "projections", "attend_rows": "attention", "rms_norm_rows": "norms", "silu_mul_rows": "activation"}
+        self.saved = {name: getattr(llama, name) for name in kinds}
 
         def timed(fn, category):
             def call(*args):
@@ -210,9 +213,8 @@ class _KernelTimer:
                 return out
             return call
 
-        llama.rows_linear = timed(self.saved["rows_linear"], "projections")
-        llama.attend_rows = timed(self.saved["attend_rows"], "attention")
-        llama.rms_norm_rows = timed(self.saved["rms_norm_rows"], "norms")
+        for name, category in kinds.items():
+            setattr(llama, name, timed(self.saved[name], category))
 
     def restore(self) -> None:
         for name, fn in self.saved.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitllmd.engine.kernels import MAX_ROWS, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
+from jitllmd.engine.kernels import MAX_ROWS, attend_chunk, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
@@ -47,6 +47,32 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
         vv = values[r][:, starts[r] : lengths[r]].repeat_interleave(H // Hkv, 0)
         ref = F.scaled_dot_product_attention(q[r][:, None, :][None], kk[None], vv[None])[0, :, 0, :].reshape(-1)
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "start", "key_start", "window", "heads", "kv_heads", "dim"),
+    [
+        (200, 0, 0, None, 9, 3, 64),  # a prompt's first chunk: several query and key blocks, GQA 3
+        (37, 0, 0, None, 4, 2, 64),  # partial blocks
+        (20, 50, 0, None, 6, 2, 128),  # a later chunk over history; two 64-wide output slices
+        (100, 30, 12, 19, 4, 1, 64),  # a sliding window, keys before key_start never read
+        (5, 0, 0, 3, 2, 2, 64),  # a window shorter than the chunk
+    ],
+)
+def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, window: int | None, heads: int, kv_heads: int, dim: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    cap = start + n + 5
+    keys, values = torch.randn(kv_heads, cap, dim, generator=g), torch.randn(kv_heads, cap, dim, generator=g)
+    q = torch.randn(n, heads, dim, generator=g)
+    out = attend_chunk(q, keys, values, start, key_start, window)
+    at, qpos = torch.arange(key_start, start + n), torch.arange(start, start + n)
+    mask = at[None] <= qpos[:, None]
+    if window:
+        mask &= at[None] > qpos[:, None] - window
+    kk = keys[:, key_start : start + n].repeat_interleave(heads // kv_heads, 0)
+    vv = values[:, key_start : start + n].repeat_interleave(heads // kv_heads, 0)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1).reshape(n, heads * dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, 300])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
+__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
 
 log = logging.getLogger("jitllmd.kernels")
 
@@ -83,6 +83,8 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.rms_norm_rows.restype = None
     lib.silu_mul_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.silu_mul_rows.restype = None
+    lib.attend_chunk.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -145,6 +147,24 @@ def attend_rows(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr, ptr + step, ptr + 2 * step, ptr + 3 * step, ptr + 4 * step,
         num_rows, num_heads, keys[0].shape[0], dim, dim**-0.5, torch.get_num_threads(),
     )
+    return out
+
+
+def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None) -> torch.Tensor:
+    """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
+    start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
+    of 64); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
+    lib = rows_kernel()
+    assert lib is not None
+    q = q.contiguous()
+    n, heads, dim = q.shape
+    out = torch.empty((n, heads * dim), dtype=torch.float32)
+    failed = lib.attend_chunk(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
+        start, key_start, window or 0, dim**-0.5, torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("attend_chunk: no memory for its score buffers")
     return out
 
 

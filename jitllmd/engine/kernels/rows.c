@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 8 /* x rows per pass over a weight row: 8 accumulators, 1 weight and 1 x register */
@@ -173,4 +174,151 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
             _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
         }
     }
+}
+
+/* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
+ * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
+ * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
+ * the chunk's own keys already written). Query head j reads kv head j / (H / Hkv). D is a multiple of 64.
+ *
+ * Work items are (kv head, block of QB queries): the block's group * QB query rows share each key block's K and V
+ * while they are in L1. Per key block of KB keys: the scores by 3 x 4 register tiles of dot products, then for each
+ * row the running maximum and sum (the softmax's rescaling) and its output row += p * V with the row's 64-wide
+ * output slices in registers. */
+#define QB 16
+#define KB 64
+#define SK (KB + 8) /* a score row's stride: a masked tail vector may spill past KB */
+
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* All-ones in the first `left` lanes (all eight when left >= 8). */
+static inline __m256 lanes(int64_t left) {
+    const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), at));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 0x55));
+    return _mm_cvtss_f32(x);
+}
+
+/* s[r * SK + c] = q_r . k_c for three query rows and four keys, over D */
+static inline void scores_3x4(const float *const *qr, const float *k, int64_t D, float *s) {
+    __m256 a[3][4];
+    for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(qr[0] + d), x1 = _mm256_loadu_ps(qr[1] + d), x2 = _mm256_loadu_ps(qr[2] + d);
+        for (int c = 0; c < 4; c++) {
+            const __m256 w = _mm256_loadu_ps(k + c * D + d);
+            a[0][c] = _mm256_fmadd_ps(x0, w, a[0][c]);
+            a[1][c] = _mm256_fmadd_ps(x1, w, a[1][c]);
+            a[2][c] = _mm256_fmadd_ps(x2, w, a[2][c]);
+        }
+    }
+    for (int r = 0; r < 3; r++) _mm_storeu_ps(s + r * SK, sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+}
+
+int attend_chunk(const float *q, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
+                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
+    const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB, rows_max = group * QB;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        const int64_t rows_cap = (rows_max + 2) / 3 * 3;
+        float *s = malloc(sizeof(float) * (size_t)(rows_cap * SK));
+        float *o = malloc(sizeof(float) * (size_t)(rows_cap * D));
+        float *m = malloc(sizeof(float) * (size_t)rows_cap), *l = malloc(sizeof(float) * (size_t)rows_cap);
+        const float **qrow = malloc(sizeof(float *) * (size_t)rows_cap);
+        int64_t *pos = malloc(sizeof(int64_t) * (size_t)rows_cap);
+        const int ready = s && o && m && l && qrow && pos;
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t item = 0; item < Hkv * blocks; item++) {
+            if (!ready) {
+                _Pragma("omp atomic write")
+                failed = 1;
+                continue;
+            }
+            const int64_t h = item / blocks, i0 = (item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
+            const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
+            /* rows: (query i, head h * group + j), query-major */
+            int64_t rows = 0;
+            for (int64_t i = i0; i < i1; i++)
+                for (int64_t j = 0; j < group; j++, rows++) {
+                    qrow[rows] = q + (i * H + h * group + j) * D;
+                    pos[rows] = p + i;
+                    m[rows] = -INFINITY;
+                    l[rows] = 0.0f;
+                    memset(o + rows * D, 0, sizeof(float) * (size_t)D);
+                }
+            for (int64_t r = rows; r < (rows + 2) / 3 * 3; r++) qrow[r] = qrow[0]; /* padding rows: computed, unused */
+            int64_t lo = key_start;
+            if (window > 0 && p + i0 - window + 1 > lo) lo = p + i0 - window + 1;
+            const int64_t hi = p + i1; /* keys [lo, hi) */
+            for (int64_t k0 = lo; k0 < hi; k0 += KB) {
+                const int64_t kn = hi - k0 < KB ? hi - k0 : KB, kn4 = kn / 4 * 4;
+                for (int64_t r = 0; r < rows; r += 3) {
+                    for (int64_t c = 0; c < kn4; c += 4) scores_3x4(qrow + r, Kh + (k0 + c) * D, D, s + r * SK + c);
+                    for (int64_t c = kn4; c < kn; c++)
+                        for (int rr = 0; rr < 3; rr++) {
+                            __m256 acc = _mm256_setzero_ps();
+                            for (int64_t d = 0; d < D; d += 8)
+                                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[r + rr] + d), _mm256_loadu_ps(Kh + (k0 + c) * D + d), acc);
+                            s[(r + rr) * SK + c] = hsum(acc);
+                        }
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    /* this row's visible keys within the block: [a, b) */
+                    int64_t a = k0, b = pos[r] + 1 < k0 + kn ? pos[r] + 1 : k0 + kn;
+                    if (window > 0 && pos[r] - window + 1 > a) a = pos[r] - window + 1;
+                    if (a >= b) continue;
+                    float *sr = s + r * SK;
+                    const int64_t c0 = a - k0, c1 = b - k0;
+                    __m256 top = _mm256_set1_ps(-INFINITY);
+                    for (int64_t c = c0; c < c1; c += 8) {
+                        const __m256 keep = lanes(c1 - c);
+                        const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(_mm256_loadu_ps(sr + c), _mm256_set1_ps(scale)), keep);
+                        _mm256_storeu_ps(sr + c, v);
+                        top = _mm256_max_ps(top, v);
+                    }
+                    const float best = hmax(top) > m[r] ? hmax(top) : m[r];
+                    const float corr = expf(m[r] - best); /* 0 on the row's first block (m = -inf) */
+                    __m256 sum = _mm256_setzero_ps();
+                    for (int64_t c = c0; c < c1; c += 8) {
+                        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + c), _mm256_set1_ps(best))), lanes(c1 - c));
+                        _mm256_storeu_ps(sr + c, e);
+                        sum = _mm256_add_ps(sum, e);
+                    }
+                    const float total = hsum(sum);
+                    m[r] = best;
+                    l[r] = l[r] * corr + total;
+                    float *orow = o + r * D;
+                    const __m256 cv = _mm256_set1_ps(corr);
+                    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                        __m256 acc[8];
+                        for (int v = 0; v < 8; v++) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(orow + d0 + 8 * v), cv);
+                        for (int64_t c = a - k0; c < b - k0; c++) {
+                            const __m256 pc = _mm256_set1_ps(sr[c]);
+                            const float *vrow = Vh + (k0 + c) * D + d0;
+                            for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vrow + 8 * v), acc[v]);
+                        }
+                        for (int v = 0; v < 8; v++) _mm256_storeu_ps(orow + d0 + 8 * v, acc[v]);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = i0 + r / group, j = h * group + r % group;
+                float *dst = out + (i * H + j) * D;
+                const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + d), inv));
+            }
+        }
+        free(s), free(o), free(m), free(l), free(qrow), free(pos);
+    }
+    return failed ? -1 : 0;
 }

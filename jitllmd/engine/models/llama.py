@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
-from ..kernels import MAX_ROWS, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
+from ..kernels import MAX_ROWS, attend_chunk, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
 from ..kv import RowSpan, SessionKV
 from ..placement import Placement
 
@@ -185,6 +185,7 @@ class DecoderBlock:
         self.silu_kernel = cpu_kernels and self.intermediate % 8 == 0  # silu(gate) * up in one pass (engine/kernels)
         # the decode-attention kernel (engine/kernels) takes f32 caches on the CPU, for head sizes it vectorises
         self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
+        self.chunk_kernel = act == torch.float32 and self.head_dim % 64 == 0 and cpu_kernels  # a prompt chunk's attention
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
         T = x.shape[0]
@@ -224,6 +225,8 @@ class DecoderBlock:
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         ks = row.key_start
+        if self.chunk_kernel and kc.device.type == "cpu":  # flash-style in C: no mask, no score matrix
+            return attend_chunk(q, kc, vc, p, ks, self.window)
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):
             # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :n], vc[None, :, :n], is_causal=True, enable_gqa=True)
