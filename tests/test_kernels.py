@@ -1,4 +1,4 @@
-"""The compiled kernels against torch's own ops: few-row and panel projections, decode attention, RMSNorm."""
+"""The compiled kernels against torch's own ops: few-row and panel projections, decode and prompt-chunk attention, RMSNorm, silu."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitllmd.engine.kernels import MAX_ROWS, attend_chunk, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
+from jitllmd.engine.kernels import (
+    MAX_ROWS,
+    attend_chunk,
+    attend_rows,
+    pack_panels,
+    panel_linear,
+    rms_norm_rows,
+    rows_kernel,
+    rows_linear,
+    silu_mul_rows,
+)
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
