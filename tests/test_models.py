@@ -22,6 +22,8 @@ CASES = {
     ),
     "mistral": ("mistral", {"sliding_window": None}),
     "mistral-window": ("mistral", {"sliding_window": 5}),
+    "llama-d64": ("llama", {"head_dim": 64}),  # heads of 64: the prompt-chunk attention kernel's case
+    "mistral-window-d64": ("mistral", {"sliding_window": 5, "head_dim": 64}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
 }
@@ -97,3 +99,17 @@ def test_bf16_close_to_f32(pair, tmp_path):
     assert bf.model.dtype == torch.bfloat16
     diff = (_run(bf, [PROMPT]) - _reference(hf, PROMPT)).abs().max().item()
     assert diff < 0.15
+
+
+@pytest.mark.parametrize("at", [[12], [3, 7, 12], [0], [12, 3]])
+def test_logits_of_some_tokens_match(pair, at):
+    """Asked for some tokens' logits, the last block runs only those (every token's K/V still kept): the logits
+    match, out of order too, and the session goes on from the whole prompt."""
+    loaded, hf = pair
+    kv = loaded.new_kv()
+    m = loaded.model
+    logits = m.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), [RowSpan(0, len(PROMPT), kv)], torch.tensor(at))
+    ref = _reference(hf, PROMPT)
+    assert (logits - ref[at]).abs().max().item() <= TOL
+    nxt = m.forward(torch.tensor([7]), torch.tensor([len(PROMPT)]), [RowSpan(0, 1, kv)])
+    assert (nxt[0] - _reference(hf, PROMPT + [7])[-1]).abs().max().item() <= TOL

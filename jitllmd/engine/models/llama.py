@@ -187,7 +187,10 @@ class DecoderBlock:
         self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
         self.chunk_kernel = act == torch.float32 and self.head_dim % 64 == 0 and cpu_kernels  # a prompt chunk's attention
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
+        """-> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those tokens' [len(keep),
+        hidden]: every token's K/V still goes to its session, but attention and the MLP run for the kept ones only
+        (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
@@ -198,7 +201,14 @@ class DecoderBlock:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        if T == len(rows) and self.decode_kernel:  # every row feeds one token: one call for all their attention
+        if keep is not None:
+            attn = torch.cat([
+                self.attend(q[r.start : r.start + r.num_tokens], k[r.start : r.start + r.num_tokens], v[r.start : r.start + r.num_tokens], r,
+                            [i - r.start for i in keep if r.start <= i < r.start + r.num_tokens])
+                for r in rows
+            ])
+            x = x[keep]
+        elif T == len(rows) and self.decode_kernel:  # every row feeds one token: one call for all their attention
             attn = attend_rows(q, k, v, [r.kv.k[self.index] for r in rows], [r.kv.v[self.index] for r in rows],
                                [r.kv.length + 1 for r in rows], [r.key_start for r in rows])
         elif len(rows) == 1:
@@ -215,8 +225,9 @@ class DecoderBlock:
             return x + self.down(silu_mul_rows(gu))
         return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan) -> torch.Tensor:
-        """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D]"""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
+        """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
+        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]."""
         kv: SessionKV = row.kv
         n, p = row.num_tokens, kv.length
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -224,6 +235,8 @@ class DecoderBlock:
         kc, vc = kv.k[self.index], kv.v[self.index]  # [Hkv, cap, D], on this block's place
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
+        if only is not None:
+            return torch.cat([self.attend_one(q[i], kc, vc, p + i, row.key_start) for i in only]) if only else q.new_empty((0, H * D))
         ks = row.key_start
         if self.chunk_kernel and kc.device.type == "cpu":  # flash-style in C: no mask, no score matrix
             return attend_chunk(q, kc, vc, p, ks, self.window)
@@ -236,6 +249,15 @@ class DecoderBlock:
         # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
         out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask_on(kc.device))
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+
+
+    def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
+        """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
+        if self.chunk_kernel and kc.device.type == "cpu":
+            return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
+        lo = max(key_start, pos - self.window + 1) if self.window else key_start
+        out = F.scaled_dot_product_attention(q[:, None, :][None], kc[None, :, lo : pos + 1], vc[None, :, lo : pos + 1], enable_gqa=True)
+        return out.reshape(1, -1)
 
 
 class Embed:
@@ -357,16 +379,19 @@ class LlamaModel:
         try:
             embed, dev = next(walk)
             x = embed(token_ids.to(dev))  # [T, hidden]
-            for _ in range(self.cfg.num_layers):
+            # The last block computes only the tokens whose logits are asked for (a prompt's last), as llama.cpp does.
+            at = logits_at.tolist() if logits_at is not None else None
+            keep = at if at is not None and len(at) < x.shape[0] and at == sorted(set(at)) else None
+            for layer in range(self.cfg.num_layers):
                 block, dev = next(walk)
                 x = x.to(dev)  # over a seam, if there is one
                 if dev not in rope:
                     cos, sin = next(iter(rope.values()))
                     rope[dev] = (cos.to(dev), sin.to(dev))
-                x = block(x, *rope[dev], rows)
+                x = block(x, *rope[dev], rows, keep if layer == self.cfg.num_layers - 1 else None)
             for row in rows:
                 row.kv.length += row.num_tokens
-            if logits_at is not None:
+            if logits_at is not None and keep is None:
                 x = x[logits_at.to(x.device)]
             head, dev = next(walk)
             return head(x.to(dev))
