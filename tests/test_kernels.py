@@ -13,6 +13,7 @@ from jitllmd.engine.kernels import (
     pack_panels,
     panel_linear,
     rms_norm_rows,
+    rope_rows,
     rows_kernel,
     rows_linear,
     silu_mul_rows,
@@ -126,3 +127,30 @@ def test_a_rows_panel_result_does_not_depend_on_its_step() -> None:
     for r in (0, 5, 143, 144, 299):
         assert torch.equal(panel_linear(x[r : r + 1], w)[0], together[r])
         assert torch.equal(panel_linear(x[r : r + 3], w)[0], together[r])
+
+
+def test_rope_rows_in_place_matches_rotate_half() -> None:
+    """In place on q and k heads that are a view into wider rows (qkv), v left alone."""
+    from jitllmd.engine.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(8)
+    T, H, Hkv, D = 40, 3, 1, 32
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    angles = torch.randn(T, 1, D // 2, generator=g)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    sin = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
+    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    want, v = apply_rope(qk.clone(), cos, sin), qkv[:, (H + Hkv) * D :].clone()
+    rope_rows(qk, cos, sin)
+    torch.testing.assert_close(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (H + Hkv) * D :], v)
+
+
+def test_panel_linear_adds_a_residual() -> None:
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(72, 300, generator=g)
+    packed = pack_panels(w.clone())
+    for rows in (1, 6, 200):
+        x, r = torch.randn(rows, 300, generator=g), torch.randn(rows, 72, generator=g)
+        torch.testing.assert_close(panel_linear(x, packed, r), r + F.linear(x, w), rtol=1e-5, atol=1e-4)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
+__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
 
 log = logging.getLogger("jitllmd.kernels")
 
@@ -83,11 +83,13 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.rms_norm_rows.restype = None
     lib.silu_mul_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.silu_mul_rows.restype = None
+    lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.rope_rows.restype = None
     lib.attend_chunk.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
-    lib.panel_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
     return lib
 
@@ -115,15 +117,20 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M."""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ residual [M, N] f32) -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M."""
     lib = rows_kernel()
     assert lib is not None
     x = x.float().contiguous()
     rows, width = x.shape
     out = panels.shape[0]
     y = torch.empty((rows, out), dtype=torch.float32)
-    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out, width, torch.get_num_threads()) != 0:
+    res = 0
+    if residual is not None:
+        residual = residual.float().contiguous()
+        assert residual.shape == (rows, out)
+        res = residual.data_ptr()
+    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), res, y.data_ptr(), rows, out, width, torch.get_num_threads()) != 0:
         raise MemoryError("panel_linear: no memory for its packing buffers")
     return y
 
@@ -176,6 +183,16 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     y = torch.empty_like(x)
     lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return y
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place: x [T, heads, D] f32 (heads adjacent in a row, which may be a view into a wider
+    row), cos and sin [T, 1, D] (sin's first half negated), D a multiple of 16."""
+    lib = rows_kernel()
+    assert lib is not None and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rows, heads, dim = x.shape
+    lib.rope_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, torch.get_num_threads())
 
 
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ void pack_panels(float *W, float *tmp, int64_t N, int64_t K, int threads) {
 }
 
 /* One tile: rows n (1..4) of packed a ([kc][4]) against a full panel's block b ([kc][24]); c has row stride ldc. */
-static inline __attribute__((always_inline)) void tile(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int first, const int n) {
+static inline __attribute__((always_inline)) void tile(int64_t kc, const float *a, const float *b, float *c, const float *rc, int64_t ldc, int first,
+                                                       const int n) {
     __m256 acc[GROUP][3];
     for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
 #pragma GCC unroll 4
@@ -60,22 +61,26 @@ static inline __attribute__((always_inline)) void tile(int64_t kc, const float *
     }
     for (int r = 0; r < n; r++) {
         float *cr = c + r * ldc;
+        const float *base = first ? (rc ? rc + r * ldc : NULL) : cr; /* what this block's sum adds to */
         for (int v = 0; v < 3; v++) {
-            const __m256 s = first ? acc[r][v] : _mm256_add_ps(_mm256_loadu_ps(cr + 8 * v), acc[r][v]);
+            const __m256 s = base ? _mm256_add_ps(_mm256_loadu_ps(base + 8 * v), acc[r][v]) : acc[r][v];
             _mm256_storeu_ps(cr + 8 * v, s);
         }
     }
 }
 
 /* The last panel when narrower than 24 (w outputs): plain loops, same summation order per output. */
-static void tile_narrow(int64_t kc, const float *a, const float *b, int64_t w, float *c, int64_t ldc, int first, int n) {
+static void tile_narrow(int64_t kc, const float *a, const float *b, int64_t w, float *c, const float *rc, int64_t ldc, int first, int n) {
     float acc[GROUP][PANEL];
     memset(acc, 0, sizeof(acc));
     for (int64_t k = 0; k < kc; k++)
         for (int r = 0; r < n; r++)
             for (int64_t j = 0; j < w; j++) acc[r][j] = __builtin_fmaf(a[k * GROUP + r], b[k * w + j], acc[r][j]);
     for (int r = 0; r < n; r++)
-        for (int64_t j = 0; j < w; j++) c[r * ldc + j] = first ? acc[r][j] : c[r * ldc + j] + acc[r][j];
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t at = r * ldc + j;
+            c[at] = first ? (rc ? rc[at] + acc[r][j] : acc[r][j]) : c[at] + acc[r][j];
+        }
 }
 
 /* x rows [0, rows) (row stride K), columns pc .. pc + kc, into groups of four: [rows/4][kc][4], zero padded. */
@@ -91,8 +96,8 @@ static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_
 }
 
 /* y rows [m0, m1) x panels [p0, p1). */
-static void part(const float *x, const float *P, float *y, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N, int64_t K,
-                 float *ap) {
+static void part(const float *x, const float *P, const float *res, float *y, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
+                 int64_t K, float *ap) {
     for (int64_t pc = 0; pc < K; pc += KC) {
         const int64_t kc = min64(KC, K - pc);
         const int first = pc == 0;
@@ -105,13 +110,14 @@ static void part(const float *x, const float *P, float *y, int64_t m0, int64_t m
                 for (int64_t g = 0; g < mc; g += GROUP) {
                     const float *a = ap + g * kc;
                     float *c = y + (ic + g) * N + n0;
+                    const float *rc = res ? res + (ic + g) * N + n0 : NULL;
                     const int n = (int)min64(GROUP, mc - g);
-                    if (w < PANEL) tile_narrow(kc, a, b, w, c, N, first, n);
+                    if (w < PANEL) tile_narrow(kc, a, b, w, c, rc, N, first, n);
                     else switch (n) {
-                        case 1: tile(kc, a, b, c, N, first, 1); break;
-                        case 2: tile(kc, a, b, c, N, first, 2); break;
-                        case 3: tile(kc, a, b, c, N, first, 3); break;
-                        default: tile(kc, a, b, c, N, first, 4); break;
+                        case 1: tile(kc, a, b, c, rc, N, first, 1); break;
+                        case 2: tile(kc, a, b, c, rc, N, first, 2); break;
+                        case 3: tile(kc, a, b, c, rc, N, first, 3); break;
+                        default: tile(kc, a, b, c, rc, N, first, 4); break;
                     }
                 }
             }
@@ -119,9 +125,10 @@ static void part(const float *x, const float *P, float *y, int64_t m0, int64_t m
     }
 }
 
-/* y [M, N] = x [M, K] @ W.T with W in the panel layout. Many rows: the threads split the rows (each packs only its
- * own); few rows (a decode step): they split the panels, so each reads its share of the weights once. */
-int panel_linear(const float *x, const float *P, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+/* y [M, N] = x [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
+ * the panel layout. Many rows: the threads split the rows (each packs only its own); few rows (a decode step): they
+ * split the panels, so each reads its share of the weights once. */
+int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int by_rows = M >= 16 * threads;
     int failed = 0;
@@ -136,10 +143,10 @@ int panel_linear(const float *x, const float *P, float *y, int64_t M, int64_t N,
             if (by_rows) {
                 const int64_t groups = (M + GROUP - 1) / GROUP;
                 const int64_t m0 = min64(M, groups * t / nt * GROUP), m1 = min64(M, groups * (t + 1) / nt * GROUP);
-                if (m0 < m1) part(x, P, y, m0, m1, 0, panels, N, K, ap);
+                if (m0 < m1) part(x, P, res, y, m0, m1, 0, panels, N, K, ap);
             } else {
                 const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-                if (p0 < p1) part(x, P, y, 0, M, p0, p1, N, K, ap);
+                if (p0 < p1) part(x, P, res, y, 0, M, p0, p1, N, K, ap);
             }
             free(ap);
         }

@@ -138,6 +138,24 @@ void rms_norm_rows(const float *x, const float *w, float *y, int64_t T, int64_t 
     }
 }
 
+/* Rotate-half RoPE in place on f32 rows: x [T, heads, D] (row stride `stride` floats, heads adjacent in a row), cos
+ * [T, D], sin [T, D] with its first half negated: x' = x * cos + (x's halves swapped) * sin. D is a multiple of 16. */
+void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads) {
+    const int64_t half = D / 2;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (T >= 16)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xh = x + t * stride + h * D;
+            for (int64_t d = 0; d < half; d += 8) {
+                const __m256 x1 = _mm256_loadu_ps(xh + d), x2 = _mm256_loadu_ps(xh + half + d);
+                _mm256_storeu_ps(xh + d, _mm256_fmadd_ps(x2, _mm256_loadu_ps(s + d), _mm256_mul_ps(x1, _mm256_loadu_ps(c + d))));
+                _mm256_storeu_ps(xh + half + d, _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + half + d), _mm256_mul_ps(x2, _mm256_loadu_ps(c + half + d))));
+            }
+        }
+    }
+}
+
 /* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n in the exponent
  * bits), within 2 ulp of libm over [-87.3, 88.7], clamped beyond. */
 static inline __m256 exp8(__m256 x) {

@@ -11,7 +11,18 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
-from ..kernels import MAX_ROWS, attend_chunk, attend_rows, pack_panels, panel_linear, rms_norm_rows, rows_kernel, rows_linear, silu_mul_rows
+from ..kernels import (
+    MAX_ROWS,
+    attend_chunk,
+    attend_rows,
+    pack_panels,
+    panel_linear,
+    rms_norm_rows,
+    rope_rows,
+    rows_kernel,
+    rows_linear,
+    silu_mul_rows,
+)
 from ..kv import RowSpan, SessionKV
 from ..placement import Placement
 
@@ -118,7 +129,14 @@ class Linear:
             and i % 8 == 0 and rows_kernel() is not None
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias), added to `residual` where one is given (in the kernel's first pass, for panels)."""
+        if self.panels and self.bias is None:
+            return panel_linear(x, self.weight, residual)
+        y = self.project(x)
+        return y if residual is None else residual + y
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         if self.panels:
             y = panel_linear(x, self.weight)
@@ -186,6 +204,7 @@ class DecoderBlock:
         # the decode-attention kernel (engine/kernels) takes f32 caches on the CPU, for head sizes it vectorises
         self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
         self.chunk_kernel = act == torch.float32 and self.head_dim % 64 == 0 and cpu_kernels  # a prompt chunk's attention
+        self.rope_kernel = act == torch.float32 and self.head_dim % 16 == 0 and cpu_kernels
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """-> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those tokens' [len(keep),
@@ -199,7 +218,10 @@ class DecoderBlock:
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        if self.rope_kernel and qk.dtype == torch.float32 and cos.device.type == "cpu":
+            rope_rows(qk, cos, sin)  # in place, in qkv's own rows: one pass
+        else:
+            qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         if keep is not None:
             attn = torch.cat([
@@ -218,12 +240,12 @@ class DecoderBlock:
             for row in rows:
                 s, n = row.start, row.num_tokens
                 attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
-        x = x + self.o(attn)  # a bf16 projection added to an f32 stream promotes to f32
+        x = self.o(attn, residual=x)  # a bf16 projection added to an f32 stream promotes to f32
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
         if self.silu_kernel and gu.dtype == torch.float32:
-            return x + self.down(silu_mul_rows(gu))
-        return x + self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]))  # in place: one pass fewer
+            return self.down(silu_mul_rows(gu), residual=x)
+        return self.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate :]), residual=x)  # in place: one pass fewer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
