@@ -166,7 +166,7 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
                 tok = step()
     finally:
         kernels.restore()
-    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "sampling": 0.0, "other ops": 0.0}
+    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0, "sampling": 0.0, "other ops": 0.0}
     for cat, seconds in kernels.seconds.items():
         cats[cat] += seconds / steps * 1000
     for ev in prof.key_averages(group_by_input_shape=True):
@@ -200,8 +200,8 @@ class _KernelTimer:
         import jitllmd.engine.models.llama as llama
 
         self.module = llama
-        self.seconds = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0}
-        kinds = {"rows_linear": "projections", "panel_linear": "projections", "attend_rows": "attention", "rms_norm_rows": "norms", "silu_mul_rows": "activation"}
+        self.seconds = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0}
+        kinds = {"rows_linear": "projections", "panel_linear": "projections", "attend_rows": "attention", "attend_chunk": "attention", "rms_norm_rows": "norms", "silu_mul_rows": "activation", "rope_rows": "rope"}
         self.saved = {name: getattr(llama, name) for name in kinds}
 
         def timed(fn, category):
