@@ -272,7 +272,6 @@ class DecoderBlock:
         out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=row.mask_on(kc.device))
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
-
     def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
         """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
         if self.chunk_kernel and kc.device.type == "cpu":
