@@ -200,8 +200,8 @@ class _KernelTimer:
         import jitllmd.engine.models.llama as llama
 
         self.module = llama
-        self.seconds = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0}
         kinds = {"rows_linear": "projections", "panel_linear": "projections", "attend_rows": "attention", "attend_chunk": "attention", "rms_norm_rows": "norms", "silu_mul_rows": "activation", "rope_rows": "rope"}
+        self.seconds = dict.fromkeys(["head", *kinds.values()], 0.0)
         self.saved = {name: getattr(llama, name) for name in kinds}
 
         def timed(fn, category):

@@ -104,44 +104,43 @@ class SessionKV:
 class RowSpan:
     """One row of a packed batch: tokens [start, start + num_tokens) attend to `kv` from position `kv.length`.
 
-    `mask` is built once per forward and shared by every layer (None for a single token: it sees everything).
+    Its causal mask is made on first use, once per forward and device, and shared by the layers there (the
+    compiled chunk attention needs none; a single token sees everything).
     """
 
     start: int
     num_tokens: int
     kv: SessionKV
-    mask: torch.Tensor | None = field(default=None)
     key_start: int = 0
-    _moved: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    group: int = 1
+    window: int | None = None
+    _masks: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def pos(self) -> int:
         return self.kv.length
 
-    def build_mask(self, group: int, window: int | None = None) -> None:
-        """Causal mask for this chunk against the whole history, tiled for the GQA query layout [Hkv, group*n, D].
-
-        With a sliding `window`, a query at position q sees keys in (q - window, q]; `key_start` skips the keys
-        no query of the chunk can see.
-        """
-        n, p = self.num_tokens, self.kv.length
-        self.key_start = max(0, p - window + 1) if window else 0
-        if n == 1:
-            self.mask = None
-            return
-        device = self.kv.device
-        keys = torch.arange(self.key_start, p + n, device=device)
-        queries = torch.arange(p, p + n, device=device)
-        mask = keys[None, :] <= queries[:, None]  # [n, keys]
-        if window:
-            mask &= keys[None, :] > queries[:, None] - window
-        self.mask = mask.repeat(group, 1) if group > 1 else mask  # [group*n, keys]
-        self._moved.clear()
+    def begin(self, group: int, window: int | None = None) -> None:
+        """Before a forward: with a sliding `window` a query at position q sees keys in (q - window, q], and
+        `key_start` skips the keys no query of the chunk can see. `group` query heads share a kv head."""
+        self.key_start = max(0, self.kv.length - window + 1) if window else 0
+        self.group, self.window = group, window
+        self._masks.clear()
 
     def mask_on(self, device: torch.device) -> torch.Tensor | None:
-        """The mask on a layer's device (a copy made once per forward when the layers span places)."""
-        if self.mask is None or self.mask.device == device:
-            return self.mask
-        if device not in self._moved:
-            self._moved[device] = self.mask.to(device)
-        return self._moved[device]
+        """Causal mask for this chunk against the whole history on `device`, tiled for the GQA query layout
+        [Hkv, group*n, D]: [group*n, keys]. None for a single token."""
+        if self.num_tokens == 1:
+            return None
+        if device not in self._masks:
+            if self._masks:  # made for another place of this forward: copied
+                self._masks[device] = next(iter(self._masks.values())).to(device)
+            else:
+                n, p = self.num_tokens, self.kv.length
+                keys = torch.arange(self.key_start, p + n, device=device)
+                queries = torch.arange(p, p + n, device=device)
+                mask = keys[None, :] <= queries[:, None]  # [n, keys]
+                if self.window:
+                    mask &= keys[None, :] > queries[:, None] - self.window
+                self._masks[device] = mask.repeat(self.group, 1) if self.group > 1 else mask
+        return self._masks[device]

@@ -42,22 +42,26 @@ def _cpu_flags() -> set[str]:
 
 
 def _build(cache: Path) -> Path | None:
-    """The shared library for these sources and flags, compiled once into `cache` (atomically)."""
+    """The shared library for these sources and flags, compiled once into `cache` (atomically); builds of other
+    versions of the sources are removed (a process that loaded one keeps its mapping)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    out = cache / f"rows-{key}.so"
+    out = cache / f"kernels-{key}.so"
     if out.exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".rows-", suffix=".so", dir=cache)
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
         subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    for old in [*cache.glob("kernels-*.so"), *cache.glob("rows-*.so")]:
+        if old != out:
+            old.unlink(missing_ok=True)
     return out
 
 
@@ -72,7 +76,7 @@ def rows_kernel() -> ctypes.CDLL | None:
             return None
         lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("few-row kernels unavailable, using torch's ops: %s", exc)
+        log.warning("compiled kernels unavailable, using torch's ops: %s", exc)
         return None
     for fn in (lib.rows_f32, lib.rows_bf16):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
@@ -94,14 +98,23 @@ def rows_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+def _lib() -> ctypes.CDLL:
+    lib = rows_kernel()
+    assert lib is not None, "callers check rows_kernel() first"
+    return lib
+
+
+def _operands(x: torch.Tensor, out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection's input as contiguous f32 rows, and its output [rows, out] f32."""
+    x = x.float().contiguous()
+    return x, torch.empty((x.shape[0], out), dtype=torch.float32)
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] f32 @ weight [O, K] (f32 or bf16, contiguous, K a multiple of 8).T -> [T, O] f32, T <= MAX_ROWS."""
-    lib = rows_kernel()
-    assert lib is not None
-    x = x.float().contiguous()
-    rows, width = x.shape
-    out = weight.shape[0]
-    y = torch.empty((rows, out), dtype=torch.float32)
+    lib = _lib()
+    x, y = _operands(x, weight.shape[0])
+    (rows, width), out = x.shape, weight.shape[0]
     fn = lib.rows_f32 if weight.dtype == torch.float32 else lib.rows_bf16
     fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, out, torch.get_num_threads())
     return y
@@ -110,8 +123,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """Rewrite an f32 CPU weight [N, K] (contiguous) in place into panels.c's column-panel layout; returns it. The
     tensor keeps its shape and size but only `panel_linear` reads it right from then on."""
-    lib = rows_kernel()
-    assert lib is not None and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
+    lib = _lib()
+    assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
     tmp = torch.empty_like(weight)
     lib.pack_panels(weight.data_ptr(), tmp.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
     return weight
@@ -119,12 +132,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ residual [M, N] f32) -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M."""
-    lib = rows_kernel()
-    assert lib is not None
-    x = x.float().contiguous()
-    rows, width = x.shape
-    out = panels.shape[0]
-    y = torch.empty((rows, out), dtype=torch.float32)
+    lib = _lib()
+    x, y = _operands(x, panels.shape[0])
+    (rows, width), out = x.shape, panels.shape[0]
     res = 0
     if residual is not None:
         residual = residual.float().contiguous()
@@ -141,8 +151,7 @@ def attend_rows(
     """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] go to position lengths[r] - 1 of
     keys[r], values[r] ([Hkv, stride, D] f32 contiguous: its session's cache); then q[r] [H, D] attends to positions
     starts[r] .. lengths[r] - 1. All f32. -> [R, H * D]."""
-    lib = rows_kernel()
-    assert lib is not None
+    lib = _lib()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_rows, num_heads, dim = q.shape
     out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
@@ -161,8 +170,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
     start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
     of 64); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
-    lib = rows_kernel()
-    assert lib is not None
+    lib = _lib()
     q = q.contiguous()
     n, heads, dim = q.shape
     out = torch.empty((n, heads * dim), dtype=torch.float32)
@@ -177,8 +185,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of f32 rows x [T, D] by an f32 weight [D] (D a multiple of 8), in f32 as Hugging Face does."""
-    lib = rows_kernel()
-    assert lib is not None
+    lib = _lib()
     x = x.contiguous()
     y = torch.empty_like(x)
     lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
@@ -188,8 +195,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half RoPE in place: x [T, heads, D] f32 (heads adjacent in a row, which may be a view into a wider
     row), cos and sin [T, 1, D] (sin's first half negated), D a multiple of 16."""
-    lib = rows_kernel()
-    assert lib is not None and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    lib = _lib()
+    assert x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     cos, sin = cos.contiguous(), sin.contiguous()
     rows, heads, dim = x.shape
     lib.rope_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, torch.get_num_threads())
@@ -197,8 +204,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for f32 rows gate_up [T, 2I] (I a multiple of 8) -> [T, I], in one pass."""
-    lib = rows_kernel()
-    assert lib is not None
+    lib = _lib()
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=torch.float32)

@@ -121,26 +121,25 @@ class Linear:
         self.weight = pack_panels(weight) if self.panels else weight  # [out, in]; panels: same bytes, panel order
         self.bias = bias
         self.upcast = upcast
-        self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 else 1
+        self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 and not self.panels else 1
         o, i = weight.shape
         self.row_blocks = weight.view(self.chunks, o // self.chunks, i)  # [chunks, out/chunks, in], a view
         self.rows = (  # the few-row kernel (engine/kernels): each weight row read once for all of a step's rows
-            weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and i % 8 == 0 and rows_kernel() is not None
+            not self.panels and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.is_contiguous() and i % 8 == 0 and rows_kernel() is not None
         )
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias), added to `residual` where one is given (in the kernel's first pass, for panels)."""
-        if self.panels and self.bias is None:
-            return panel_linear(x, self.weight, residual)
+        """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass)."""
+        if self.panels:
+            y = panel_linear(x, self.weight, residual)
+            return y if self.bias is None else y + self.bias
         y = self.project(x)
         return y if residual is None else residual + y
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) where the weight keeps its [out, in] layout."""
         T = x.shape[0]
-        if self.panels:
-            y = panel_linear(x, self.weight)
-            return y if self.bias is None else y + self.bias
         if self.rows and 0 < T <= MAX_ROWS:
             y = rows_linear(x, self.weight)  # [T, out] f32, bf16 weights widened exactly: kept in f32, never less exact
             return y if self.bias is None else y + self.bias
@@ -389,7 +388,7 @@ class LlamaModel:
         assert self.placement is not None
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)
-            row.build_mask(self.group, self.cfg.sliding_window)
+            row.begin(self.group, self.cfg.sliding_window)
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         half = emb.shape[-1] // 2
