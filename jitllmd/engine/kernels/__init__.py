@@ -27,7 +27,7 @@ log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
 _SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c")]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
 
 
 def _cpu_flags() -> set[str]:
