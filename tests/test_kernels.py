@@ -63,11 +63,14 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
 @pytest.mark.parametrize(
     ("n", "start", "key_start", "window", "heads", "kv_heads", "dim"),
     [
-        (200, 0, 0, None, 9, 3, 64),  # a prompt's first chunk: several query and key blocks, GQA 3
+        (200, 0, 0, None, 9, 3, 64),  # a prompt's first chunk: several query and key blocks, GQA 3 (48-row items)
         (37, 0, 0, None, 4, 2, 64),  # partial blocks
-        (20, 50, 0, None, 6, 2, 128),  # a later chunk over history; two 64-wide output slices
+        (20, 50, 0, None, 6, 2, 128),  # a later chunk over history
         (100, 30, 12, 19, 4, 1, 64),  # a sliding window, keys before key_start never read
         (5, 0, 0, 3, 2, 2, 64),  # a window shorter than the chunk
+        (1, 70, 0, None, 4, 4, 16),  # one query (a kept token's) over history: one row, padded to eight
+        (45, 3, 0, None, 14, 2, 36),  # GQA 7: 112-row items (vectors in threes and a two); a head size not a multiple of 8
+        (9, 0, 0, None, 2, 1, 12),  # keys fewer than a 4-key tile
     ],
 )
 def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, window: int | None, heads: int, kv_heads: int, dim: int) -> None:

@@ -169,7 +169,7 @@ def attend_rows(
 def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
     start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
-    of 64); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
+    of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
     lib = _lib()
     q = q.contiguous()
     n, heads, dim = q.shape

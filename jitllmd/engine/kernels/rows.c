@@ -197,64 +197,91 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
  * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
- * the chunk's own keys already written). Query head j reads kv head j / (H / Hkv). D is a multiple of 64.
+ * the chunk's own keys already written). Query head j reads kv head j / (H / Hkv). D is a multiple of 4.
  *
- * Work items are (kv head, block of QB queries): the block's group * QB query rows share each key block's K and V
- * while they are in L1. Per key block of KB keys: the scores by 3 x 4 register tiles of dot products, then for each
- * row the running maximum and sum (the softmax's rescaling) and its output row += p * V with the row's 64-wide
- * output slices in registers. */
+ * Work items are (kv head, block of QB queries): the item's R = group * QB query rows (query-major: the group's heads
+ * of one query are adjacent) share each block of KB keys. Everything runs across rows, eight to a vector, so no step
+ * needs a horizontal sum or a per-row loop:
+ *   scores   S[c][r] = K[c] . (q_r * scale)              a register tile of 4 keys (broadcast) x 24 rows, over D
+ *   softmax  the rows' running maximum m and sum l, P[c][r] = e^(S[c][r] - m_r), masked keys 0
+ *   output   O[d][r] = O[d][r] * corr_r + sum_c V[c][d] P[c][r]   4 dims (broadcast) x 24 rows, over the keys
+ * and O / l goes out transposed once per item. */
+/* e^x for x <= 0 (a softmax's shifted scores): exp8 without its overflow path. */
+static inline __m256 exp8_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 #define QB 16
 #define KB 64
-#define SK (KB + 8) /* a score row's stride: a masked tail vector may spill past KB */
 
-static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/* All-ones in the first `left` lanes (all eight when left >= 8). */
-static inline __m256 lanes(int64_t left) {
-    const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), at));
-}
-
-static inline float hmax(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 0x55));
-    return _mm_cvtss_f32(x);
-}
-
-/* s[r * SK + c] = q_r . k_c for three query rows and four keys, over D */
-static inline void scores_3x4(const float *const *qr, const float *k, int64_t D, float *s) {
-    __m256 a[3][4];
-    for (int r = 0; r < 3; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(qr[0] + d), x1 = _mm256_loadu_ps(qr[1] + d), x2 = _mm256_loadu_ps(qr[2] + d);
-        for (int c = 0; c < 4; c++) {
-            const __m256 w = _mm256_loadu_ps(k + c * D + d);
-            a[0][c] = _mm256_fmadd_ps(x0, w, a[0][c]);
-            a[1][c] = _mm256_fmadd_ps(x1, w, a[1][c]);
-            a[2][c] = _mm256_fmadd_ps(x2, w, a[2][c]);
+/* S[j][v] = sum_d k_j[d] * qt[d][v] for nj (1..4) keys k_j = k + j * D and nv (1..3) vectors of 8 rows. */
+static inline __attribute__((always_inline)) void score_tile(const float *k, int64_t D, const float *qt, int64_t RP, float *s, const int nj, const int nv) {
+    __m256 acc[4][3];
+    for (int j = 0; j < nj; j++)
+        for (int v = 0; v < nv; v++) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 y[3];
+        for (int v = 0; v < nv; v++) y[v] = _mm256_loadu_ps(qt + d * RP + 8 * v);
+        for (int j = 0; j < nj; j++) {
+            const __m256 x = _mm256_broadcast_ss(k + j * D + d);
+            for (int v = 0; v < nv; v++) acc[j][v] = _mm256_fmadd_ps(x, y[v], acc[j][v]);
         }
     }
-    for (int r = 0; r < 3; r++) _mm_storeu_ps(s + r * SK, sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+    for (int j = 0; j < nj; j++)
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(s + j * RP + 8 * v, acc[j][v]);
 }
+
+/* O[j][v] = O[j][v] * corr[v] + sum_c vr[c * D + j] * pt[c][v] for 4 dims and nv (1..3) vectors of 8 rows. */
+static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64_t D, const float *pt, int64_t RP, int64_t kn, float *o, const float *corr,
+                                                          const int nv) {
+    __m256 acc[4][3];
+    for (int v = 0; v < nv; v++) {
+        const __m256 cv = _mm256_loadu_ps(corr + 8 * v);
+        for (int j = 0; j < 4; j++) acc[j][v] = _mm256_mul_ps(_mm256_loadu_ps(o + j * RP + 8 * v), cv);
+    }
+    for (int64_t c = 0; c < kn; c++) {
+        __m256 y[3];
+        for (int v = 0; v < nv; v++) y[v] = _mm256_loadu_ps(pt + c * RP + 8 * v);
+        for (int j = 0; j < 4; j++) {
+            const __m256 x = _mm256_broadcast_ss(vr + c * D + j);
+            for (int v = 0; v < nv; v++) acc[j][v] = _mm256_fmadd_ps(x, y[v], acc[j][v]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(o + j * RP + 8 * v, acc[j][v]);
+}
+
+#define BY_VECTORS(nv, call) \
+    switch (nv) {            \
+        case 1: call(1); break; \
+        case 2: call(2); break; \
+        default: call(3); break; \
+    }
 
 int attend_chunk(const float *q, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
                  int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
-    const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB, rows_max = group * QB;
+    const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB, RP = (group * QB + 7) / 8 * 8;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)")
     {
-        const int64_t rows_cap = (rows_max + 2) / 3 * 3;
-        float *s = malloc(sizeof(float) * (size_t)(rows_cap * SK));
-        float *o = malloc(sizeof(float) * (size_t)(rows_cap * D));
-        float *m = malloc(sizeof(float) * (size_t)rows_cap), *l = malloc(sizeof(float) * (size_t)rows_cap);
-        const float **qrow = malloc(sizeof(float *) * (size_t)rows_cap);
-        int64_t *pos = malloc(sizeof(int64_t) * (size_t)rows_cap);
-        const int ready = s && o && m && l && qrow && pos;
+        float *qt = aligned_alloc(32, sizeof(float) * (size_t)(D * RP)), *ot = aligned_alloc(32, sizeof(float) * (size_t)(D * RP));
+        float *st = aligned_alloc(32, sizeof(float) * (size_t)(KB * RP));
+        float *m = aligned_alloc(32, sizeof(float) * (size_t)RP), *l = aligned_alloc(32, sizeof(float) * (size_t)RP);
+        float *corr = aligned_alloc(32, sizeof(float) * (size_t)RP);
+        int32_t *last = aligned_alloc(32, sizeof(int32_t) * (size_t)RP), *first = aligned_alloc(32, sizeof(int32_t) * (size_t)RP);
+        const int ready = qt && ot && st && m && l && corr && last && first;
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t item = 0; item < Hkv * blocks; item++) {
             if (!ready) {
@@ -263,80 +290,80 @@ int attend_chunk(const float *q, const float *K, const float *V, float *out, int
                 continue;
             }
             const int64_t h = item / blocks, i0 = (item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
+            const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
             const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
-            /* rows: (query i, head h * group + j), query-major */
-            int64_t rows = 0;
-            for (int64_t i = i0; i < i1; i++)
-                for (int64_t j = 0; j < group; j++, rows++) {
-                    qrow[rows] = q + (i * H + h * group + j) * D;
-                    pos[rows] = p + i;
-                    m[rows] = -INFINITY;
-                    l[rows] = 0.0f;
-                    memset(o + rows * D, 0, sizeof(float) * (size_t)D);
-                }
-            for (int64_t r = rows; r < (rows + 2) / 3 * 3; r++) qrow[r] = qrow[0]; /* padding rows: computed, unused */
-            int64_t lo = key_start;
-            if (window > 0 && p + i0 - window + 1 > lo) lo = p + i0 - window + 1;
-            const int64_t hi = p + i1; /* keys [lo, hi) */
+            /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
+            for (int64_t r = 0; r < rp; r++) {
+                const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
+                const float *qr = q + (i * H + h * group + j) * D;
+                for (int64_t d = 0; d < D; d++) qt[d * rp + r] = r < R ? qr[d] * scale : 0.0f;
+                last[r] = (int32_t)(p + i);
+                first[r] = (int32_t)(window > 0 && p + i - window + 1 > key_start ? p + i - window + 1 : key_start);
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+            }
+            memset(ot, 0, sizeof(float) * (size_t)(D * rp));
+            const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
             for (int64_t k0 = lo; k0 < hi; k0 += KB) {
-                const int64_t kn = hi - k0 < KB ? hi - k0 : KB, kn4 = kn / 4 * 4;
-                for (int64_t r = 0; r < rows; r += 3) {
-                    for (int64_t c = 0; c < kn4; c += 4) scores_3x4(qrow + r, Kh + (k0 + c) * D, D, s + r * SK + c);
-                    for (int64_t c = kn4; c < kn; c++)
-                        for (int rr = 0; rr < 3; rr++) {
-                            __m256 acc = _mm256_setzero_ps();
-                            for (int64_t d = 0; d < D; d += 8)
-                                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[r + rr] + d), _mm256_loadu_ps(Kh + (k0 + c) * D + d), acc);
-                            s[(r + rr) * SK + c] = hsum(acc);
-                        }
+                const int64_t kn = hi - k0 < KB ? hi - k0 : KB;
+                /* every row sees every key of this block: no mask */
+                const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
+                for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
+                    const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
+                    int64_t c = 0;
+#define SCORE4(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 4, NV)
+                    for (; c + 4 <= kn; c += 4) BY_VECTORS(nv, SCORE4)
+#undef SCORE4
+#define SCORE1(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 1, NV)
+                    for (; c < kn; c++) BY_VECTORS(nv, SCORE1)
+#undef SCORE1
                 }
-                for (int64_t r = 0; r < rows; r++) {
-                    /* this row's visible keys within the block: [a, b) */
-                    int64_t a = k0, b = pos[r] + 1 < k0 + kn ? pos[r] + 1 : k0 + kn;
-                    if (window > 0 && pos[r] - window + 1 > a) a = pos[r] - window + 1;
-                    if (a >= b) continue;
-                    float *sr = s + r * SK;
-                    const int64_t c0 = a - k0, c1 = b - k0;
+                for (int64_t v = 0; v < nvec; v++) {
+                    float *sv = st + 8 * v;
+                    const __m256i hi_v = _mm256_load_si256((const __m256i *)(last + 8 * v)), lo_v = _mm256_load_si256((const __m256i *)(first + 8 * v));
                     __m256 top = _mm256_set1_ps(-INFINITY);
-                    for (int64_t c = c0; c < c1; c += 8) {
-                        const __m256 keep = lanes(c1 - c);
-                        const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(_mm256_loadu_ps(sr + c), _mm256_set1_ps(scale)), keep);
-                        _mm256_storeu_ps(sr + c, v);
-                        top = _mm256_max_ps(top, v);
+                    if (full) {
+                        for (int64_t c = 0; c < kn; c++) top = _mm256_max_ps(top, _mm256_load_ps(sv + c * rp));
+                    } else {
+                        for (int64_t c = 0; c < kn; c++) {
+                            const __m256i key = _mm256_set1_epi32((int32_t)(k0 + c));
+                            const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(key, hi_v), _mm256_cmpgt_epi32(lo_v, key));
+                            const __m256 s = _mm256_blendv_ps(_mm256_load_ps(sv + c * rp), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
+                            _mm256_store_ps(sv + c * rp, s);
+                            top = _mm256_max_ps(top, s);
+                        }
                     }
-                    const float best = hmax(top) > m[r] ? hmax(top) : m[r];
-                    const float corr = expf(m[r] - best); /* 0 on the row's first block (m = -inf) */
+                    const __m256 old = _mm256_load_ps(m + 8 * v), best = _mm256_max_ps(old, top);
+                    /* rows that have seen no key yet keep m = -inf: subtract 0 there, not -inf */
+                    const __m256 none = _mm256_cmp_ps(best, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+                    const __m256 shift = _mm256_blendv_ps(best, _mm256_setzero_ps(), none);
+                    _mm256_store_ps(corr + 8 * v, exp8_neg(_mm256_sub_ps(old, shift))); /* tiny, not 0, on a row's first keys: o, l are 0 there */
+                    _mm256_store_ps(m + 8 * v, best);
                     __m256 sum = _mm256_setzero_ps();
-                    for (int64_t c = c0; c < c1; c += 8) {
-                        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + c), _mm256_set1_ps(best))), lanes(c1 - c));
-                        _mm256_storeu_ps(sr + c, e);
+                    for (int64_t c = 0; c < kn; c++) {
+                        const __m256 s = _mm256_load_ps(sv + c * rp);
+                        __m256 e = exp8_neg(_mm256_sub_ps(s, shift));
+                        if (!full) e = _mm256_and_ps(e, _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                        _mm256_store_ps(sv + c * rp, e);
                         sum = _mm256_add_ps(sum, e);
                     }
-                    const float total = hsum(sum);
-                    m[r] = best;
-                    l[r] = l[r] * corr + total;
-                    float *orow = o + r * D;
-                    const __m256 cv = _mm256_set1_ps(corr);
-                    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                        __m256 acc[8];
-                        for (int v = 0; v < 8; v++) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(orow + d0 + 8 * v), cv);
-                        for (int64_t c = a - k0; c < b - k0; c++) {
-                            const __m256 pc = _mm256_set1_ps(sr[c]);
-                            const float *vrow = Vh + (k0 + c) * D + d0;
-                            for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vrow + 8 * v), acc[v]);
-                        }
-                        for (int v = 0; v < 8; v++) _mm256_storeu_ps(orow + d0 + 8 * v, acc[v]);
-                    }
+                    _mm256_store_ps(l + 8 * v, _mm256_fmadd_ps(_mm256_load_ps(l + 8 * v), _mm256_load_ps(corr + 8 * v), sum));
                 }
+                for (int64_t d = 0; d < D; d += 4)
+                    for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
+                        const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
+#define PV(NV) pv_tile(Vh + k0 * D + d, D, st + 8 * v0, rp, kn, ot + d * rp + 8 * v0, corr + 8 * v0, NV)
+                        BY_VECTORS(nv, PV)
+#undef PV
+                    }
             }
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t i = i0 + r / group, j = h * group + r % group;
-                float *dst = out + (i * H + j) * D;
-                const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + d), inv));
+            for (int64_t r = 0; r < R; r++) {
+                float *dst = out + ((i0 + r / group) * H + h * group + r % group) * D;
+                const float inv = 1.0f / l[r];
+                for (int64_t d = 0; d < D; d++) dst[d] = ot[d * rp + r] * inv;
             }
         }
-        free(s), free(o), free(m), free(l), free(qrow), free(pos);
+        free(qt), free(ot), free(st), free(m), free(l), free(corr), free(last), free(first);
     }
     return failed ? -1 : 0;
 }

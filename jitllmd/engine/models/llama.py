@@ -202,7 +202,7 @@ class DecoderBlock:
         self.silu_kernel = cpu_kernels and self.intermediate % 8 == 0  # silu(gate) * up in one pass (engine/kernels)
         # the decode-attention kernel (engine/kernels) takes f32 caches on the CPU, for head sizes it vectorises
         self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
-        self.chunk_kernel = act == torch.float32 and self.head_dim % 64 == 0 and cpu_kernels  # a prompt chunk's attention
+        self.chunk_kernel = act == torch.float32 and self.head_dim % 4 == 0 and cpu_kernels  # a prompt chunk's attention
         self.rope_kernel = act == torch.float32 and self.head_dim % 16 == 0 and cpu_kernels
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
