@@ -120,6 +120,23 @@ def test_panel_linear_matches_torch_for_any_rows(out: int, width: int) -> None:
         torch.testing.assert_close(panel_linear(x, packed), F.linear(x, ref_w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 300])
+def test_panel_linear_folds_the_norm_and_the_gate_bit_for_bit(rows: int) -> None:
+    """RMSNorm and silu(gate) * up made while packing give exactly the separate kernels' product (K = 264: two
+    256-wide blocks; rows 1-5 split the panels, 300 the rows; a residual beside), and match torch."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(50, 264, generator=g)
+    ref_w, packed = w.clone(), pack_panels(w)
+    x, nw, res = torch.randn(rows, 264, generator=g), torch.randn(264, generator=g), torch.randn(rows, 50, generator=g)
+    folded = panel_linear(x, packed, res, norm=(nw, 1e-6))
+    assert torch.equal(folded, panel_linear(rms_norm_rows(x, nw, 1e-6), packed, res))
+    torch.testing.assert_close(folded, res + F.linear(F.rms_norm(x, (264,), nw, 1e-6), ref_w), rtol=1e-5, atol=1e-4)
+    gate_up = torch.randn(rows, 2 * 264, generator=g) * 3
+    folded = panel_linear(gate_up, packed, gated=True)
+    assert torch.equal(folded, panel_linear(silu_mul_rows(gate_up), packed))
+    torch.testing.assert_close(folded, F.linear(F.silu(gate_up[:, :264]) * gate_up[:, 264:], ref_w), rtol=1e-5, atol=1e-4)
+
+
 def test_a_rows_panel_result_does_not_depend_on_its_step() -> None:
     """A decode step's row and a prompt's row are summed alike: one row alone equals that row among 300 (which the
     threads split by rows, where a few rows split the panels), bit for bit."""

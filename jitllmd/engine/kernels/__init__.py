@@ -27,6 +27,7 @@ log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
 _SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c")]
+_HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of a build's identity
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
 
 
@@ -47,7 +48,7 @@ def _build(cache: Path) -> Path | None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS]) + " ".join(_FLAGS).encode()).hexdigest()[:12]
     out = cache / f"kernels-{key}.so"
     if out.exists():
         return out
@@ -93,7 +94,7 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
-    lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
     return lib
 
@@ -130,17 +131,34 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ residual [M, N] f32) -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M."""
+_PLAIN, _NORMED, _GATED = 0, 1, 2  # panels.c's inputs
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """a [M, K] @ W.T (+ residual [M, N] f32) -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M. a is x, or
+    with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` silu(gate) * up of x [M, 2K]: made as the
+    rows are packed, so no separate pass writes it (K a multiple of 8 for both)."""
     lib = _lib()
     x, y = _operands(x, panels.shape[0])
     (rows, width), out = x.shape, panels.shape[0]
+    mode, w, eps = _PLAIN, 0, 0.0
+    if norm is not None:
+        weight, eps = norm
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (width,) and width % 8 == 0
+        mode, w = _NORMED, weight.data_ptr()
+    elif gated:
+        assert width % 16 == 0
+        mode, width = _GATED, width // 2
+    assert panels.shape[1] == width
     res = 0
     if residual is not None:
         residual = residual.float().contiguous()
         assert residual.shape == (rows, out)
         res = residual.data_ptr()
-    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), res, y.data_ptr(), rows, out, width, torch.get_num_threads()) != 0:
+    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), res, y.data_ptr(), rows, out, width, mode, w, eps, torch.get_num_threads()) != 0:
         raise MemoryError("panel_linear: no memory for its packing buffers")
     return y
 

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define PANEL 24 /* outputs per panel: three 8-float vectors */
 #define GROUP 4  /* x rows per register tile */
 #define KC 256   /* K per block: a panel's block (24 KB) stays in L1 while the row groups pass */
@@ -96,27 +98,59 @@ static void tile_narrow(int64_t kc, const float *a, const float *b, int64_t w, f
         }
 }
 
-/* x rows [0, rows) (row stride K), columns pc .. pc + kc, into groups of four: [rows/4][kc][4], zero padded. */
-static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_t pc, int64_t kc) {
+/* What the product's rows are, made from x as they are packed (the pass a separate kernel would make, saved). */
+enum { PLAIN = 0, /* x itself: [M, K] */
+       NORMED = 1, /* RMSNorm(x) * w: x [M, K], inv[m] its rows' 1 / rms */
+       GATED = 2 /* silu(gate) * up: x [M, 2K], gate then up in each row */ };
+
+/* Rows [0, rows) of the product's input, columns pc .. pc + kc, into groups of four: [rows/4][kc][4], zero padded.
+ * NORMED and GATED need kc a multiple of 8. */
+static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_t pc, int64_t kc, int input, const float *w, const float *inv) {
     for (int64_t g = 0; g < rows; g += GROUP) {
         float *dst = ap + g * kc;
         const int n = (int)min64(GROUP, rows - g);
-        for (int64_t k = 0; k < kc; k++) {
-            for (int r = 0; r < n; r++) dst[k * GROUP + r] = x[(g + r) * K + pc + k];
-            for (int r = n; r < GROUP; r++) dst[k * GROUP + r] = 0.0f;
+        if (input == PLAIN) {
+            for (int64_t k = 0; k < kc; k++) {
+                for (int r = 0; r < n; r++) dst[k * GROUP + r] = x[(g + r) * K + pc + k];
+                for (int r = n; r < GROUP; r++) dst[k * GROUP + r] = 0.0f;
+            }
+            continue;
+        }
+        for (int64_t k = 0; k < kc; k += 8) {
+            __m256 v[GROUP]; /* the group's rows at columns k .. k + 7, then transposed to [k][4] */
+            for (int r = 0; r < GROUP; r++) {
+                if (r >= n) {
+                    v[r] = _mm256_setzero_ps();
+                } else if (input == NORMED) {
+                    const float *xr = x + (g + r) * K + pc + k;
+                    v[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr), _mm256_set1_ps(inv[g + r])), _mm256_loadu_ps(w + pc + k));
+                } else {
+                    const float *xr = x + (g + r) * 2 * K + pc + k;
+                    v[r] = silu_mul8(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + K));
+                }
+            }
+            const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+            const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+            const __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xEE); /* columns 0 1 | 4 5 */
+            const __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xEE); /* columns 2 3 | 6 7 */
+            float *d = dst + k * GROUP;
+            _mm256_storeu_ps(d, _mm256_permute2f128_ps(c0, c1, 0x20));
+            _mm256_storeu_ps(d + 8, _mm256_permute2f128_ps(c2, c3, 0x20));
+            _mm256_storeu_ps(d + 16, _mm256_permute2f128_ps(c0, c1, 0x31));
+            _mm256_storeu_ps(d + 24, _mm256_permute2f128_ps(c2, c3, 0x31));
         }
     }
 }
 
 /* y rows [m0, m1) x panels [p0, p1). */
 static void part(const float *x, const float *P, const float *res, float *y, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
-                 int64_t K, float *ap) {
+                 int64_t K, float *ap, int input, const float *w, const float *inv) {
     for (int64_t pc = 0; pc < K; pc += KC) {
         const int64_t kc = min64(KC, K - pc);
         const int first = pc == 0;
         for (int64_t ic = m0; ic < m1; ic += MC) {
             const int64_t mc = min64(MC, m1 - ic);
-            pack_rows(x + ic * K, ap, mc, K, pc, kc);
+            pack_rows(x + ic * (input == GATED ? 2 * K : K), ap, mc, K, pc, kc, input, w, inv ? inv + ic : NULL);
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t n0 = p * PANEL, w = min64(PANEL, N - n0);
                 const float *b = P + n0 * K + pc * w;
@@ -143,31 +177,36 @@ static void part(const float *x, const float *P, const float *res, float *y, int
     }
 }
 
-/* y [M, N] = x [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
- * the panel layout. Many rows: the threads split the rows (each packs only its own); few rows (a decode step): they
- * split the panels, so each reads its share of the weights once. */
-int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+/* y [M, N] = a [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
+ * the panel layout, where a is x (input PLAIN), RMSNorm(x) * w with epsilon eps (NORMED; K a multiple of 8) or
+ * silu(gate) * up of x [M, 2K] (GATED; K a multiple of 8). Many rows: the threads split the rows (each packs only its
+ * own); few rows (a decode step): they split the panels, so each reads its share of the weights once. */
+int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int input, const float *w,
+                 float eps, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int by_rows = M >= 16 * threads;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)")
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t m0 = 0, m1 = M, p0 = 0, p1 = panels;
+        if (by_rows) {
+            const int64_t groups = (M + GROUP - 1) / GROUP;
+            m0 = min64(M, groups * t / nt * GROUP), m1 = min64(M, groups * (t + 1) / nt * GROUP);
+        } else {
+            p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        }
         float *ap = aligned_alloc(64, sizeof(float) * (MC + GROUP) * KC);
-        if (ap == NULL) {
+        float *inv = input == NORMED ? malloc(sizeof(float) * (size_t)(M > 0 ? M : 1)) : NULL; /* rows' 1 / rms, by row index */
+        if (ap == NULL || (input == NORMED && inv == NULL)) {
             _Pragma("omp atomic write")
             failed = 1;
-        } else {
-            if (by_rows) {
-                const int64_t groups = (M + GROUP - 1) / GROUP;
-                const int64_t m0 = min64(M, groups * t / nt * GROUP), m1 = min64(M, groups * (t + 1) / nt * GROUP);
-                if (m0 < m1) part(x, P, res, y, m0, m1, 0, panels, N, K, ap);
-            } else {
-                const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-                if (p0 < p1) part(x, P, res, y, 0, M, p0, p1, N, K, ap);
-            }
-            free(ap);
+        } else if (m0 < m1 && p0 < p1) {
+            if (input == NORMED)
+                for (int64_t m = m0; m < m1; m++) inv[m] = inv_rms(x + m * K, K, eps);
+            part(x, P, res, y, m0, m1, p0, p1, N, K, ap, input, w, inv);
         }
+        free(ap), free(inv);
     }
     return failed ? -1 : 0;
 }

@@ -12,15 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GROUP 8 /* x rows per pass over a weight row: 8 accumulators, 1 weight and 1 x register */
+#include "simd.h"
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_add_ps(lo, hi);
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
-}
+#define GROUP 8 /* x rows per pass over a weight row: 8 accumulators, 1 weight and 1 x register */
 
 static inline __m256 load_f32(const float *w) { return _mm256_loadu_ps(w); }
 
@@ -127,12 +121,7 @@ void rms_norm_rows(const float *x, const float *w, float *y, int64_t T, int64_t 
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * D;
         float *yt = y + t * D;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-            __m256 v = _mm256_loadu_ps(xt + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)D + eps));
+        const __m256 scale = _mm256_set1_ps(inv_rms(xt, D, eps));
         for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + d), scale), _mm256_loadu_ps(w + d)));
     }
@@ -156,28 +145,6 @@ void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int
     }
 }
 
-/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n in the exponent
- * bits), within 2 ulp of libm over [-87.3, 88.7], clamped beyond. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), _mm256_set1_ps(88.72283935546875f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    /* 2^n: n + 127 in the exponent field; n = 128 (x near 88.7) is split as 2 * 2^127 */
-    __m256i e = _mm256_cvtps_epi32(n);
-    __m256i big = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(127));
-    e = _mm256_sub_epi32(e, _mm256_and_si256(big, _mm256_set1_epi32(1)));
-    __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
-    p = _mm256_mul_ps(p, two_n);
-    return _mm256_blendv_ps(p, _mm256_add_ps(p, p), _mm256_castsi256_ps(big));
-}
 
 /* The gated MLP's activation: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + e^-g); one pass over a
  * [T, 2I] gate_up product instead of three. I is a multiple of 8. */
@@ -187,9 +154,7 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
         const float *g = gu + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         for (int64_t i = 0; i < I; i += 8) {
-            const __m256 gi = _mm256_loadu_ps(g + i);
-            const __m256 sig = _mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
         }
     }
 }

@@ -129,11 +129,15 @@ class Linear:
             and weight.is_contiguous() and i % 8 == 0 and rows_kernel() is not None
         )
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass)."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+                 gated: bool = False) -> torch.Tensor:
+        """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass). Panels
+        only: with `norm` (weight, eps) the product is of RMSNorm(x) * weight, with `gated` of silu(gate) * up of x
+        [T, 2 * in], made as the kernel packs its rows."""
         if self.panels:
-            y = panel_linear(x, self.weight, residual)
+            y = panel_linear(x, self.weight, residual, norm=norm, gated=gated)
             return y if self.bias is None else y + self.bias
+        assert norm is None and not gated, "only the panel kernel folds a norm or the gate into its input"
         y = self.project(x)
         return y if residual is None else residual + y
 
@@ -204,6 +208,11 @@ class DecoderBlock:
         self.decode_kernel = act == torch.float32 and self.head_dim % 8 == 0 and cpu_kernels
         self.chunk_kernel = act == torch.float32 and self.head_dim % 4 == 0 and cpu_kernels  # a prompt chunk's attention
         self.rope_kernel = act == torch.float32 and self.head_dim % 16 == 0 and cpu_kernels
+        # f32 panels: the norms and silu(gate) * up are made by the projections' own row packing, not passes of their own
+        self.fold = (
+            self.qkv.panels and self.gate_up.panels and self.down.panels and act == torch.float32 and cfg.hidden_size % 8 == 0
+            and self.intermediate % 8 == 0
+        )
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """-> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those tokens' [len(keep),
@@ -211,8 +220,10 @@ class DecoderBlock:
         (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = rms_norm(x, self.input_norm, self.eps)
-        qkv = self.qkv(h).to(self.act)  # [T, (H + 2*Hkv) * D]
+        if self.fold:
+            qkv = self.qkv(x, norm=(self.input_norm, self.eps))  # [T, (H + 2*Hkv) * D]
+        else:
+            qkv = self.qkv(rms_norm(x, self.input_norm, self.eps)).to(self.act)
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
@@ -240,6 +251,8 @@ class DecoderBlock:
                 s, n = row.start, row.num_tokens
                 attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
         x = self.o(attn, residual=x)  # a bf16 projection added to an f32 stream promotes to f32
+        if self.fold:
+            return self.down(self.gate_up(x, norm=(self.post_norm, self.eps)), residual=x, gated=True)
         h = rms_norm(x, self.post_norm, self.eps)
         gu = self.gate_up(h)  # [T, 2*I]
         if self.silu_kernel and gu.dtype == torch.float32:
