@@ -205,9 +205,9 @@ class _KernelTimer:
         self.saved = {name: getattr(llama, name) for name in kinds}
 
         def timed(fn, category):
-            def call(*args):
+            def call(*args, **kwargs):
                 t0 = time.perf_counter()
-                out = fn(*args)
+                out = fn(*args, **kwargs)
                 cat = "head" if category == "projections" and args[1].shape[0] == vocab else category
                 self.seconds[cat] += time.perf_counter() - t0
                 return out

@@ -87,6 +87,8 @@ def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, wi
     vv = values[:, key_start : start + n].repeat_interleave(heads // kv_heads, 0)
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1).reshape(n, heads * dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    wide = torch.cat((q.reshape(n, heads * dim), torch.randn(n, 2 * dim, generator=g)), dim=1)  # q as qkv's rows hold it
+    assert torch.equal(attend_chunk(wide[:, : heads * dim].view(n, heads, dim), keys, values, start, key_start, window), out)
 
 
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, 300])

@@ -90,7 +90,7 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.silu_mul_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rope_rows.restype = None
-    lib.attend_chunk.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
@@ -189,11 +189,12 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
     of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
     lib = _lib()
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # else its rows may be a view into wider ones (qkv's): read in place
     n, heads, dim = q.shape
     out = torch.empty((n, heads * dim), dtype=torch.float32)
     failed = lib.attend_chunk(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
         start, key_start, window or 0, dim**-0.5, torch.get_num_threads(),
     )
     if failed:

@@ -162,7 +162,8 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
  * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
- * the chunk's own keys already written). Query head j reads kv head j / (H / Hkv). D is a multiple of 4.
+ * the chunk's own keys already written); q's rows are q_stride floats apart (q may be a view into qkv's rows). Query
+ * head j reads kv head j / (H / Hkv). D is a multiple of 4.
  *
  * Work items are (kv head, block of QB queries): the item's R = group * QB query rows (query-major: the group's heads
  * of one query are adjacent) share each block of KB keys. Everything runs across rows, eight to a vector, so no step
@@ -235,7 +236,7 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
         default: call(3); break; \
     }
 
-int attend_chunk(const float *q, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
+int attend_chunk(const float *q, int64_t q_stride, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
                  int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
     const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB, RP = (group * QB + 7) / 8 * 8;
     int failed = 0;
@@ -260,7 +261,7 @@ int attend_chunk(const float *q, const float *K, const float *V, float *out, int
             /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
             for (int64_t r = 0; r < rp; r++) {
                 const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
-                const float *qr = q + (i * H + h * group + j) * D;
+                const float *qr = q + i * q_stride + (h * group + j) * D;
                 for (int64_t d = 0; d < D; d++) qt[d * rp + r] = r < R ? qr[d] * scale : 0.0f;
                 last[r] = (int32_t)(p + i);
                 first[r] = (int32_t)(window > 0 && p + i - window + 1 > key_start ? p + i - window + 1 : key_start);
