@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,8 @@ int main(int argc, char **argv) {
 
 def fma_peak(threads: int) -> float:
     """GFLOP/s of `threads` threads doing nothing but independent FMAs: the best of three runs."""
+    if shutil.which("cc") is None:
+        sys.exit("needs a C compiler (cc) for the FMA peak loop")
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "peak.c", Path(d) / "peak"
         src.write_text(PEAK_C)
