@@ -100,12 +100,12 @@ static void tile_narrow(int64_t kc, const float *a, const float *b, int64_t w, f
 
 /* What the product's rows are, made from x as they are packed (the pass a separate kernel would make, saved). */
 enum { PLAIN = 0, /* x itself: [M, K] */
-       NORMED = 1, /* RMSNorm(x) * w: x [M, K], inv[m] its rows' 1 / rms */
+       NORMED = 1, /* RMSNorm(x) * norm_w: x [M, K], inv[m] its rows' 1 / rms */
        GATED = 2 /* silu(gate) * up: x [M, 2K], gate then up in each row */ };
 
 /* Rows [0, rows) of the product's input, columns pc .. pc + kc, into groups of four: [rows/4][kc][4], zero padded.
  * NORMED and GATED need kc a multiple of 8. */
-static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_t pc, int64_t kc, int input, const float *w, const float *inv) {
+static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_t pc, int64_t kc, int input, const float *norm_w, const float *inv) {
     for (int64_t g = 0; g < rows; g += GROUP) {
         float *dst = ap + g * kc;
         const int n = (int)min64(GROUP, rows - g);
@@ -123,7 +123,7 @@ static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_
                     v[r] = _mm256_setzero_ps();
                 } else if (input == NORMED) {
                     const float *xr = x + (g + r) * K + pc + k;
-                    v[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr), _mm256_set1_ps(inv[g + r])), _mm256_loadu_ps(w + pc + k));
+                    v[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr), _mm256_set1_ps(inv[g + r])), _mm256_loadu_ps(norm_w + pc + k));
                 } else {
                     const float *xr = x + (g + r) * 2 * K + pc + k;
                     v[r] = silu_mul8(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + K));
@@ -144,13 +144,13 @@ static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_
 
 /* y rows [m0, m1) x panels [p0, p1). */
 static void part(const float *x, const float *P, const float *res, float *y, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
-                 int64_t K, float *ap, int input, const float *w, const float *inv) {
+                 int64_t K, float *ap, int input, const float *norm_w, const float *inv) {
     for (int64_t pc = 0; pc < K; pc += KC) {
         const int64_t kc = min64(KC, K - pc);
         const int first = pc == 0;
         for (int64_t ic = m0; ic < m1; ic += MC) {
             const int64_t mc = min64(MC, m1 - ic);
-            pack_rows(x + ic * (input == GATED ? 2 * K : K), ap, mc, K, pc, kc, input, w, inv ? inv + ic : NULL);
+            pack_rows(x + ic * (input == GATED ? 2 * K : K), ap, mc, K, pc, kc, input, norm_w, inv ? inv + ic : NULL);
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t n0 = p * PANEL, w = min64(PANEL, N - n0);
                 const float *b = P + n0 * K + pc * w;
@@ -178,11 +178,11 @@ static void part(const float *x, const float *P, const float *res, float *y, int
 }
 
 /* y [M, N] = a [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
- * the panel layout, where a is x (input PLAIN), RMSNorm(x) * w with epsilon eps (NORMED; K a multiple of 8) or
+ * the panel layout, where a is x (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED; K a multiple of 8) or
  * silu(gate) * up of x [M, 2K] (GATED; K a multiple of 8). Many rows: the threads split the rows (each packs only its
  * own); few rows (a decode step): they split the panels, so each reads its share of the weights once. */
-int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int input, const float *w,
-                 float eps, int threads) {
+int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int input,
+                 const float *norm_w, float eps, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int by_rows = M >= 16 * threads;
     int failed = 0;
@@ -204,7 +204,7 @@ int panel_linear(const float *x, const float *P, const float *res, float *y, int
         } else if (m0 < m1 && p0 < p1) {
             if (input == NORMED)
                 for (int64_t m = m0; m < m1; m++) inv[m] = inv_rms(x + m * K, K, eps);
-            part(x, P, res, y, m0, m1, p0, p1, N, K, ap, input, w, inv);
+            part(x, P, res, y, m0, m1, p0, p1, N, K, ap, input, norm_w, inv);
         }
         free(ap), free(inv);
     }
