@@ -90,7 +90,7 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.silu_mul_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rope_rows.restype = None
-    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
