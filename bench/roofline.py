@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +124,7 @@ def main() -> None:
     kc = torch.randn(cfg.num_kv_heads, T, cfg.head_dim, generator=g)
     vc = torch.randn(cfg.num_kv_heads, T, cfg.head_dim, generator=g)
 
-    jobs: dict[str, tuple[float, object]] = {  # name -> (FLOPs, call)
+    jobs: dict[str, tuple[float, Callable[[], object]]] = {  # name -> (FLOPs, call)
         "jitllmd forward": (forward_flops(cfg, T, True), ours_forward),
         "transformers forward": (forward_flops(cfg, T, False), ref_forward),
         "attend_chunk, one layer": (4 * cfg.num_heads * cfg.head_dim * T * (T + 1) / 2, lambda: attend_chunk(q, kc, vc, 0, 0, None)),

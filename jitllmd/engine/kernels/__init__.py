@@ -189,8 +189,8 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
     of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
     lib = _lib()
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()  # else its rows may be a view into wider ones (qkv's): read in place
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # heads adjacent in a row; the rows may be wider ones (qkv's)
+        q = q.contiguous()
     n, heads, dim = q.shape
     out = torch.empty((n, heads * dim), dtype=torch.float32)
     failed = lib.attend_chunk(

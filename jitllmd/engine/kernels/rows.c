@@ -172,23 +172,6 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
  *   softmax  the rows' running maximum m and sum l, P[c][r] = e^(S[c][r] - m_r), masked keys 0
  *   output   O[d][r] = O[d][r] * corr_r + sum_c V[c][d] P[c][r]   4 dims (broadcast) x 24 rows, over the keys
  * and O / l goes out transposed once per item. */
-/* e^x for x <= 0 (a softmax's shifted scores): exp8 without its overflow path. */
-static inline __m256 exp8_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 #define QB 16
 #define KB 64
 

@@ -12,20 +12,26 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n in the exponent
- * bits), within 2 ulp of libm over [-87.3, 88.7], clamped beyond. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), _mm256_set1_ps(88.72283935546875f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+/* Cephes' expf on 8 floats already in [-87.3, 88.7]: e^x = p * 2^n, n = round(x / ln 2), p a degree-5 polynomial in
+ * x - n ln 2 (reduced by ln 2 in two parts). Returns p; n goes to *n. */
+static inline __m256 exp8_parts(__m256 x, __m256 *n) {
+    *n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(*n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(*n, _mm256_set1_ps(-2.12194440e-4f), x);
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
     p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
     p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
     p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
     p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    return _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+}
+
+/* e^x for 8 floats, within 2 ulp of libm over [-87.3, 88.7], clamped beyond. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), _mm256_set1_ps(88.72283935546875f));
+    __m256 n;
+    __m256 p = exp8_parts(x, &n);
     /* 2^n: n + 127 in the exponent field; n = 128 (x near 88.7) is split as 2 * 2^127 */
     __m256i e = _mm256_cvtps_epi32(n);
     __m256i big = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(127));
@@ -33,6 +39,14 @@ static inline __m256 exp8(__m256 x) {
     __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
     p = _mm256_mul_ps(p, two_n);
     return _mm256_blendv_ps(p, _mm256_add_ps(p, p), _mm256_castsi256_ps(big));
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores): exp8 without its overflow path. */
+static inline __m256 exp8_neg(__m256 x) {
+    __m256 n;
+    const __m256 p = exp8_parts(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), &n);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* silu(g) * u = g / (1 + e^-g) * u, the gated MLP's activation. */
