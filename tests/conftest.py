@@ -75,6 +75,18 @@ def write_tiny_hf(path: Path, arch: str, **overrides) -> tuple[Path, object]:
     return path, model
 
 
+@pytest.fixture(params=["upcast", "native"])
+def bf16_path(request, monkeypatch) -> bool:
+    """Both bf16 paths whatever this CPU has: `upcast` (no bf16 units: activations in f32, GEMMs upcast) and `native`
+    (bf16 units: everything in bf16). Forced where the engine asks the hardware, so the suite runs both anywhere."""
+    from jitllmd.engine.models import bert, llama
+
+    native = request.param == "native"
+    for module in (llama, bert):
+        monkeypatch.setattr(module, "bf16_matmul_native", lambda device_type="cpu": native)
+    return native
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     path = default_gguf()

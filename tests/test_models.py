@@ -91,14 +91,17 @@ def test_packed_rows_equal_rows_alone(pair):
     assert kv_a.length == len(a) and kv_b.length == len(b)
 
 
-def test_bf16_close_to_f32(pair, tmp_path):
-    """bf16 storage and compute stays near the f32 logits (a coarse check that the bf16 path is wired right)."""
+def test_bf16_close_to_f32(pair, tmp_path, bf16_path):
+    """bf16 storage stays near the f32 logits on both bf16 paths (upcast, native), whole prompt, token by token and
+    a packed decode row, with no dtype warning (warnings are errors): a coarse check that each path is wired right."""
     loaded, hf = pair
     src = loaded.path.parent / "hf"
     bf = load_model(convert(src, tmp_path / "bf16.jlm", "bf16").path, max_seq=64)
     assert bf.model.dtype == torch.bfloat16
-    diff = (_run(bf, [PROMPT]) - _reference(hf, PROMPT)).abs().max().item()
-    assert diff < 0.15
+    assert bf.model.act == (torch.bfloat16 if bf16_path else torch.float32)
+    ref = _reference(hf, PROMPT)
+    assert (_run(bf, [PROMPT]) - ref).abs().max().item() < 0.15
+    assert (_run(bf, [PROMPT[:6]] + [[t] for t in PROMPT[6:]]) - ref).abs().max().item() < 0.15
 
 
 @pytest.mark.parametrize("at", [[12], [3, 7, 12], [0], [12, 3]])

@@ -99,3 +99,27 @@ def test_cli_end_to_end(smollm2_jlm, tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     assert "The capital of France is Paris." in p.stdout
     assert "Traceback" not in p.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(tmp_path_factory, smollm2_gguf):
+    from jitllmd.engine.convert import convert
+
+    return convert(smollm2_gguf, tmp_path_factory.mktemp("smol-bf16") / "smollm2-bf16.jlm", "bf16").path
+
+
+def test_bf16_answers_alike_whole_and_after_a_cached_prefix(smollm2_bf16, bf16_path) -> None:
+    """On both bf16 paths (forced, whatever this CPU has), the greedy answer is the f32 model's, fed whole and fed
+    again after the pooled slot's cached prefix (one token). A bf16 residual stream flipped the second one."""
+    e = Engine.load(smollm2_bf16, max_seq=512)
+    try:
+        assert e.loaded.model.act == (torch.bfloat16 if bf16_path else torch.float32)
+        prompt = e.loaded.tokenizer.encode(e.loaded.chat.render(MESSAGES, add_generation_prompt=True))
+        answers, cached = [], []
+        for _ in range(2):
+            events = list(e.generate(prompt, SamplingParams(temperature=0), max_tokens=N))
+            answers.append("".join(ev.text for ev in events if isinstance(ev, Delta)))
+            cached.append(events[-1].prompt_tokens - events[-1].fed_tokens)
+        assert answers == ["The capital of France is Paris."] * 2 and cached == [0, len(prompt) - 1]
+    finally:
+        e.stop()

@@ -34,6 +34,10 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # 2 rows 86 ms as F.linear against 28 ms for 1 row as row blocks).
 ROW_BLOCK_MAX_TOKENS = 32
 _UPCAST_MIN_TOKENS = 8  # below this an emulated bf16 GEMV beats upcasting the weight
+# The residual stream between blocks, and the norms that read it, in f32 whatever the weights (as llama.cpp keeps it):
+# a bf16 stream rounds every block's sum, and on SmolLM2 that flipped a near tie of greedy tokens between a prompt fed
+# whole and the same prompt fed after a cached prefix.
+STREAM = torch.float32
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ class Linear:
             return y if self.bias is None else y + self.bias
         assert norm is None and not gated, "only the panel kernel folds a norm or the gate into its input"
         y = self.project(x)
-        return y if residual is None else residual + y
+        # the stream keeps its dtype: a bf16 stream adds the product rounded to bf16, as a bf16 GEMM's would be
+        return y if residual is None else residual + y.to(residual.dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias) where the weight keeps its [out, in] layout."""
@@ -187,13 +192,13 @@ class DecoderBlock:
         self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int, panels: bool
     ):
         self.index = index
-        self.act = act  # the residual stream, norms, RoPE and attention; projections run in the weights' dtype
+        self.act = act  # q, k, v, RoPE, attention and KV; projections run in the weights' dtype, the stream in f32
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.window = cfg.sliding_window
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)
-        self.input_norm = t["input_norm"].to(act)
-        self.post_norm = t["post_norm"].to(act)
+        self.input_norm = t["input_norm"].to(STREAM)  # the norms read the f32 stream
+        self.post_norm = t["post_norm"].to(STREAM)
         bias = cast(t["qkv_bias"]) if "qkv_bias" in t else None
         self.qkv = Linear(cast(t["qkv"]), bias, upcast=upcast, chunks=chunks, panels=panels)
         self.o = Linear(cast(t["o"]), None, upcast=upcast, chunks=chunks, panels=panels)
@@ -250,7 +255,7 @@ class DecoderBlock:
             for row in rows:
                 s, n = row.start, row.num_tokens
                 attn[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
-        x = self.o(attn, residual=x)  # a bf16 projection added to an f32 stream promotes to f32
+        x = self.o(attn, residual=x)  # [T, hidden] f32: the stream
         if self.fold:
             return self.down(self.gate_up(x, norm=(self.post_norm, self.eps)), residual=x, gated=True)
         h = rms_norm(x, self.post_norm, self.eps)
@@ -303,14 +308,14 @@ class Embed:
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.rows(token_ids) if self.paged else F.embedding(token_ids, self.table)  # [T, hidden]
-        return rows.to(self.dtype).to(self.act)  # the stored dtype, then the compute dtype, as resident rows go
+        return rows.to(self.dtype).to(STREAM)  # the stored dtype, as resident rows go, then the f32 stream
 
 
 class Head:
     """Final norm and LM head: hidden states -> f32 logits."""
 
     def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype, act: torch.dtype, upcast: bool, chunks: int):
-        self.norm = norm.to(act)
+        self.norm = norm.to(STREAM)
         self.lm = Linear(lm if lm.dtype == dtype else lm.to(dtype), None, upcast=upcast, chunks=chunks)
         self.eps = eps
 
@@ -348,7 +353,8 @@ class LlamaModel:
         self.cfg = cfg
         self.dtype = dtype
         # Where bf16 is emulated on the CPU (host blocks always run there), everything but the projections runs in
-        # f32 (K/V included): fewer conversions, faster there, never less exact. Elsewhere activations follow the weights.
+        # f32 (K/V included): fewer conversions, faster there, never less exact. Elsewhere attention and KV follow the
+        # weights, and the residual stream stays f32 whatever the weights (STREAM).
         self.act = torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_native("cpu") else dtype
         self.layouts = layouts(cfg, set(jlm.names))
         self.inv_freq = rope_inv_freq(cfg)
