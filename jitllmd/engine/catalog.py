@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import EngineConfig
+from .config import EngineConfig, find_model_file
 from .devices import parse_devices, release_host_memory, trim_heap
 from .engine import Engine
 from .loader import cached_conversion
@@ -41,6 +41,7 @@ class ModelEntry:
     created: int
     loaded: bool
     path: Path
+    aliases: tuple[str, ...] = ()  # the other names a loaded model answers to
 
 
 class Catalog:
@@ -53,7 +54,7 @@ class Catalog:
     def __init__(self, models_dir: Path | None, config: EngineConfig, cache_dir: Path):
         self.models_dir = models_dir.resolve() if models_dir else None
         self.config = config
-        self.cache_dir = cache_dir
+        self.cache_dir = cache_dir.resolve()  # a relative -models gives a relative cache; its files are named absolute
         self.devices = parse_devices(config.devices)  # raises on unknown names, at start-up
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
@@ -72,13 +73,11 @@ class Catalog:
     def resolve(self, file: str, *, inside_only: bool = False) -> Path:
         """The model file a -load argument names: absolute, or relative to -models (else to the working directory).
         `inside_only` (a client's request) may not leave -models."""
-        given = Path(file).expanduser()
-        if inside_only:
-            path = self.inside(file)
-        else:
-            path = (given if given.is_absolute() else (self.models_dir or Path.cwd()) / given).resolve()
+        if not inside_only:
+            return find_model_file(file, self.models_dir)
+        path = self.inside(file)
         if not path.is_file():
-            where = (" in the model directory" if inside_only else f" in {self.models_dir}") if self.models_dir and not given.is_absolute() else ""
+            where = " in the model directory" if not Path(file).expanduser().is_absolute() else ""
             raise FileNotFoundError(f"{file}: no such model file{where}")
         return path
 
@@ -89,7 +88,7 @@ class Catalog:
         for m in models:
             if name == m.id or name in m.aliases:
                 return m
-        loaded = ", ".join(m.id for m in models) or "none"
+        loaded = "; ".join(m.id + (f" (also {', '.join(m.aliases)})" if m.aliases else "") for m in models) or "none"
         raise KeyError(f"model {name!r} is not loaded (loaded: {loaded})")
 
     def find_session(self, session_id: str) -> tuple[ServedModel, Session]:
@@ -107,8 +106,8 @@ class Catalog:
 
     def entries(self) -> list[ModelEntry]:
         """Loaded models first, then the .jlm files of -models that none of them came from."""
-        out = [ModelEntry(m.id, m.created, True, m.engine.loaded.path) for m in self.loaded()]
-        taken = {e.path.resolve() for e in out} | {e.id for e in out}
+        out = [ModelEntry(m.id, m.created, True, m.engine.loaded.path, m.aliases) for m in self.loaded()]
+        taken = {e.path.resolve() for e in out} | {name for e in out for name in (e.id, *e.aliases)}
         if self.models_dir is not None and self.models_dir.is_dir():
             for p in sorted(self.models_dir.glob("*.jlm")):
                 if p.is_file() and p.resolve() not in taken and p.stem not in taken:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["JOINT_STEPS", "EngineConfig", "parse_size"]
+__all__ = ["JOINT_STEPS", "EngineConfig", "find_model_file", "parse_size"]
 
 JOINT_STEPS = ("auto", "always", "never")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -50,3 +51,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0 (0 lets the device choose), got {getattr(self, name)}")
         if self.joint_steps not in JOINT_STEPS:
             raise ValueError(f"joint_steps must be one of {', '.join(JOINT_STEPS)}, got {self.joint_steps!r}")
+
+
+def find_model_file(file: str, models_dir: Path | None) -> Path:
+    """The file a -load argument names: absolute, or relative to -models (else to the working directory), resolved.
+    FileNotFoundError says where it was looked for. Imports nothing heavy, so `serve` checks it before loading torch."""
+    given = Path(file).expanduser()
+    path = (given if given.is_absolute() else (models_dir or Path.cwd()) / given).resolve()
+    if not path.is_file():
+        where = f" in {models_dir}" if models_dir is not None and not given.is_absolute() else ""
+        raise FileNotFoundError(f"{file}: no such model file{where}")
+    return path

@@ -301,19 +301,19 @@ class OpenAI:
 
     @dialect(error_response)
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded) for e in self.catalog.entries()]})
+        return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded, e.aliases) for e in self.catalog.entries()]})
 
     @dialect(error_response)
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         for e in self.catalog.entries():
             if e.id == name:
-                return JSONResponse(_model_card(e.id, e.created, e.loaded))
+                return JSONResponse(_model_card(e.id, e.created, e.loaded, e.aliases))
         try:
             served = self.catalog.get(name)
         except KeyError as exc:
             raise APIError(str(exc.args[0]), param="model", kind="not_found", code="model_not_found") from None
-        return JSONResponse(_model_card(name, served.created, True))
+        return JSONResponse(_model_card(name, served.created, True, (served.id, *(a for a in served.aliases if a != name))))
 
     # -- streams --------------------------------------------------------------------------------
 
@@ -446,5 +446,6 @@ def _embedding_inputs(f: Fields, served: ServedModel) -> list[list[int]]:
     return batch
 
 
-def _model_card(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "jitllmd", "jitllm": {"loaded": loaded}}
+def _model_card(model_id: str, created: int, loaded: bool, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An OpenAI model object; `jitllm.aliases` lists the other names the model answers to."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "jitllmd", "jitllm": {"loaded": loaded, "aliases": list(aliases)}}

@@ -13,7 +13,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 from starlette.types import ASGIApp
 
-__all__ = ["GRACE_SECONDS", "is_loopback", "listen", "parse_addr", "run_server"]
+__all__ = ["GRACE_SECONDS", "bind", "is_loopback", "parse_addr", "run_server"]
 
 log = logging.getLogger("jitllmd.serve")
 
@@ -38,15 +38,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 picks a free one). OSError says why it cannot bind."""
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to the address (port 0 picks a free one), not yet listening: `serve` binds before it loads
+    a model, so an address in use is said at once, and connections are refused until it calls `listen(512)`.
+    OSError says why it cannot bind."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, sockaddr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(sockaddr)
-        sock.listen(512)
     except OSError:
         sock.close()
         raise
