@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .commands import convert, devices, models, place, run, serve, sessions, stats
+from .parsing import Command
 
 __all__ = ["app", "main"]
 
@@ -17,14 +18,14 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
-app.command("serve")(serve.serve)
-app.command("models")(models.models)
-app.command("devices")(devices.devices)
-app.command("stats")(stats.stats)
-app.command("sessions")(sessions.sessions)
-app.command("place")(place.place)
-app.command("run")(run.run)
-app.command("convert")(convert.convert)
+app.command("serve", cls=Command)(serve.serve)
+app.command("models", cls=Command)(models.models)
+app.command("devices", cls=Command)(devices.devices)
+app.command("stats", cls=Command)(stats.stats)
+app.command("sessions", cls=Command)(sessions.sessions)
+app.command("place", cls=Command)(place.place)
+app.command("run", cls=Command)(run.run)
+app.command("convert", cls=Command)(convert.convert)
 
 
 def main() -> None:

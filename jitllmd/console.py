@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Column
 
 if TYPE_CHECKING:
     from .client import Client
@@ -42,10 +43,16 @@ def progress_bar(label: str, *, as_bytes: bool = False, enabled: bool = True) ->
     if not enabled or not err_console.is_terminal:  # a bar on a pipe only leaves blank lines
         yield lambda done, total: None
         return
-    columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
-    columns += [DownloadColumn()] if as_bytes else []
-    columns += [TimeRemainingColumn()]
-    with Progress(*columns, console=err_console, transient=True) as progress:
+    # One line at any width: the figures never wrap, the bar shrinks first, then the label is cut with an ellipsis.
+    fixed = Column(no_wrap=True)
+    columns = [
+        TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+        BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=5)),
+        TaskProgressColumn(table_column=fixed),
+    ]
+    columns += [DownloadColumn(table_column=Column(no_wrap=True))] if as_bytes else []
+    columns += [TimeRemainingColumn(table_column=Column(no_wrap=True))]
+    with Progress(*columns, console=err_console, transient=True, expand=True) as progress:
         task = progress.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:

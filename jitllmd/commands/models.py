@@ -53,11 +53,11 @@ def models(
                 return
             console.print(f"loaded {model.id} from {model.file}: {model.arch}, {model.num_blocks} blocks, on {_places(model)}, max_seq {model.max_seq}", markup=False)
         elif unload is not None:
-            resp = client.models.unload_model(pb.UnloadModelRequest(model=unload))
+            gone = client.models.unload_model(pb.UnloadModelRequest(model=unload))
             if as_json:
-                print(json.dumps(to_dict(resp)))
+                print(json.dumps(to_dict(gone)))
                 return
-            console.print(f"unloaded {unload}: {resp.cancelled_requests} requests cancelled, {resp.closed_sessions} sessions closed", markup=False)
+            console.print(f"unloaded {unload}: {gone.cancelled_requests} requests cancelled, {gone.closed_sessions} sessions closed", markup=False)
         else:
             resp = client.models.list_models(pb.ListModelsRequest())
             if as_json:

@@ -11,7 +11,7 @@ from ..client import DEFAULT_ADDR, to_dict
 from ..console import connect, console, fail
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import RenderableType
 
     from ..gen.jitllm.v1.telemetry_pb2 import GetStatsResponse
 
@@ -65,23 +65,32 @@ def _joint(m: Any) -> str:
     return f"{m.joint_steps} {picks}".strip()
 
 
-def _table(resp: GetStatsResponse) -> Table:
+def _table(resp: GetStatsResponse) -> RenderableType:
+    """Two tables that fit 80 columns: traffic per model (with totals), then steps and memory per model."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     caption = f"up {resp.uptime_s:.0f} s, server RSS {resp.rss_bytes / 1e6:.0f} MB"
-    table = Table(box=None, pad_edge=False, caption=caption, caption_justify="left", show_footer=bool(resp.models))
-    names = ("requests", "generated", "tok/s", "active", "queue", "rows/step", "prompt/step", "sessions", "weight MB", "KV MB", "joint steps")
-    table.add_column("model", no_wrap=True, footer="total")
-    totals = (resp.requests, resp.generated_tokens, f"{resp.tokens_per_second:.1f}", resp.active_rows, resp.queue_depth, "", "", resp.sessions, "", "", "")
-    for name, total in zip(names, totals):
-        table.add_column(name, justify="right", footer=str(total))
+    if not resp.models:
+        return Text(f"no models loaded; {caption}")
+    traffic = Table(box=None, pad_edge=False, show_footer=True)
+    traffic.add_column("model", no_wrap=True, footer="total")
+    totals = (resp.requests, resp.generated_tokens, f"{resp.tokens_per_second:.1f}", resp.active_rows, resp.queue_depth, resp.sessions)
+    for name, total in zip(("requests", "generated", "tok/s", "active", "queue", "sessions"), totals):
+        traffic.add_column(name, justify="right", footer=str(total), no_wrap=True)
+    steps = Table(box=None, pad_edge=False)
+    steps.add_column("model", no_wrap=True)
+    for name in ("rows/step", "prompt/step", "weight MB", "KV MB"):
+        steps.add_column(name, justify="right", no_wrap=True)
+    steps.add_column("joint steps", overflow="fold")
     for m in resp.models:
-        table.add_row(
+        traffic.add_row(
             Text(m.model), str(m.requests), str(m.generated_tokens), f"{m.tokens_per_second:.1f}", str(m.active_rows),
-            str(m.queue_depth), f"{m.rows_per_step:.2f}", f"{m.prompt_tokens_per_step:.1f}", str(m.sessions), f"{m.weight_bytes / 1e6:.1f}",
+            str(m.queue_depth), str(m.sessions),
+        )
+        steps.add_row(
+            Text(m.model), f"{m.rows_per_step:.2f}", f"{m.prompt_tokens_per_step:.1f}", f"{m.weight_bytes / 1e6:.1f}",
             f"{m.kv_bytes / 1e6:.1f}", _joint(m),
         )
-    if not resp.models:
-        table.caption = f"no models loaded; {caption}"
-    return table
+    return Group(traffic, Text(""), steps, Text(caption))
