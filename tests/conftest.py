@@ -10,6 +10,16 @@ import torch
 
 from jitllmd.embedded import default_gguf
 
+
+
+def pytest_configure(config) -> None:
+    """The suite's kernels build where the CLI's do: under $JITLLMD_CACHE/kernels when it is set."""
+    from jitllmd.embedded import cache_dir
+    from jitllmd.engine import kernels
+
+    kernels.configure(cache_dir() / "kernels")
+
+
 VOCAB = 96
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"

@@ -146,8 +146,9 @@ def test_models_unload_unknown(addr: str) -> None:
 def test_devices(addr: str) -> None:
     resp = as_json("devices", "-addr", addr)
     assert "cpu" in {d["id"] for d in resp["devices"]}
-    assert int(resp["host"]["total_bytes"]) > 0 and resp["host"]["num_cpus"] >= 1
-    assert "host:" in ok("devices", "-addr", addr).stdout
+    assert int(resp["host"]["total_bytes"]) > 0 and resp["host"]["num_cpus"] >= 1 and resp["host"]["kernels"]
+    out = ok("devices", "-addr", addr).stdout
+    assert "host:" in out and f"kernels: {resp['host']['kernels']}" in out
 
 
 def test_stats(addr: str) -> None:

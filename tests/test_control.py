@@ -61,7 +61,7 @@ def code_of(call) -> Code:
     return exc.value.code
 
 
-def test_every_service_through_the_generated_client(clients):
+def test_every_service_through_the_generated_client(clients, tiny_server):
     models = clients["models"].list_models(mdl.ListModelsRequest()).models
     assert [(m.id, m.loaded) for m in models] == [("tiny", True), ("spare", False)]
     tiny = clients["models"].get_model(mdl.GetModelRequest(model="tiny")).model
@@ -73,6 +73,7 @@ def test_every_service_through_the_generated_client(clients):
 
     listed = clients["devices"].list_devices(dev.ListDevicesRequest())
     assert listed.devices[0].id == "cpu" and listed.host.total_bytes > 0 and listed.host.num_cpus >= 1
+    assert listed.host.kernels and f"  kernels: {listed.host.kernels}\n" in tiny_server.log  # and serve's start line names them
     assert clients["devices"].get_device(dev.GetDeviceRequest(device="cpu")).device.total_bytes == listed.devices[0].total_bytes
     assert clients["devices"].get_memory_topology(dev.GetMemoryTopologyRequest()).domains[0].name == "host"
 

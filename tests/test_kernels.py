@@ -1,6 +1,11 @@
-"""The compiled kernels against torch's own ops: few-row and panel projections, decode and prompt-chunk attention, RMSNorm, silu."""
+"""The compiled kernels against torch's own ops (few-row and panel projections, attention, RMSNorm, silu); where builds are kept."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +15,7 @@ from jitllmd.engine.kernels import (
     MAX_ROWS,
     attend_chunk,
     attend_rows,
+    describe,
     pack_panels,
     panel_linear,
     rms_norm_rows,
@@ -176,3 +182,17 @@ def test_panel_linear_adds_a_residual() -> None:
     for rows in (1, 6, 200):
         x, r = torch.randn(rows, 300, generator=g), torch.randn(rows, 72, generator=g)
         torch.testing.assert_close(panel_linear(x, packed, r), r + F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_describe_names_the_variant_and_its_build() -> None:
+    assert describe().startswith("avx2+fma (kernels-") and describe().endswith(".so)")
+
+
+def test_run_keeps_its_kernel_build_under_jitllmd_cache(tiny_serve_jlm: Path, tmp_path: Path) -> None:
+    """`jitllmd run` passes $JITLLMD_CACHE/kernels to the engine (which reads no environment itself)."""
+    env = {**os.environ, "JITLLMD_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "jitllmd", "run", "-model", str(tiny_serve_jlm), "-n", "2", "-temp", "0", "-json", "hi"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    builds = [f.name for f in (tmp_path / "kernels").glob("kernels-*.so")]
+    assert len(builds) == 1 and f"({builds[0]})" in describe()  # the same sources: the same build as this process's

@@ -48,6 +48,8 @@ def devices(
     budget = f", page budget {_gb(host.page_budget_bytes)} GB" if host.HasField("page_budget_bytes") else ""
     cpu = f" ({host.cpu_name})" if host.cpu_name else ""
     console.print(f"host: {_gb(host.total_bytes)} GB total, {_gb(host.available_bytes)} GB available{budget}; {host.num_cpus} CPUs{cpu}", markup=False)
+    if host.kernels:  # empty from a server older than the field
+        console.print(f"kernels: {host.kernels}", markup=False)
 
 
 def _gb(n: int) -> str:

@@ -95,10 +95,12 @@ def run(
 
 def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
     from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
+    from ..engine import kernels
     from ..engine.convert import ConvertError
     from ..engine.engine import Engine
     from ..engine.jlm import JLMError
 
+    kernels.configure(cache_dir() / "kernels")
     try:
         if model is None:
             gguf = default_gguf()

@@ -70,6 +70,7 @@ def serve(
     except OSError as exc:
         raise fail(str(exc) if isinstance(exc, FileNotFoundError) else f"cannot listen on {addr}: {exc.strerror or exc}") from None
 
+    from ..engine import kernels
     from ..engine.catalog import Catalog
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
@@ -77,6 +78,7 @@ def serve(
     from ..serve.app import build_app
     from ..serve.telemetry import ServerInfo
 
+    kernels.configure(cache_dir() / "kernels")
     try:
         catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir())
     except ValueError as exc:
@@ -113,6 +115,7 @@ def serve(
     cal = served.engine.calibration
     if cal is not None:
         err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
+    err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
     err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
     if not is_loopback(host):
         err_console.print(f"[yellow]warning:[/] listening on every interface ({addr}): anyone who can reach this machine can use the API; -addr 127.0.0.1:{bound_port} keeps it local")

@@ -17,6 +17,7 @@ from ..engine.chat import ChatTemplateError
 from ..engine.convert import ConvertError, convert
 from ..engine.devices import available_devices, cpu_name, device_info, host_memory, parse_devices
 from ..engine.jlm import JLMError, JLMFile
+from ..engine.kernels import describe as describe_kernels
 from ..engine.kv import RoomError
 from ..engine.loader import on_own_thread
 from ..engine.request import RequestState
@@ -244,7 +245,8 @@ class Devices(DeviceService):
 
     async def list_devices(self, request: dev.ListDevicesRequest, ctx: Any) -> dev.ListDevicesResponse:
         total, available = host_memory()
-        host = dev.HostMemory(total_bytes=total, available_bytes=available, num_cpus=os.cpu_count() or 1, cpu_name=cpu_name())
+        kernels = await asyncio.to_thread(describe_kernels)  # a build, if no model has made one yet (seconds, once)
+        host = dev.HostMemory(total_bytes=total, available_bytes=available, num_cpus=os.cpu_count() or 1, cpu_name=cpu_name(), kernels=kernels)
         budget = self._budgets()[0]
         if budget is not None:
             host.page_budget_bytes = budget

@@ -3,7 +3,8 @@
 rows.c: few-row projections, decode attention, RMSNorm. panels.c: f32 projections over weights rewritten once into
 column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). Where they cannot be built (no compiler,
 not x86 with AVX2 and FMA, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels
-make steps faster, never different in what they compute.
+make steps faster, never different in what they compute. `configure` says where builds are kept; `describe` names the
+variant in use, or why there is none.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "pack_panels", "panel_linear", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
+__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "configure", "describe", "pack_panels", "panel_linear", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
 
 log = logging.getLogger("jitllmd.kernels")
 
@@ -29,6 +30,16 @@ MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which tor
 _SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c")]
 _HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of a build's identity
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
+_VARIANT = "avx2+fma"  # what _FLAGS build
+_cache_dir: Path | None = None  # set by configure(); None: ~/.cache/jitllmd/kernels (the engine reads no environment)
+
+
+def configure(cache_dir: Path) -> None:
+    """Keep kernel builds in `cache_dir` (default ~/.cache/jitllmd/kernels; the CLI passes its cache's kernels/).
+    Call before first use; a later call makes the next use load from there (a library loaded before stays mapped)."""
+    global _cache_dir
+    _cache_dir = Path(cache_dir)
+    _load.cache_clear()
 
 
 def _cpu_flags() -> set[str]:
@@ -42,12 +53,9 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(cache: Path) -> Path | None:
+def _build(cache: Path, compiler: str) -> Path:
     """The shared library for these sources and flags, compiled once into `cache` (atomically); builds of other
     versions of the sources are removed (a process that loaded one keeps its mapping)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
     key = hashlib.sha256(b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS]) + " ".join(_FLAGS).encode()).hexdigest()[:12]
     out = cache / f"kernels-{key}.so"
     if out.exists():
@@ -56,7 +64,7 @@ def _build(cache: Path) -> Path | None:
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -66,19 +74,49 @@ def _build(cache: Path) -> Path | None:
     return out
 
 
+def _failure(exc: Exception) -> str:
+    """A failed build or load in one line: the compiler's first error where it said one."""
+    if isinstance(exc, subprocess.CalledProcessError) and exc.stderr:
+        lines = exc.stderr.splitlines()
+        return next((line for line in lines if "error" in line), lines[0]).strip()
+    return str(exc)
+
+
 @functools.cache
-def rows_kernel() -> ctypes.CDLL | None:
-    """The compiled kernels (rows.c, panels.c), or None where they cannot run here."""
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
-        return None
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernels and the variant's description, or None and why torch's ops run instead."""
+    machine = platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        return None, f"torch ops (not x86-64: {machine})"
+    missing = sorted({"avx2", "fma"} - _cpu_flags())
+    if missing:
+        return None, f"torch ops (CPU lacks {' and '.join(m.upper() for m in missing)})"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "torch ops (no C compiler: neither cc nor gcc on PATH)"
     try:
-        path = _build(Path.home() / ".cache" / "jitllmd" / "kernels")
-        if path is None:
-            return None
+        path = _build(_cache_dir or Path.home() / ".cache" / "jitllmd" / "kernels", compiler)
         lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("compiled kernels unavailable, using torch's ops: %s", exc)
-        return None
+        why = _failure(exc)
+        log.warning("compiled kernels unavailable, using torch's ops: %s", why)
+        return None, f"torch ops (build failed: {why})"
+    _declare(lib)
+    return lib, f"{_VARIANT} ({path.name})"
+
+
+def rows_kernel() -> ctypes.CDLL | None:
+    """The compiled kernels (rows.c, panels.c), or None where they cannot run here."""
+    return _load()[0]
+
+
+def describe() -> str:
+    """The kernels in use, e.g. 'avx2+fma (kernels-<hash>.so)', or 'torch ops (<why not>)'. Builds them if need be."""
+    return _load()[1]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Each entry point's C signature, so ctypes passes 64-bit ints and pointers as the sources take them."""
     for fn in (lib.rows_f32, lib.rows_bf16):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         fn.restype = None
@@ -96,7 +134,6 @@ def rows_kernel() -> ctypes.CDLL | None:
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
-    return lib
 
 
 def _lib() -> ctypes.CDLL:

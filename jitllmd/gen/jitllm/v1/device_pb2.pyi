@@ -25,18 +25,20 @@ class Device(_message.Message):
     def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., spendable_bytes: _Optional[int] = ..., opened: _Optional[bool] = ...) -> None: ...
 
 class HostMemory(_message.Message):
-    __slots__ = ("total_bytes", "available_bytes", "page_budget_bytes", "num_cpus", "cpu_name")
+    __slots__ = ("total_bytes", "available_bytes", "page_budget_bytes", "num_cpus", "cpu_name", "kernels")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
     CPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     available_bytes: int
     page_budget_bytes: int
     num_cpus: int
     cpu_name: str
-    def __init__(self, total_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ..., page_budget_bytes: _Optional[int] = ..., num_cpus: _Optional[int] = ..., cpu_name: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, total_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ..., page_budget_bytes: _Optional[int] = ..., num_cpus: _Optional[int] = ..., cpu_name: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ()
