@@ -11,7 +11,6 @@ import torch
 from jitllmd.embedded import default_gguf
 
 
-
 def pytest_configure(config) -> None:
     """The suite's kernels build where the CLI's do: under $JITLLMD_CACHE/kernels when it is set."""
     from jitllmd.embedded import cache_dir
