@@ -1,10 +1,14 @@
-"""Sampler: parameter validation, seeding, greedy equivalences, truncation (top-k/top-p/min-p), penalties, distribution."""
+"""Sampler: parameter validation, seeding, greedy equivalences, truncation (top-k/top-p/min-p), penalties, distribution, device."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from jitllmd.engine.devices import synchronize
 from jitllmd.engine.sampler import Sampler, SamplingParams
 
 V = 50
@@ -266,3 +270,79 @@ def test_temperature_sharpens() -> None:
     assert cold > warm
     p_cold = torch.softmax(logits / 0.2, -1)[best].item()
     assert abs(cold / 500 - p_cold) < 0.08
+
+
+# -- device -----------------------------------------------------------------------------------------------------------
+
+# Recorded from the sampler as it was when it sampled on a CPU generator with CPU tensors: on the CPU the same seed
+# and logits must keep giving exactly these tokens. (settings, prompt ids, vocabulary) -> 16 tokens, each accepted.
+RECORDED: list[tuple[dict[str, Any], list[int], int, list[int]]] = [
+    ({"temperature": 1.0, "seed": 1234}, [], 50, [17, 24, 31, 34, 31, 31, 40, 24, 8, 1, 35, 37, 23, 9, 1, 17]),
+    ({"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "seed": 7}, [], 50, [3, 48, 27, 28, 26, 28, 18, 28, 28, 11, 3, 3, 18, 43, 3, 48]),
+    ({"temperature": 1.3, "top_p": 0.8, "seed": 99}, [], 1000, [543, 360, 627, 35, 33, 557, 128, 458, 872, 270, 366, 444, 825, 326, 329, 924]),
+    ({"temperature": 0.9, "min_p": 0.1, "seed": (1 << 63) + 5}, [], 50, [14, 14, 37, 14, 46, 18, 37, 14, 33, 46, 14, 5, 19, 46, 46, 19]),
+    ({"temperature": 1.0, "top_k": 5, "seed": -3}, [], 1000, [710, 244, 244, 710, 710, 687, 547, 547, 710, 687, 687, 687, 687, 889, 687, 547]),
+    (
+        {"temperature": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3, "seed": 2024},
+        [3, 5, 8],
+        50,
+        [4, 41, 49, 14, 38, 13, 34, 39, 46, 33, 4, 32, 9, 28, 49, 29],
+    ),
+    ({"temperature": 0.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2}, [0, 1], 50, [11, 47, 38, 37, 7, 9, 13, 31, 23, 11, 47, 41, 27, 38, 40, 21]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(RECORDED)))
+def test_cpu_tokens_are_the_recorded_ones(case: int) -> None:
+    kwargs, prompt_ids, vocab, want = RECORDED[case]
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(100 + case), device=torch.device("cpu"))
+    s = Sampler(SamplingParams(**kwargs), prompt_ids)
+    got = []
+    for _ in range(len(want)):
+        token = s.sample(logits)
+        s.accept(token)
+        got.append(token)
+    assert got == want
+
+
+class _DeviceLog(TorchFunctionMode):
+    """Records the device each tensor made from Python values asks for, and the device of each generator handed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list[tuple[str, object]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor:
+            self.devices.append(("tensor", kwargs.get("device")))
+        if kwargs.get("generator") is not None:
+            self.devices.append((func.__name__, kwargs["generator"].device))
+        return func(*args, **kwargs)
+
+
+def test_sampling_names_the_logits_device() -> None:
+    """Penalty tensors and the generator are made on the logits' device, never on the default one (no GPU needed)."""
+    device = torch.device("cpu")
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.01, presence_penalty=0.5, repetition_penalty=1.2, seed=3)
+    s = Sampler(params, prompt_ids=[1, 2])
+    s.accept(4)
+    logits = _logits(11).to(device)
+    with _DeviceLog() as log:
+        s.sample(logits)
+    assert [name for name, _ in log.devices] == ["tensor", "tensor", "tensor", "multinomial"]
+    assert all(d == device for _, d in log.devices), log.devices
+
+
+def test_generator_per_device_seeded_with_the_row_seed() -> None:
+    s = Sampler(SamplingParams(seed=5), [])
+    cpu = torch.device("cpu")
+    gen = s.generator(cpu)
+    assert gen.device == cpu and gen.initial_seed() == 5
+    assert s.generator(cpu) is gen  # one stream per device, kept across steps
+    assert Sampler(SamplingParams(), []).generator(cpu).initial_seed() != Sampler(SamplingParams(), []).generator(cpu).initial_seed()
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
+def test_synchronize_accepts_the_cpu(device: torch.device | str) -> None:
+    synchronize(device)  # the CPU has nothing queued: a no-op

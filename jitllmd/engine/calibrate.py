@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .devices import synchronize
 from .kv import RowSpan
 from .models import DecoderModel
 
@@ -30,12 +31,15 @@ class Calibration:
     prefill_tokens_per_second: dict[int, float]  # chunk -> tokens/s
 
 
-def _median_seconds(fn, reps: int = 3) -> float:
+def _median_seconds(fn, device: torch.device, reps: int = 3) -> float:
+    """Median wall time of `fn` on `device`, waiting for its queued work before each clock read (a GPU returns early)."""
     fn()  # warm up
     times = []
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -61,7 +65,7 @@ def widest_step(model: DecoderModel, limit: int) -> tuple[int, dict[int, float]]
             for kv in kvs:
                 kv.truncate(CONTEXT)
 
-        rates[n] = n / _median_seconds(step)
+        rates[n] = n / _median_seconds(step, dev)
         if n > 1 and rates[n] < GAIN * rates[best]:
             break
         best = n
@@ -80,7 +84,7 @@ def prefill_chunk(model: DecoderModel, limit: int) -> tuple[int, dict[int, float
             model.forward(torch.zeros(chunk, dtype=torch.long, device=dev), torch.arange(chunk, device=dev), [RowSpan(0, chunk, kv)], torch.tensor([chunk - 1], device=dev))
             kv.truncate(0)
 
-        rates[chunk] = chunk / _median_seconds(run, reps=1)
+        rates[chunk] = chunk / _median_seconds(run, dev, reps=1)
     if not rates:
         return max(1, limit), rates
     top = max(rates.values())

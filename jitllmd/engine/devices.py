@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "trim_heap"]
+__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
 
 
 def _cpu_flags() -> set[str]:
@@ -126,6 +126,18 @@ def device_info(device: str) -> DeviceInfo:
         total, free = host_memory()  # unified memory
         return DeviceInfo("mps", "mps", "Apple GPU", total, free)
     raise ValueError(f"no device {device!r} here (devices: {', '.join(available_devices())})")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on `device` to finish, so a clock read after it times the work, not its launch.
+
+    CUDA and MPS queue kernels and return at once; the CPU runs them before returning, so there it does nothing.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()  # mps has one device and no per-device call
 
 
 def release_host_memory() -> None:

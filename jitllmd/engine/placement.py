@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .devices import synchronize
 from .kv import SessionKV
 from .pager import ROW_BLOCKS, Pager
 
@@ -94,6 +95,11 @@ class Placement:
     def one_device(self) -> bool:
         """Every block on one device: the model batches its requests as rows."""
         return self.places[0] != HOST and len(set(self.places)) == 1
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on every device holding blocks (a clock read after it times the work, not its queueing)."""
+        for device in self.device_ids:
+            synchronize(device)
 
     def kv_devices(self) -> list[torch.device]:
         """Where each layer's KV lives: on its block's place."""

@@ -1,4 +1,4 @@
-"""Per-row sampling: penalties, temperature, top-k, top-p, min-p, and a seeded generator per request."""
+"""Per-row sampling on the logits' device: penalties, temperature, top-k, top-p, min-p, and a seeded generator per request."""
 
 from __future__ import annotations
 
@@ -47,14 +47,28 @@ class SamplingParams:
 
 class Sampler:
     """One row's sampler. Presence/frequency penalties count generated tokens (OpenAI's definition);
-    the repetition penalty covers prompt and generated tokens (the CTRL / Hugging Face definition)."""
+    the repetition penalty covers prompt and generated tokens (the CTRL / Hugging Face definition).
+
+    Everything runs on the logits' device; the one move to the host is the chosen token id. The same seed gives the
+    same tokens on the same device (each device kind has its own random algorithm, so a CPU and a GPU differ).
+    """
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int]):
         self.params = params
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._generators: dict[torch.device, torch.Generator] = {}
         self.counts: dict[int, int] = {}  # generated token -> times
         self.seen: set[int] = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This row's generator on `device`, made on first use and seeded with the row's seed.
+
+        One per device: if relocation moves the head, each device keeps its own stream rather than restarting one.
+        """
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
 
     def accept(self, token_id: int) -> None:
         self.counts[token_id] = self.counts.get(token_id, 0) + 1
@@ -62,29 +76,30 @@ class Sampler:
             self.seen.add(token_id)
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply the penalties to f32 logits [V] (in place on a copy)."""
+        """Apply the penalties to f32 logits [V] (in place on a copy, on the logits' device)."""
         p = self.params
         rep = p.repetition_penalty != 1.0 and self.seen
         pf = (p.presence_penalty or p.frequency_penalty) and self.counts
         if not (rep or pf):
             return logits
         logits = logits.clone()
+        dev = logits.device
         if rep:
-            ids = torch.tensor(sorted(self.seen), dtype=torch.long)
+            ids = torch.tensor(sorted(self.seen), dtype=torch.long, device=dev)
             picked = logits[ids]
             logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         if pf:
-            ids = torch.tensor(list(self.counts), dtype=torch.long)
-            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            ids = torch.tensor(list(self.counts), dtype=torch.long, device=dev)
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32, device=dev)
             logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
         return logits
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from f32 logits [V]."""
+        """Pick the next token from f32 logits [V], on their device."""
         p = self.params
         logits = self.penalize(logits)
         if p.greedy:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(logits))  # the token id to the host
         logits = logits / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             values, ids = torch.topk(logits, p.top_k)  # sorted, descending
@@ -99,5 +114,5 @@ class Sampler:
         if p.min_p > 0.0:
             keep &= probs >= p.min_p * probs[0]
         probs = torch.where(keep, probs, torch.zeros_like(probs))
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(ids[choice])
+        choice = torch.multinomial(probs, 1, generator=self.generator(probs.device))
+        return int(ids[choice])  # the token id to the host

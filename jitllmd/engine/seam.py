@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .devices import synchronize
 from .kv import RowSpan, SessionKV
 from .placement import HOST, Placement
 
@@ -31,12 +32,20 @@ def candidate_counts(most: int) -> list[int]:
 def decode_rate(model, prompt: int = 8, steps: int = 12) -> float:
     """Decode tokens/s of one row on a scratch KV cache under the model's current placement (median step)."""
     dev = model.device
+    places = model.placement.device_ids  # a split forward queues work on each of them
+
+    def settle() -> None:
+        for place in places:
+            synchronize(place)
+
     kv = model.new_kv(prompt + steps + 1)
     model.forward(torch.zeros(prompt, dtype=torch.long, device=dev), torch.arange(prompt, device=dev), [RowSpan(0, prompt, kv)], torch.tensor([prompt - 1], device=dev))
     times = []
     for i in range(steps):
+        settle()
         t0 = time.perf_counter()
         model.forward(torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([prompt + i], device=dev), [RowSpan(0, 1, kv)])
+        settle()
         times.append(time.perf_counter() - t0)
     return round(1.0 / statistics.median(times[2:]), 2)
 
