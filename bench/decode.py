@@ -141,8 +141,8 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
     from jitllmd.engine.sampler import Sampler, SamplingParams
 
     loaded = load_model(path, max_seq=1024)
-    m = loaded.model
-    vocab = m.cfg.vocab_size
+    m = loaded.runner
+    vocab = m.model.cfg.vocab_size
     kv = loaded.new_kv()
     ids = prompt_ids(loaded.tokenizer.encode, 64)
     m.forward(torch.tensor(ids), torch.arange(64), [RowSpan(0, 64, kv)], torch.tensor([63]))
@@ -194,15 +194,19 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
 
 
 class _KernelTimer:
-    """Wrap the engine's kernel calls (engine/kernels) with timers, by category, until restore()."""
+    """Wrap the engine's kernel calls (engine/kernels, as each layer in engine/layers calls them) with timers, by
+    category, until restore()."""
 
     def __init__(self, vocab: int):
-        import jitllmd.engine.models.llama as llama
+        from jitllmd.engine.layers import activation, attention, linear, norm, rope
 
-        self.module = llama
-        kinds = {"rows_linear": "projections", "panel_linear": "projections", "attend_rows": "attention", "attend_chunk": "attention", "rms_norm_rows": "norms", "silu_mul_rows": "activation", "rope_rows": "rope"}
-        self.seconds = dict.fromkeys(["head", *kinds.values()], 0.0)
-        self.saved = {name: getattr(llama, name) for name in kinds}
+        kinds = {
+            "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "attend_rows": (attention, "attention"),
+            "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "silu_mul_rows": (activation, "activation"),
+            "rope_rows": (rope, "rope"),
+        }
+        self.seconds = dict.fromkeys(["head", *(c for _, c in kinds.values())], 0.0)
+        self.saved = {name: (module, getattr(module, name)) for name, (module, _) in kinds.items()}
 
         def timed(fn, category):
             def call(*args, **kwargs):
@@ -213,12 +217,12 @@ class _KernelTimer:
                 return out
             return call
 
-        for name, category in kinds.items():
-            setattr(llama, name, timed(self.saved[name], category))
+        for name, (module, category) in kinds.items():
+            setattr(module, name, timed(self.saved[name][1], category))
 
     def restore(self) -> None:
-        for name, fn in self.saved.items():
-            setattr(self.module, name, fn)
+        for name, (module, fn) in self.saved.items():
+            setattr(module, name, fn)
 
 
 def run_worker(args: list[str]) -> dict:

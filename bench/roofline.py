@@ -108,7 +108,7 @@ def main() -> None:
     ref_ids = torch.tensor([prompt_ids(lambda t: tok.encode(t, add_special_tokens=False), T)])
 
     def ours_forward() -> None:
-        ours.model.forward(torch.tensor(ids), torch.arange(T), [RowSpan(0, T, ours.new_kv())], torch.tensor([T - 1]))
+        ours.runner.forward(torch.tensor(ids), torch.arange(T), [RowSpan(0, T, ours.new_kv())], torch.tensor([T - 1]))
 
     def ref_forward() -> None:
         ref(ref_ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)

@@ -88,10 +88,11 @@ def write_tiny_hf(path: Path, arch: str, **overrides) -> tuple[Path, object]:
 def bf16_path(request, monkeypatch) -> bool:
     """Both bf16 paths whatever this CPU has: `upcast` (no bf16 units: activations in f32, GEMMs upcast) and `native`
     (bf16 units: everything in bf16). Forced where the engine asks the hardware, so the suite runs both anywhere."""
+    from jitllmd.engine.layers import linear
     from jitllmd.engine.models import bert, llama
 
     native = request.param == "native"
-    for module in (llama, bert):
+    for module in (llama, bert, linear):
         monkeypatch.setattr(module, "bf16_matmul_native", lambda device_type="cpu": native)
     return native
 

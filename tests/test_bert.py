@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from jitllmd.engine.convert import ConvertError, convert
 from jitllmd.engine.jlm import JLMFile
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.models import ENCODER_ARCHS, bert, build_model
+from jitllmd.engine.models import bert, build_model, family_for
 from jitllmd.engine.models.bert import BertConfig, BertModel
 
 TOL = 1e-4
@@ -152,7 +152,7 @@ def st_dir(tmp_path_factory) -> Path:
 
 def test_convert_keeps_pooling_in_the_config(st_dir: Path, tmp_path: Path) -> None:
     jlm = JLMFile(convert(st_dir, tmp_path / "t.jlm", "f32").path)
-    assert jlm.arch == "bert" and jlm.arch in ENCODER_ARCHS
+    assert jlm.arch == "bert" and family_for(jlm.arch).embeds
     c = jlm.config
     assert (c["pooling"], c["normalize"], c["max_seq_length"], c["max_position_embeddings"]) == ("cls", True, 48, 64)
     assert BertConfig.from_dict(c).max_seq_length == 48
@@ -190,6 +190,18 @@ def test_prefixed_names_and_extra_heads(tmp_path: Path) -> None:
     prefixed = JLMFile(convert(d, tmp_path / "prefixed.jlm", "f32").path)
     assert prefixed.names == plain.names
     assert not any("pooler" in n or "cls." in n or "position_ids" in n for n in prefixed.names)
+
+
+def test_a_missing_tensor_is_named(tmp_path: Path) -> None:
+    """The family lists every tensor the encoder reads (bert.required_tensors); convert names the first one absent."""
+    from safetensors.torch import load_file, save_file
+
+    d, _ = write_tiny_bert(tmp_path / "hf", None, None)
+    state = load_file(d / "model.safetensors")
+    del state["encoder.layer.1.attention.output.LayerNorm.bias"]
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(ConvertError, match=r"tensor blocks\.1\.attention\.output\.LayerNorm\.bias is missing \(1 missing in all\)"):
+        convert(d, tmp_path / "t.jlm", "f32")
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["upcast", "native-bf16"])

@@ -49,7 +49,7 @@ def sources(tmp_path_factory) -> dict[str, object]:
 def _logits(path: Path, ids: list[int] = PROMPT) -> torch.Tensor:
     loaded = load_model(path, max_seq=64)
     kv = loaded.new_kv()
-    return loaded.model.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
+    return loaded.runner.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
 
 
 def _hf_logits(hf_model, ids: list[int] = PROMPT) -> torch.Tensor:
@@ -322,3 +322,58 @@ def test_other_architectures_convert_from_hf(tmp_path: Path) -> None:
     f = JLMFile(out.path)
     assert f.arch == "qwen2" and f.config["attention_bias"] is True
     assert torch.equal(f.tensor("blocks.1.self_attn.k_proj.bias"), hf_model.model.layers[1].self_attn.k_proj.bias)
+
+
+# -- the family registry: convert and the loader ask it -------------------------------------------------------------
+
+
+def test_registry_names_each_source_once() -> None:
+    from jitllmd.engine.models import FAMILIES, bert, family_for, family_for_gguf, family_for_hf, llama
+
+    for names in ([a for f in FAMILIES for a in f.archs], [t for f in FAMILIES if f.hf for t in f.hf.model_types],
+                  [a for f in FAMILIES if f.gguf for a in f.gguf.archs]):
+        assert len(names) == len(set(names)), names
+    assert family_for("qwen3") is family_for_hf("mistral") is family_for_gguf("qwen2") is llama.FAMILY
+    assert family_for("bert") is family_for_hf("bert") is bert.FAMILY and bert.FAMILY.embeds and bert.FAMILY.gguf is None
+    with pytest.raises(ValueError, match=r"arch 'gpt2' is not supported \(supported: bert, llama"):
+        family_for("gpt2")
+
+
+def test_a_family_is_a_registry_line(sources, tmp_path: Path, monkeypatch) -> None:
+    """A family registered beside the others converts and loads with nothing changed in convert/ or the loader."""
+    import dataclasses
+
+    from jitllmd.engine import models
+    from jitllmd.engine.models import llama
+    from jitllmd.engine.models.family import HFSource
+
+    family = dataclasses.replace(
+        llama.FAMILY, archs=("tinyfam",), gguf=None,
+        hf=HFSource(model_types={"tiny_fam": "tinyfam"}, config=llama.hf_config, tensor_name=llama.hf_tensor_name),
+    )
+    monkeypatch.setattr(models, "FAMILIES", (*models.FAMILIES, family))
+    d = tmp_path / "hf"
+    shutil.copytree(sources["hf_dir"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"model_type": "tiny_fam"}))
+    out = convert(d, tmp_path / "fam.jlm", "f32")
+    f = JLMFile(out.path)
+    assert f.arch == "tinyfam" and f.meta["source"]["model_type"] == "tiny_fam"
+    assert torch.equal(_logits(out.path), _logits(sources["hf"].path))
+
+
+def test_hf_config_the_family_refuses(sources, tmp_path: Path) -> None:
+    """The family's config class checks the converted config, so an unsupported one fails at convert, not at load."""
+    d = tmp_path / "yarn"
+    shutil.copytree(sources["hf_dir"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    _assert_fails(d, tmp_path / "out", "config.rope_scaling type 'yarn'")
+
+
+def test_gguf_without_a_hyperparameter(sources, tmp_path: Path) -> None:
+    bad = tmp_path / "nolayers.gguf"
+    raw = sources["f32_gguf"].read_bytes()
+    assert raw.count(b"llama.block_count") == 1
+    bad.write_bytes(raw.replace(b"llama.block_count", b"llama.block_cXunt"))  # same length: the file stays readable
+    _assert_fails(bad, tmp_path / "out", "missing or bad metadata 'llama.block_count'")

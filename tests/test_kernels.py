@@ -159,7 +159,7 @@ def test_a_rows_panel_result_does_not_depend_on_its_step() -> None:
 
 def test_rope_rows_in_place_matches_rotate_half() -> None:
     """In place on q and k heads that are a view into wider rows (qkv), v left alone."""
-    from jitllmd.engine.models.llama import apply_rope
+    from jitllmd.engine.layers.rope import rotate
 
     g = torch.Generator().manual_seed(8)
     T, H, Hkv, D = 40, 3, 1, 32
@@ -169,7 +169,7 @@ def test_rope_rows_in_place_matches_rotate_half() -> None:
     cos, sin = emb.cos(), emb.sin()
     sin = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
     qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
-    want, v = apply_rope(qk.clone(), cos, sin), qkv[:, (H + Hkv) * D :].clone()
+    want, v = rotate(qk.clone(), cos, sin), qkv[:, (H + Hkv) * D :].clone()
     rope_rows(qk, cos, sin)
     torch.testing.assert_close(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (H + Hkv) * D :], v)

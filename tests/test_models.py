@@ -49,7 +49,7 @@ def _run(loaded, chunks: list[list[int]]) -> torch.Tensor:
     out = []
     for ids in chunks:
         pos = torch.arange(kv.length, kv.length + len(ids))
-        out.append(loaded.model.forward(torch.tensor(ids), pos, [RowSpan(0, len(ids), kv)]))
+        out.append(loaded.runner.forward(torch.tensor(ids), pos, [RowSpan(0, len(ids), kv)]))
     return torch.cat(out)
 
 
@@ -79,7 +79,7 @@ def test_packed_rows_equal_rows_alone(pair):
     loaded, hf = pair
     a, b = PROMPT[:7], PROMPT[3:12]
     kv_a, kv_b = loaded.new_kv(), loaded.new_kv()
-    m = loaded.model
+    m = loaded.runner
     m.forward(torch.tensor(a[:-1]), torch.arange(len(a) - 1), [RowSpan(0, len(a) - 1, kv_a)])
     m.forward(torch.tensor(b[:4]), torch.arange(4), [RowSpan(0, 4, kv_b)])
     tokens = torch.tensor([a[-1]] + b[4:])
@@ -110,7 +110,7 @@ def test_logits_of_some_tokens_match(pair, at):
     match, out of order too, and the session goes on from the whole prompt."""
     loaded, hf = pair
     kv = loaded.new_kv()
-    m = loaded.model
+    m = loaded.runner
     logits = m.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), [RowSpan(0, len(PROMPT), kv)], torch.tensor(at))
     ref = _reference(hf, PROMPT)
     assert (logits - ref[at]).abs().max().item() <= TOL

@@ -13,7 +13,7 @@ import torch
 
 from .devices import synchronize
 from .kv import RowSpan
-from .models import DecoderModel
+from .runner import ModelRunner
 
 __all__ = ["Calibration", "calibrate", "prefill_chunk", "widest_step"]
 
@@ -44,19 +44,19 @@ def _median_seconds(fn, device: torch.device, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def widest_step(model: DecoderModel, limit: int) -> tuple[int, dict[int, float]]:
+def widest_step(runner: ModelRunner, limit: int) -> tuple[int, dict[int, float]]:
     """The widest power-of-two row count up to `limit` whose decode step still gains GAIN in tokens/s."""
-    dev = model.device
+    dev = runner.device
     rates: dict[int, float] = {}
     best = 1
     n = 1
     while n <= limit:
-        kvs = [model.new_kv(CONTEXT + 1) for _ in range(n)]
+        kvs = [runner.new_kv(CONTEXT + 1) for _ in range(n)]
         for kv in kvs:  # a short history per row
-            model.forward(torch.zeros(CONTEXT, dtype=torch.long, device=dev), torch.arange(CONTEXT, device=dev), [RowSpan(0, CONTEXT, kv)], torch.tensor([CONTEXT - 1], device=dev))
+            runner.forward(torch.zeros(CONTEXT, dtype=torch.long, device=dev), torch.arange(CONTEXT, device=dev), [RowSpan(0, CONTEXT, kv)], torch.tensor([CONTEXT - 1], device=dev))
 
         def step(kvs=kvs, n=n) -> None:
-            model.forward(
+            runner.forward(
                 torch.zeros(n, dtype=torch.long, device=dev),
                 torch.full((n,), CONTEXT, dtype=torch.long, device=dev),
                 [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)],
@@ -73,15 +73,15 @@ def widest_step(model: DecoderModel, limit: int) -> tuple[int, dict[int, float]]
     return best, rates
 
 
-def prefill_chunk(model: DecoderModel, limit: int) -> tuple[int, dict[int, float]]:
+def prefill_chunk(runner: ModelRunner, limit: int) -> tuple[int, dict[int, float]]:
     """The smallest chunk (tokens a joining prompt feeds per step) reaching ENOUGH of the best prefill tokens/s."""
-    dev = model.device
+    dev = runner.device
     rates: dict[int, float] = {}
     for chunk in (c for c in CHUNKS if c <= limit):
-        kv = model.new_kv(chunk)
+        kv = runner.new_kv(chunk)
 
         def run(kv=kv, chunk=chunk) -> None:
-            model.forward(torch.zeros(chunk, dtype=torch.long, device=dev), torch.arange(chunk, device=dev), [RowSpan(0, chunk, kv)], torch.tensor([chunk - 1], device=dev))
+            runner.forward(torch.zeros(chunk, dtype=torch.long, device=dev), torch.arange(chunk, device=dev), [RowSpan(0, chunk, kv)], torch.tensor([chunk - 1], device=dev))
             kv.truncate(0)
 
         rates[chunk] = chunk / _median_seconds(run, dev, reps=1)
@@ -91,12 +91,12 @@ def prefill_chunk(model: DecoderModel, limit: int) -> tuple[int, dict[int, float
     return min(c for c, r in rates.items() if r >= ENOUGH * top), rates
 
 
-def calibrate(model: DecoderModel, *, max_rows: int, row_limit: int, prompt_chunk: int, chunk_limit: int) -> Calibration:
+def calibrate(runner: ModelRunner, *, max_rows: int, row_limit: int, prompt_chunk: int, chunk_limit: int) -> Calibration:
     """Fill in whichever of max_rows and prompt_chunk is 0 by measuring; the other is kept as given."""
     decode: dict[int, float] = {}
     prefill: dict[int, float] = {}
     if max_rows == 0:
-        max_rows, decode = widest_step(model, max(1, row_limit))
+        max_rows, decode = widest_step(runner, max(1, row_limit))
     if prompt_chunk == 0:
-        prompt_chunk, prefill = prefill_chunk(model, max(1, chunk_limit))
+        prompt_chunk, prefill = prefill_chunk(runner, max(1, chunk_limit))
     return Calibration(max_rows, prompt_chunk, decode, prefill)

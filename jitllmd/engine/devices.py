@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
+__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
 
 
 def _cpu_flags() -> set[str]:
@@ -26,13 +26,24 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@functools.cache
-def bf16_matmul_native(device_type: str = "cpu") -> bool:
+def bf16_matmul_native(device: torch.device | str = "cpu") -> bool:
     """True when the device multiplies bf16 in hardware.
 
     CPUs without bf16 units (AVX2-only x86, for one) emulate bf16 GEMM at a small fraction of f32 speed
     (measured on this project's 2-core AVX2 machines: 16 vs 125 GFLOP/s), so the engine upcasts there.
     """
+    return _bf16_units(torch.device(device).type)
+
+
+def compute_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """f32 and bf16 compute as stored; f16 computes in bf16 on the CPU, whose f16 matmul is a scalar fallback."""
+    if stored == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return stored
+
+
+@functools.cache
+def _bf16_units(device_type: str) -> bool:
     if device_type != "cpu":
         return True
     flags = _cpu_flags()

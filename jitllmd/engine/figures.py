@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .loader import LoadedModel
 from .request import Request
 
@@ -24,11 +22,11 @@ def where(loaded: LoadedModel) -> dict[str, Any]:
 
 def decode_bytes(loaded: LoadedModel) -> int:
     """Bytes a decode step reads besides KV: the weights, wherever they are, and the hidden state over each seam."""
-    model, placement = loaded.model, loaded.placement
+    placement = loaded.placement
     if placement is None:
-        return model.weight_nbytes()
-    width = int(model.cfg.hidden_size) * torch.empty((), dtype=model.act).element_size()
-    return model.weight_nbytes() + placement.num_seams * width
+        return loaded.weight_nbytes()
+    width = int(loaded.model.cfg.hidden_size) * 4  # the f32 residual stream crosses each seam
+    return loaded.weight_nbytes() + placement.num_seams * width
 
 
 def request_figures(req: Request, loaded: LoadedModel) -> dict[str, Any]:

@@ -45,10 +45,6 @@ class SessionKV:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    @property
-    def room(self) -> int:
-        return self.capacity - self.length
-
     def bytes_per_position(self) -> int:
         return self._bytes_per_position
 
@@ -104,43 +100,38 @@ class SessionKV:
 class RowSpan:
     """One row of a packed batch: tokens [start, start + num_tokens) attend to `kv` from position `kv.length`.
 
-    Its causal mask is made on first use, once per forward and device, and shared by the layers there (the
-    compiled chunk attention needs none; a single token sees everything).
+    A causal mask is made on first use, once per forward, device and (group, window), and shared by the layers that
+    ask for it (the compiled chunk attention needs none; a single token sees everything).
     """
 
     start: int
     num_tokens: int
     kv: SessionKV
-    key_start: int = 0
-    group: int = 1
-    window: int | None = None
-    _masks: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 
-    @property
-    def pos(self) -> int:
-        return self.kv.length
-
-    def begin(self, group: int, window: int | None = None) -> None:
-        """Before a forward: with a sliding `window` a query at position q sees keys in (q - window, q], and
-        `key_start` skips the keys no query of the chunk can see. `group` query heads share a kv head."""
-        self.key_start = max(0, self.kv.length - window + 1) if window else 0
-        self.group, self.window = group, window
+    def begin(self) -> None:
+        """Before a forward: the masks of the last one no longer apply."""
         self._masks.clear()
 
-    def mask_on(self, device: torch.device) -> torch.Tensor | None:
-        """Causal mask for this chunk against the whole history on `device`, tiled for the GQA query layout
-        [Hkv, group*n, D]: [group*n, keys]. None for a single token."""
+    def key_start(self, window: int | None) -> int:
+        """The first key any query of this chunk sees: with a sliding `window` a query at q sees keys in (q - window, q]."""
+        return max(0, self.kv.length - window + 1) if window else 0
+
+    def mask_on(self, device: torch.device, group: int, window: int | None) -> torch.Tensor | None:
+        """Causal mask for this chunk against its history from `key_start(window)` on `device`, tiled for the GQA query
+        layout [Hkv, group*n, D] (`group` query heads per kv head): [group*n, keys]. None for a single token."""
         if self.num_tokens == 1:
             return None
-        if device not in self._masks:
-            if self._masks:  # made for another place of this forward: copied
-                self._masks[device] = next(iter(self._masks.values())).to(device)
+        masks = self._masks.setdefault((group, window), {})
+        if device not in masks:
+            if masks:  # made for another place of this forward: copied
+                masks[device] = next(iter(masks.values())).to(device)
             else:
                 n, p = self.num_tokens, self.kv.length
-                keys = torch.arange(self.key_start, p + n, device=device)
+                keys = torch.arange(self.key_start(window), p + n, device=device)
                 queries = torch.arange(p, p + n, device=device)
                 mask = keys[None, :] <= queries[:, None]  # [n, keys]
-                if self.window:
-                    mask &= keys[None, :] > queries[:, None] - self.window
-                self._masks[device] = mask.repeat(self.group, 1) if self.group > 1 else mask
-        return self._masks[device]
+                if window:
+                    mask &= keys[None, :] > queries[:, None] - window
+                masks[device] = mask.repeat(group, 1) if group > 1 else mask
+        return masks[device]

@@ -9,30 +9,24 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
 from .chat import ChatTemplate
-from .devices import device_info
+from .devices import compute_dtype, device_info
 from .jlm import JLMFile
 from .kv import SessionKV
-from .models import ENCODER_ARCHS, DecoderModel, build_model
+from .models import DecoderModel, EncoderModel, build_model, family_for
 from .pager import BlockReader, Pager
 from .placement import Placement
+from .runner import ModelRunner
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
 T = TypeVar("T")
 
-__all__ = ["LoadedModel", "cached_conversion", "compute_dtype", "load_model", "on_own_thread", "spendable_bytes"]
-
-
-def compute_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
-    """f32 and bf16 compute as stored; f16 computes in bf16 on the CPU, whose f16 matmul is a scalar fallback."""
-    if stored == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
-    return stored
+__all__ = ["LoadedModel", "cached_conversion", "load_model", "on_own_thread", "spendable_bytes"]
 
 
 @dataclass
@@ -47,6 +41,7 @@ class LoadedModel:
     max_seq: int  # default KV capacity of a session
     devices: list[str]  # the devices it was loaded with: its blocks may be placed on these (empty: host only)
     placement: Placement | None = None  # a decoder's blocks on their places; an encoder runs whole on its device
+    runner: ModelRunner | None = None  # a decoder's forward over its placed blocks
 
     @property
     def device_ids(self) -> list[str]:
@@ -61,7 +56,7 @@ class LoadedModel:
     @property
     def embeds(self) -> bool:
         """An embedding model (an encoder that pools), not one that generates."""
-        return self.jlm.arch in ENCODER_ARCHS
+        return family_for(self.jlm.arch).embeds
 
     @functools.cached_property
     def num_blocks(self) -> int:
@@ -79,7 +74,15 @@ class LoadedModel:
         cap = self.max_seq if max_seq is None else max_seq
         if cap < 1:
             raise ValueError(f"max_seq must be >= 1, got {cap}")
-        return self.model.new_kv(min(cap, self.context_length))
+        assert self.runner is not None  # a decoder's
+        return self.runner.new_kv(min(cap, self.context_length))
+
+    def weight_nbytes(self) -> int:
+        """Weight bytes a decode step (or an encoder's pass) reads: for a decoder every block but the embedding table,
+        of which it reads a row."""
+        if self.placement is not None:
+            return self.placement.decode_bytes()
+        return cast(EncoderModel, self.model).weight_nbytes()
 
 
 def cached_conversion(gguf_path: Path, cache_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
@@ -152,15 +155,15 @@ def load_model(
     context = int(jlm.config.get("max_position_embeddings", 4096))
     if max_seq is not None and max_seq < 1:
         raise ValueError(f"max_seq must be >= 1, got {max_seq}")
-    placement = None
-    if jlm.arch in ENCODER_ARCHS:  # an encoder keeps no KV: its room is the longest input it takes
-        model = build_model(jlm, dtype, first, on_progress)
+    placement = runner = None
+    model = build_model(jlm, dtype, first, on_progress)
+    if family_for(jlm.arch).embeds:  # an encoder keeps no KV: its room is the longest input it takes
         cap = int(jlm.config.get("max_seq_length", context))
     else:
-        model = build_model(jlm, dtype, first)
         per_position = model.new_kv(1).bytes_per_position()
         cap = min(max_seq, context) if max_seq else default_max_seq(context, per_position)
         placement = _place(model, jlm, devices, gpu_layers, sessions * cap * per_position // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
+        runner = ModelRunner(model, placement)
     return LoadedModel(
         name=name or path.name.removesuffix(".jlm"),
         path=path,
@@ -172,6 +175,7 @@ def load_model(
         max_seq=cap,
         devices=devices,
         placement=placement,
+        runner=runner,
     )
 
 
@@ -182,7 +186,6 @@ def _place(model, jlm: JLMFile, devices: list[str], gpu_layers: int, kv_layer_by
         read_ahead = (os.cpu_count() or 1) > torch.get_num_threads()
     pager = Pager(BlockReader(jlm), model.layouts, budget=page_budget, read_ahead=read_ahead)
     placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes)
-    model.placement = placement
     places = placement.plan(devices, gpu_layers, lambda d: spendable_bytes(d, pager.unspent_bytes()))
     try:
         placement.apply(places, [], on_progress)

@@ -220,7 +220,7 @@ class Placement:
                 out[part] = shared[key]
             else:
                 t = self.pager.reader.read(name, {part: names})[part]
-                out[part] = t if device.type == "cpu" else t.to(device)
+                out[part] = t.to(device)  # the tensor itself where it is already there
         return out
 
     def close(self) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .devices import host_memory
 from .kv import RoomError, SessionKV
 
-__all__ = ["Session", "SessionRegistry", "common_prefix", "default_max_seq", "new_session_id"]
+__all__ = ["Session", "SessionRegistry", "SlotPool", "common_prefix", "default_max_seq", "new_session_id"]
 
 _seq = itertools.count(1)
 
@@ -99,3 +100,33 @@ class SessionRegistry:
     def list(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
+
+
+class SlotPool:
+    """Ephemeral sessions kept between requests, so a prompt that extends the last one on a slot feeds only the rest:
+    at most one per row of the engine's steps. Thread-safe."""
+
+    def __init__(self, model: str, new_kv: Callable[[], SessionKV]):
+        self.model = model
+        self._new_kv = new_kv
+        self._slots: list[Session] = []
+        self._lock = threading.Lock()
+
+    def held(self) -> list[Session]:
+        with self._lock:
+            return list(self._slots)
+
+    def take(self, prompt_ids: list[int], max_slots: int) -> Session:
+        """A session for a request: the free slot whose cached tokens share the longest prefix with the prompt, a new
+        slot while the pool has fewer than `max_slots`, else a fresh session that goes with the request."""
+        with self._lock:
+            free = [s for s in self._slots if not s.reserved]
+            if free:
+                best = max(free, key=lambda s: common_prefix(s.token_ids, prompt_ids))
+            elif len(self._slots) < max_slots:
+                best = Session(new_session_id(), self.model, self._new_kv())
+                self._slots.append(best)
+            else:
+                return Session(new_session_id(), self.model, self._new_kv())
+            best.reserved = True
+            return best

@@ -106,7 +106,7 @@ def _model_message(catalog: Catalog, served: ServedModel) -> mdl.Model:
         loaded=True,
         arch=loaded.jlm.arch,
         num_blocks=loaded.num_blocks,
-        weight_bytes=loaded.model.weight_nbytes(),
+        weight_bytes=loaded.weight_nbytes(),
         context_length=loaded.context_length,
         max_seq=loaded.max_seq,
         device_ids=list(loaded.device_ids),

@@ -73,7 +73,7 @@ class Telemetry(TelemetryService):
                 model=m.id, requests=st.requests, cancelled=st.cancelled, prompt_tokens=st.prompt_tokens,
                 generated_tokens=st.generated_tokens, steps=st.steps, active_rows=len(running), queue_depth=len(waiting),
                 rows_per_step=st.rows_per_step, prompt_tokens_per_step=st.prompt_tokens_per_step,
-                tokens_per_second=rates.get(m.id, 0.0), weight_bytes=engine.loaded.model.weight_nbytes(), kv_bytes=kv,
+                tokens_per_second=rates.get(m.id, 0.0), weight_bytes=engine.loaded.weight_nbytes(), kv_bytes=kv,
                 sessions=len(sessions), max_rows=engine.scheduler.max_batch, joint_steps=engine.joint.mode, prompt_chunk=engine.scheduler.prompt_chunk,
                 joint=[tel.JointStep(rows=n, choice=c, joint_ms=j, sequential_ms=q) for n, (c, j, q) in engine.joint.choices().items()],
             ))

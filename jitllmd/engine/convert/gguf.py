@@ -1,9 +1,8 @@
-"""GGUF file -> .jlm: dequantize every tensor, rename to the .jlm names, undo llama.cpp's q/k permutation."""
+"""GGUF file -> .jlm: dequantize every tensor; the family maps metadata to config, names, and fixes tensors."""
 
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,8 @@ import numpy as np
 import torch
 
 from ..jlm import TensorSpec
+from ..models import family_for_gguf
+from ..models.family import TensorFix
 from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ConvertError, Source, block_order
 
@@ -18,27 +19,7 @@ __all__ = ["GGUF_TYPES", "is_gguf", "read_gguf"]
 
 # Quantization types this converter dequantizes (gguf.quants handles each).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-# GGUF tensor names -> .jlm names (the Hugging Face checkpoint's own suffixes inside each block).
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "head.norm.weight", "output.weight": "head.lm_head.weight"}
-_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+_REQUIRED = object()
 
 
 def is_gguf(path: Path) -> bool:
@@ -54,10 +35,26 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of q/k rows (its 'norm' RoPE) back to Hugging Face's rotate-half order."""
-    out = w.shape[0]
-    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+class _Meta:
+    """A GGUF file as a family reads it for its config (models/family.py's GGUFMeta)."""
+
+    def __init__(self, reader: Any, arch: str):
+        self.reader = reader
+        self.arch = arch
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+
+    def field(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = _field(self.reader, key, default)
+        if value is _REQUIRED:
+            raise KeyError(key)
+        return value
+
+    def values(self, name: str) -> list[float]:
+        import gguf
+
+        t = self.tensors[name]
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
 
 def read_gguf(path: Path, dtype: torch.dtype) -> Source:
@@ -70,74 +67,47 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         raise ConvertError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
     arch_name = _field(reader, "general.architecture")
-    if arch_name not in _ARCHS:
-        raise ConvertError(f"{path}: GGUF architecture {arch_name!r} is not supported (supported: {', '.join(_ARCHS)})")
-    arch = _ARCHS[arch_name]
-    tensors = {t.name: t for t in reader.tensors}
+    try:
+        family = family_for_gguf(arch_name)
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+    assert family.gguf is not None
+    gguf_source = family.gguf
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ConvertError(f"{path}: truncated (tensor {t.name} ends past the end of the file)")
         if t.tensor_type.name not in GGUF_TYPES:
             raise ConvertError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, not one of {', '.join(GGUF_TYPES)}")
 
-    a = arch_name
-    num_heads = int(_field(reader, f"{a}.attention.head_count"))
-    num_kv = int(_field(reader, f"{a}.attention.head_count_kv", num_heads))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    tok = tokenizer_from_gguf(reader)
-    embd = tensors.get("token_embd.weight")
-    if embd is None:
-        raise ConvertError(f"{path}: no token_embd.weight tensor")
-    rope_scaling = None
-    if _field(reader, f"{a}.rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
-    if "rope_freqs.weight" in tensors:  # llama 3.1-style per-frequency factors
-        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).tolist()
-        rope_scaling = {"rope_type": "factors", "factors": factors}
-    config = {
-        "vocab_size": int(embd.shape[1]),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{a}.feed_forward_length")),
-        "num_layers": int(_field(reader, f"{a}.block_count")),
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv,
-        "head_dim": int(_field(reader, f"{a}.attention.key_length", hidden // num_heads)),
-        "rms_norm_eps": float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
-    }
+    meta = _Meta(reader, arch_name)
+    try:
+        tok = tokenizer_from_gguf(reader, gguf_source.tokenizer)
+        config = gguf_source.config(meta)
+        family.config(config)
+    except (KeyError, TypeError) as exc:
+        raise ConvertError(f"{path}: missing or bad metadata {exc}") from None
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
 
-    def produce(t: Any, heads: int | None) -> torch.Tensor:
+    def produce(t: Any, fix: TensorFix | None) -> torch.Tensor:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy: F32 data is a read-only map
-        if heads is not None:
-            w = _unpermute(w, heads)
+        if fix is not None:
+            w = fix(w)
         return w.to(dtype)
 
     specs: list[TensorSpec] = []
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in gguf_source.config_tensors:
             continue
-        if t.name in _TOP_NAMES:
-            name = _TOP_NAMES[t.name]
-        elif (m := _BLK.fullmatch(t.name)) and m.group(2) in _BLOCK_NAMES:
-            name = f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-        else:
+        name = gguf_source.tensor_name(t.name)
+        if name is None:
             raise ConvertError(f"{path}: unexpected tensor {t.name} for architecture {arch_name}")
-        heads = None
-        if arch_name == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = num_heads
-        elif arch_name == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = num_kv
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        specs.append(TensorSpec(name, dtype, shape, functools.partial(produce, t, heads)))
+        fix = gguf_source.fix(meta, name, config) if gguf_source.fix is not None else None
+        specs.append(TensorSpec(name, dtype, meta.shapes[t.name], functools.partial(produce, t, fix)))
     specs.sort(key=block_order)
     return Source(
-        arch=arch,
+        arch=gguf_source.archs[arch_name],
         config=config,
         tensors=specs,
         tokenizer_json=tok.tokenizer_json,
@@ -148,4 +118,3 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         chat_template=tok.chat_template,
         source={"kind": "gguf", "file": path.name, "name": _field(reader, "general.name"), "file_type": _field(reader, "general.file_type")},
     )
-

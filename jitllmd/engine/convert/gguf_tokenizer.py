@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from ..models.family import SentencePieceQuirks
+
 if TYPE_CHECKING:
     import gguf
 
@@ -58,12 +60,6 @@ _PRE_SPLITS: dict[str, str] = {
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
     "tekken": _TEKKEN_SPLIT,
 }
-
-# Gemma files spell multi-space tokens with real spaces and their scores do not follow the merge
-# order (file position does).
-_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
-# Phi-3's original tokenizer always prepends "▁" (even before a leading space), via a normalizer.
-_ALWAYS_PREPEND_ARCHS = frozenset({"phi3"})
 
 
 @dataclass(frozen=True)
@@ -170,21 +166,21 @@ def _byte_level(tokens: list[str], types: list[int], merges: list[str] | None, p
     return tokenizer
 
 
-def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], arch: str, add_space_prefix: bool,
-                   unk_token: str | None, special_ids: set[int]) -> Tokenizer:
+def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], quirks: SentencePieceQuirks,
+                   add_space_prefix: bool, unk_token: str | None, special_ids: set[int]) -> Tokenizer:
     """SentencePiece-style BPE: merges ranked by score, byte fallback, "▁" for spaces."""
     spelled = tokens
-    if arch in _GEMMA_ARCHS:
+    if quirks.literal_spaces:
         spelled = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {token: i for i, token in enumerate(spelled)}
-    if arch in _GEMMA_ARCHS:
+    if quirks.ranked_by_position:
         priority = {token: -float(i) for token, i in vocab.items()}
     else:
         priority = {token: float(scores[i]) for token, i in vocab.items()}
     model = BPE(vocab=vocab, merges=_derive_merges(vocab, priority), unk_token=unk_token,
                 fuse_unk=True, byte_fallback=True)
     tokenizer = Tokenizer(model)
-    if arch in _ALWAYS_PREPEND_ARCHS and add_space_prefix:
+    if quirks.always_prepends_space and add_space_prefix:
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
     else:
         # "first": "▁" goes before the start of the text only, and not when the text already starts
@@ -207,8 +203,9 @@ def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) ->
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
-    """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
+def tokenizer_from_gguf(reader: gguf.GGUFReader, quirks: SentencePieceQuirks | None = None) -> GGUFTokenizer:
+    """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata; `quirks`: how the file's family
+    spells a SentencePiece vocabulary (its GGUFSource says)."""
     model = _field(reader, "tokenizer.ggml.model")
     if model not in _SUPPORTED_MODELS:
         raise ValueError(
@@ -233,7 +230,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
                                 _field(reader, "tokenizer.ggml.pre"), special_ids)
     else:
         scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * n_vocab
-        tokenizer = _sentencepiece(tokens, types, scores, _field(reader, "general.architecture", ""),
+        tokenizer = _sentencepiece(tokens, types, scores, quirks or SentencePieceQuirks(),
                                    bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
                                    text["unknown"], special_ids)
 

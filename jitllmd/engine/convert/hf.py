@@ -1,10 +1,9 @@
-"""Hugging Face model directory (config.json, *.safetensors, tokenizer files) -> .jlm."""
+"""Hugging Face model directory (config.json, *.safetensors, tokenizer files) -> .jlm; the family maps config and names."""
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,21 +11,11 @@ from typing import Any
 import torch
 
 from ..jlm import TensorSpec
-from ..models.bert import BertConfig
+from ..models import Family, family_for_hf
 from .source import ConvertError, Source, block_order
 
 __all__ = ["is_hf_dir", "read_hf"]
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "bert")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_BERT_LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
-_BERT_EMBED = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
-               "LayerNorm.weight", "LayerNorm.bias")
-_BERT_LAYER_NAMES = tuple(
-    f"{m}.{p}" for m in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
-    for p in ("weight", "bias")
-)
 # sentence-transformers' 1_Pooling/config.json flags -> the .jlm's pooling
 _POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 _ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
@@ -50,64 +39,42 @@ def _token_str(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _config(hf: dict[str, Any], path: Path) -> dict[str, Any]:
-    arch = hf.get("model_type")
-    heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    # transformers 5 keeps rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
-    rope = hf.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
-    return {
-        "vocab_size": int(hf["vocab_size"]),
-        "hidden_size": hidden,
-        "intermediate_size": int(hf["intermediate_size"]),
-        "num_layers": int(hf["num_hidden_layers"]),
-        "num_heads": heads,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or hidden // heads),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": arch == "qwen2" or bool(hf.get("attention_bias", False)),
-        "qk_norm": arch == "qwen3",
-        "sliding_window": sliding,
-    }
-
-
-def _jlm_name(name: str) -> str | None:
-    if name == "model.embed_tokens.weight":
-        return "embed.weight"
-    if name == "model.norm.weight":
-        return "head.norm.weight"
-    if name == "lm_head.weight":
-        return "head.lm_head.weight"
-    if m := _LAYER.fullmatch(name):
-        return f"blocks.{m.group(1)}.{m.group(2)}"
-    return None
-
-
 def read_hf(path: Path, dtype: torch.dtype) -> Source:
     """Describe the .jlm a Hugging Face directory becomes; tensors are read from its safetensors when written."""
     hf = _read_json(path / "config.json")
-    arch = hf.get("model_type")
-    if arch not in _ARCHS:
-        raise ConvertError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
-    if arch == "bert":
-        return _read_bert(path, hf, dtype)
+    model_type = hf.get("model_type")
     try:
-        config = _config(hf, path)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConvertError(f"{path}/config.json: missing or bad field {exc}") from None
-    tied = config["tie_word_embeddings"]
-    specs = _tensor_specs(path, dtype, lambda n: None if tied and n == "lm_head.weight" else _jlm_name(n))
+        family = family_for_hf(model_type)
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+    assert family.hf is not None
+    hf_source = family.hf
+    config = _config(path, family, hf)
+    specs = _tensor_specs(path, dtype, lambda n: hf_source.tensor_name(n, config))
+    if hf_source.required is not None:
+        have = {s.name for s in specs}
+        missing = [n for n in hf_source.required(config) if n not in have]
+        if missing:
+            raise ConvertError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
     tokenizer_json = _tokenizer_json(path)
     tcfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+    arch = hf_source.model_types[model_type]
+    origin = {"kind": "hf", "dir": path.name, "model_type": model_type}
+    if family.embeds:
+        tokenizer_json, special = _encoder_tokenizer(path, tokenizer_json, tcfg)
+        return Source(
+            arch=arch,
+            config=config,
+            tensors=specs,
+            tokenizer_json=tokenizer_json,
+            bos_token=None,
+            eos_token=None,
+            eos_token_ids=[],
+            add_bos_token=False,
+            chat_template=None,
+            source=origin,
+            special_tokens=special,
+        )
     template = tcfg.get("chat_template")
     if isinstance(template, list):  # named templates: the default one is the chat template
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -133,8 +100,26 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
         eos_token_ids=eos_ids,
         add_bos_token=bool(tcfg.get("add_bos_token", False)),
         chat_template=template,
-        source={"kind": "hf", "dir": path.name, "model_type": arch},
+        source=origin,
     )
+
+
+def _config(path: Path, family: Family, hf: dict[str, Any]) -> dict[str, Any]:
+    """The family's .jlm config from config.json (an embedding model's with its sentence-transformers settings), checked."""
+    assert family.hf is not None
+    try:
+        config = family.hf.config(hf)
+    except (KeyError, TypeError) as exc:
+        raise ConvertError(f"{path}/config.json: missing or bad field {exc}") from None
+    except ValueError as exc:
+        raise ConvertError(f"{path}/config.json: {exc}") from None
+    if family.embeds:
+        config |= _sentence_transformers(path, config["max_position_embeddings"])
+    try:
+        family.config(config)
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+    return config
 
 
 def _tensor_specs(path: Path, dtype: torch.dtype, rename: Callable[[str], str | None]) -> list[TensorSpec]:
@@ -168,50 +153,12 @@ def _tokenizer_json(path: Path) -> str:
     return tokenizer_file.read_text(encoding="utf-8")
 
 
-# -- BERT encoders (plain BertModel directories and sentence-transformers models) ---------------------------------------
-
-
-def _bert_name(name: str) -> str | None:
-    """A BERT checkpoint name -> its .jlm name; None for what an embedding model does not use (pooler, MLM head)."""
-    name = name.removeprefix("bert.")
-    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
-    if name.startswith("embeddings.") and name.removeprefix("embeddings.") in _BERT_EMBED:
-        return "embed." + name.removeprefix("embeddings.")
-    if m := _BERT_LAYER.fullmatch(name):
-        return f"blocks.{m.group(1)}.{m.group(2)}"
-    return None
-
-
-def _bert_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ConvertError(f"{path}/config.json: position_embedding_type {hf['position_embedding_type']!r} is not supported (absolute)")
-    try:
-        positions = int(hf.get("max_position_embeddings", 512))
-        config = {
-            "vocab_size": int(hf["vocab_size"]),
-            "hidden_size": int(hf["hidden_size"]),
-            "num_layers": int(hf["num_hidden_layers"]),
-            "num_heads": int(hf["num_attention_heads"]),
-            "intermediate_size": int(hf["intermediate_size"]),
-            "max_position_embeddings": positions,
-            "type_vocab_size": int(hf.get("type_vocab_size", 2)),
-            "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
-            "hidden_act": str(hf.get("hidden_act", "gelu")),
-            "pad_token_id": int(hf.get("pad_token_id") or 0),
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConvertError(f"{path}/config.json: missing or bad field {exc}") from None
-    config |= _sentence_transformers(path, positions)
-    try:
-        BertConfig.from_dict(config)
-    except ValueError as exc:
-        raise ConvertError(f"{path}: {exc}") from None
-    return config
+# -- embedding models: sentence-transformers settings, an encoder's tokenizer ------------------------------------------
 
 
 def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:
     """pooling, normalize and max_seq_length from a sentence-transformers layout (modules.json, 1_Pooling/,
-    sentence_bert_config.json); a plain BertModel directory without them pools the mean and normalises."""
+    sentence_bert_config.json); a plain encoder directory (a BertModel's) pools the mean and normalises."""
     modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else None
     pooling_dir, normalize = path / "1_Pooling", True
     if modules is not None:
@@ -267,33 +214,6 @@ def _encoder_tokenizer(path: Path, tokenizer_json: str, tcfg: dict[str, Any]) ->
     if cls is None or sep is None or len(ids) < 2 or ids[0] != cls or ids[-1] != sep:
         raise ConvertError(f"{path}/tokenizer.json: its post-processor does not wrap a text as [CLS] ... [SEP]")
     return tokenizer_json, special
-
-
-def _read_bert(path: Path, hf: dict[str, Any], dtype: torch.dtype) -> Source:
-    config = _bert_config(path, hf)
-    specs = _tensor_specs(path, dtype, _bert_name)
-    have = {s.name for s in specs}
-    wanted = [f"embed.{n}" for n in _BERT_EMBED] + [
-        f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in _BERT_LAYER_NAMES
-    ]
-    missing = [n for n in wanted if n not in have]
-    if missing:
-        raise ConvertError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    tcfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
-    tokenizer_json, special = _encoder_tokenizer(path, _tokenizer_json(path), tcfg)
-    return Source(
-        arch="bert",
-        config=config,
-        tensors=specs,
-        tokenizer_json=tokenizer_json,
-        bos_token=None,
-        eos_token=None,
-        eos_token_ids=[],
-        add_bos_token=False,
-        chat_template=None,
-        source={"kind": "hf", "dir": path.name, "model_type": "bert"},
-        special_tokens=special,
-    )
 
 
 def _vocab(tokenizer_json: str) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Model families, one file each, and the registry that picks one by the .jlm's arch."""
+"""Model families, one file each, and the registry that picks one by .jlm arch, HF model_type or GGUF architecture."""
 
 from __future__ import annotations
 
@@ -8,32 +8,27 @@ from typing import Any, Protocol
 import torch
 
 from ..jlm import JLMFile
-from ..kv import RowSpan, SessionKV
+from ..kv import SessionKV
 from . import bert, llama
+from .family import Family
 
-__all__ = ["ENCODER_ARCHS", "FAMILIES", "DecoderModel", "EncoderModel", "build_model"]
+__all__ = ["FAMILIES", "DecoderModel", "EncoderModel", "Family", "build_model", "family_for", "family_for_gguf", "family_for_hf"]
 
 
 class DecoderModel(Protocol):
-    """What the engine needs of a decoder family: its blocks' parts and how to build each (placement puts them on
-    their places and pages the host ones), one forward over a packed batch, and session KV."""
+    """What the engine needs of a decoder family: its blocks' parts and how to build each on a device (engine/runner.py
+    runs them where the placement holds them; the family never asks where), what a forward's blocks share, and KV."""
 
-    cfg: Any
+    cfg: Any  # with num_layers, num_kv_heads, head_dim, hidden_size, vocab_size
     dtype: torch.dtype
-    act: torch.dtype  # the dtype of activations and KV
-    device: torch.device
+    act: torch.dtype  # the dtype of attention and KV
     layouts: dict[str, dict[str, list[str]]]
-    placement: Any
 
     def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any: ...
 
-    def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[RowSpan], logits_at: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    def begin(self, positions: torch.Tensor) -> Any: ...
 
-    def new_kv(self, capacity: int) -> SessionKV: ...
-
-    def weight_nbytes(self) -> int: ...
+    def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV: ...
 
 
 class EncoderModel(Protocol):
@@ -48,19 +43,42 @@ class EncoderModel(Protocol):
     def weight_nbytes(self) -> int: ...
 
 
-# arch -> (config class, model class)
-FAMILIES: dict[str, tuple[Any, Any]] = {arch: (llama.LlamaConfig, llama.LlamaModel) for arch in llama.ARCHS}
-FAMILIES.update({arch: (bert.BertConfig, bert.BertModel) for arch in bert.ARCHS})
-# the arches whose models embed (EncoderModel) rather than generate (DecoderModel)
-ENCODER_ARCHS = frozenset(bert.ARCHS)
+# Every family, one line each: a new family is a new file in this folder and its FAMILY here.
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, bert.FAMILY)
+
+
+def family_for(arch: str) -> Family:
+    """The family that runs a .jlm's arch; ValueError naming the supported ones."""
+    for family in FAMILIES:
+        if arch in family.archs:
+            return family
+    supported = sorted(a for f in FAMILIES for a in f.archs)
+    raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(supported)})")
+
+
+def family_for_hf(model_type: Any) -> Family:
+    """The family whose Hugging Face directories have this config.json model_type; ValueError naming the supported ones."""
+    for family in FAMILIES:
+        if family.hf is not None and model_type in family.hf.model_types:
+            return family
+    supported = [t for f in FAMILIES if f.hf is not None for t in f.hf.model_types]
+    raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
+
+
+def family_for_gguf(architecture: Any) -> Family:
+    """The family whose GGUF files have this general.architecture; ValueError naming the supported ones."""
+    for family in FAMILIES:
+        if family.gguf is not None and architecture in family.gguf.archs:
+            return family
+    supported = [a for f in FAMILIES if f.gguf is not None for a in f.gguf.archs]
+    raise ValueError(f"GGUF architecture {architecture!r} is not supported (supported: {', '.join(supported)})")
 
 
 def build_model(jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int, int], None] | None = None) -> Any:
     """The model a .jlm describes, computing in `dtype`: an encoder built whole on `device`; a decoder without its
     blocks, which the loader places (engine/placement.py)."""
-    if jlm.arch not in FAMILIES:
-        raise ValueError(f"{jlm.path}: arch {jlm.arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})")
-    config_cls, model_cls = FAMILIES[jlm.arch]
-    if jlm.arch in ENCODER_ARCHS:
-        return model_cls(config_cls.from_dict(jlm.config), jlm, dtype, device, on_progress)
-    return model_cls(config_cls.from_dict(jlm.config), jlm, dtype)
+    try:
+        family = family_for(jlm.arch)
+    except ValueError as exc:
+        raise ValueError(f"{jlm.path}: {exc}") from None
+    return family.build(jlm.config, jlm, dtype, device, on_progress)

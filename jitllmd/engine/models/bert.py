@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -10,8 +12,9 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
+from .family import Family, HFSource
 
-__all__ = ["ARCHS", "POOLINGS", "BertConfig", "BertModel"]
+__all__ = ["ARCHS", "FAMILY", "POOLINGS", "BertConfig", "BertModel"]
 
 ARCHS = ("bert",)
 POOLINGS = ("mean", "cls", "last")
@@ -124,7 +127,7 @@ class BertModel:
         self.device = torch.device(device)
         # Where bf16 GEMM is emulated (AVX2-only CPUs) the weights are upcast once, here: an encoder multiplies
         # many tokens at once, so it is compute-bound, and f32 is both faster there and exact.
-        upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device.type)
+        upcast = dtype == torch.bfloat16 and not bf16_matmul_native(self.device)
         self.act = torch.float32 if upcast else dtype
         put = lambda w: w.to(device=self.device, dtype=self.act)
         e = jlm.block("embed")
@@ -190,3 +193,65 @@ class BertModel:
         else:  # last: each sequence's last token
             out = x[torch.tensor([s + n - 1 for s, n in spans], device=dev)]
         return F.normalize(out, p=2.0, dim=-1) if self.cfg.normalize else out
+
+
+# -- sources: Hugging Face (plain BertModel directories and sentence-transformers models) ----------------------------
+
+_LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
+_EMBED_NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+                "LayerNorm.weight", "LayerNorm.bias")
+_LAYER_NAMES = tuple(
+    f"{m}.{p}" for m in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+    for p in ("weight", "bias")
+)
+
+
+def hf_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> the .jlm config; convert/hf.py adds pooling, normalize and max_seq_length from the
+    sentence-transformers files beside it."""
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type {hf['position_embedding_type']!r} is not supported (absolute)")
+    return {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": int(hf["num_attention_heads"]),
+        "intermediate_size": int(hf["intermediate_size"]),
+        "max_position_embeddings": int(hf.get("max_position_embeddings", 512)),
+        "type_vocab_size": int(hf.get("type_vocab_size", 2)),
+        "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
+        "hidden_act": str(hf.get("hidden_act", "gelu")),
+        "pad_token_id": int(hf.get("pad_token_id") or 0),
+    }
+
+
+def hf_tensor_name(name: str, config: dict[str, Any]) -> str | None:
+    """A BERT checkpoint name -> its .jlm name; None for what an embedding model does not use (pooler, MLM head)."""
+    name = name.removeprefix("bert.")
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
+    if name.startswith("embeddings.") and name.removeprefix("embeddings.") in _EMBED_NAMES:
+        return "embed." + name.removeprefix("embeddings.")
+    if m := _LAYER.fullmatch(name):
+        return f"blocks.{m.group(1)}.{m.group(2)}"
+    return None
+
+
+def required_tensors(config: dict[str, Any]) -> list[str]:
+    """Every tensor `BertModel` reads."""
+    return [f"embed.{n}" for n in _EMBED_NAMES] + [f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in _LAYER_NAMES]
+
+
+def build(config: dict[str, Any], jlm: JLMFile, dtype: torch.dtype, device: torch.device,
+          on_progress: Callable[[int, int], None] | None = None) -> BertModel:
+    """The encoder, built whole on `device`."""
+    return BertModel(BertConfig.from_dict(config), jlm, dtype, device, on_progress)
+
+
+FAMILY = Family(
+    archs=ARCHS,
+    embeds=True,
+    config=BertConfig.from_dict,
+    build=build,
+    hf=HFSource(model_types={"bert": "bert"}, config=hf_config, tensor_name=hf_tensor_name, required=required_tensors),
+)

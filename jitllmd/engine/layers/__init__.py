@@ -1,0 +1,11 @@
+"""Operations a model family composes, one home each; every layer picks its kernel once, when it is built."""
+
+from __future__ import annotations
+
+from .activation import SiluMul
+from .attention import Attention
+from .linear import Linear, Projection, make_linear
+from .norm import RMSNorm
+from .rope import Rope, RopeTables, rope_inv_freq
+
+__all__ = ["Attention", "Linear", "Projection", "RMSNorm", "Rope", "RopeTables", "SiluMul", "make_linear", "rope_inv_freq"]

@@ -1,0 +1,83 @@
+"""Attention of one layer: writes a step's K/V into each row's session cache and attends every row against its own
+history, with the layer's own sliding window; the kernel (decode rows, prompt chunks) or SDPA is chosen at build."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import attend_chunk, attend_rows, rows_kernel
+from ..kv import RowSpan
+
+__all__ = ["Attention"]
+
+
+class Attention:
+    """Layer `layer`'s attention over packed rows: q [T, H, D], k and v [T, Hkv, D] -> [T, H*D] in `dtype`."""
+
+    def __init__(self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 window: int | None = None):
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.dtype = dtype
+        self.window = window  # a key at position k is seen from q when q - window < k <= q; None: every earlier key
+        kernels = device.type == "cpu" and rows_kernel() is not None
+        # the kernels take f32 caches on the CPU, for the head sizes they vectorise
+        self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
+        self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
+        """With `keep` (ascending token indices) only those tokens' outputs [len(keep), H*D]; every token's K/V is
+        still written."""
+        T = q.shape[0]
+        if keep is not None:
+            return torch.cat([
+                self.attend(q[r.start : r.start + r.num_tokens], k[r.start : r.start + r.num_tokens], v[r.start : r.start + r.num_tokens], r,
+                            [i - r.start for i in keep if r.start <= i < r.start + r.num_tokens])
+                for r in rows
+            ])
+        if T == len(rows) and self.decode_kernel:  # every row feeds one token: one call writes and attends them all
+            i = self.layer
+            return attend_rows(q, k, v, [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows], [r.kv.length + 1 for r in rows],
+                               [r.key_start(self.window) for r in rows])
+        if len(rows) == 1:
+            return self.attend(q, k, v, rows[0])
+        out = torch.empty((T, self.num_heads * self.head_dim), dtype=self.dtype, device=q.device)
+        for row in rows:
+            s, n = row.start, row.num_tokens
+            out[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
+        return out
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
+        """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
+        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]."""
+        kv = row.kv
+        n, p = row.num_tokens, kv.length
+        H, Hkv, D, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [Hkv, cap, D], on this block's place
+        kc[:, p : p + n] = k.transpose(0, 1)
+        vc[:, p : p + n] = v.transpose(0, 1)
+        ks = row.key_start(self.window)
+        if only is not None:
+            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, H * D))
+        if self.chunk_kernel and kc.device.type == "cpu":  # flash-style in C: no mask, no score matrix
+            return attend_chunk(q, kc, vc, p, ks, self.window)
+        if p == 0 and ks == 0 and (self.window is None or n <= self.window):
+            # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :n], vc[None, :, :n], is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1).reshape(n, H * D)
+        # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
+        qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D)
+        # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
+        mask = row.mask_on(kc.device, g, self.window)
+        out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=mask)
+        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+
+    def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
+        """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
+        if self.chunk_kernel and kc.device.type == "cpu":
+            return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
+        lo = max(key_start, pos - self.window + 1) if self.window else key_start
+        out = F.scaled_dot_product_attention(q[:, None, :][None], kc[None, :, lo : pos + 1], vc[None, :, lo : pos + 1], enable_gqa=True)
+        return out.reshape(1, -1)

@@ -1,0 +1,104 @@
+"""A step's output side: each sampled token taken (end of sequence, stop strings, length) and handed out as events,
+and a request's end (its session freed, its counters counted, its last event sent)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .figures import request_figures
+from .loader import LoadedModel
+from .request import Delta, Done, Failed, FinishReason, Request, RequestState
+from .scheduler import Scheduler
+from .stats import EngineStats
+from .text import release
+
+__all__ = ["Outputs"]
+
+
+class Outputs:
+    """Turns a model's sampled tokens into each request's events. Only the engine thread calls it."""
+
+    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, stats: EngineStats):
+        self.loaded = loaded
+        self.scheduler = scheduler
+        self.stats = stats
+        self.eos = frozenset(loaded.eos_token_ids)
+
+    def postprocess(self, rows: list[tuple[Request, int]], logits: torch.Tensor, weight_bytes: float) -> None:
+        """Sample each row that finished its prompt or decodes, and hand out what it produced."""
+        now = time.perf_counter()
+        num_rows = sum(1 for req, _ in rows if not req.cancel_requested)
+        j = 0
+        for req, _ in rows:
+            if req.cancel_requested:
+                self.finish(req, FinishReason.CANCELLED)
+                continue
+            if req.state is RequestState.PREFILL and req.prompt_left > 0:
+                continue  # more prompt to feed next step
+            if req.state is RequestState.DECODE:
+                req.decode_steps += 1
+                req.decode_bytes += weight_bytes / num_rows + req.session.kv.length * req.session.kv.bytes_per_position()
+            token = req.sampler.sample(logits[j])
+            j += 1
+            if req.t_first_token is None:
+                req.t_first_token = now
+            req.t_last_token = now
+            req.state = RequestState.DECODE
+            self._accept(req, token)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Take a sampled token: end of sequence, text (watching for stop strings), or length."""
+        req.sampler.accept(token)
+        if token in self.eos and not req.ignore_eos:
+            self.finish(req, FinishReason.STOP)
+            return
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        req.held += req.detok.add(token)
+        if self._release(req, final=False):
+            return
+        if len(req.output_ids) >= req.max_tokens:
+            self.finish(req, FinishReason.LENGTH)
+            return
+        req.next_token = token
+
+    def _release(self, req: Request, final: bool) -> bool:
+        """Emit held text up to any stop string (engine/text.py). True when a stop string ended the request."""
+        r = release(req.held, req.stop, final)
+        req.held = r.held
+        if r.stop is not None:
+            if r.text:
+                req.emit(Delta(r.text, []))
+            self.finish(req, FinishReason.STOP, stop=r.stop)
+            return True
+        if r.text or not final:
+            req.emit(Delta(r.text, [] if final else [req.output_ids[-1]]))
+        return False
+
+    def finish(self, req: Request, reason: FinishReason, stop: str | None = None) -> None:
+        if req.finished:
+            return
+        if stop is None:
+            req.held += req.detok.flush()
+            if req.held and self._release(req, final=True):
+                return  # the flushed text held a stop string; _release finished the request
+        self._end(req)
+        self.stats.finished(cancelled=reason is FinishReason.CANCELLED)
+        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded)))
+
+    def fail(self, req: Request, message: str) -> None:
+        if req.finished:
+            return
+        req.session.reset()  # its cache may be half written
+        self._end(req)
+        self.stats.finished(failed=True)
+        req.emit(Failed(message))
+
+    def _end(self, req: Request) -> None:
+        if req.state is not RequestState.WAITING:  # admitted: it holds its session
+            req.session.busy = False
+        req.session.reserved = False  # a pooled slot is free for the next request
+        req.state = RequestState.FINISHED
+        self.scheduler.remove(req)

@@ -1,0 +1,137 @@
+"""The model runner: packs a step's rows into one token batch, runs the forward over the placed blocks (the hidden
+state crossing each seam), and times joint steps against the rows one after another."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .joint import JointSteps
+from .kv import RowSpan, SessionKV
+from .placement import Placement
+from .request import Request, RequestState
+
+__all__ = ["Batch", "ModelRunner"]
+
+
+@dataclass
+class Batch:
+    """A step's rows packed: token ids and positions [T], one span per row, and the tokens whose logits are sampled."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    spans: list[RowSpan] = field(default_factory=list)
+    logits_at: list[int] = field(default_factory=list)
+    num_prompt: int = 0  # prompt tokens fed (the rest are decode rows' one token each)
+
+
+class ModelRunner:
+    """Runs a decoder family's blocks where the placement holds them. The family builds blocks and knows its maths; it
+    knows nothing of where a block lives. Only the engine thread calls it."""
+
+    def __init__(self, model: Any, placement: Placement):
+        self.model = model
+        self.placement = placement
+
+    @property
+    def device(self) -> torch.device:
+        """Where a forward's inputs go: the token embedding's place."""
+        return self.placement.device_of(0)
+
+    def new_kv(self, capacity: int) -> SessionKV:
+        """A session's KV, each layer's on its block's place."""
+        return self.model.new_kv(capacity, self.placement.kv_devices())
+
+    # -- one forward ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[RowSpan], logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a packed batch. token_ids, positions: [T]; rows cover [0, T) in order.
+
+        Each row's K/V are written at its session position, which then advances by the row's tokens. Returns f32
+        logits [len(logits_at), V] (every token when logits_at is None).
+        """
+        for row in rows:
+            row.kv.reserve(row.kv.length + row.num_tokens)
+            row.begin()
+        state = self.model.begin(positions)  # what every block of this forward reads (e.g. RoPE tables)
+        num_layers = self.model.cfg.num_layers
+        walk = self.placement.walk()
+        try:
+            embed, dev = next(walk)
+            x = embed(token_ids.to(dev))  # [T, hidden]
+            # The last block computes only the tokens whose logits are asked for (a prompt's last), as llama.cpp does.
+            at = logits_at.tolist() if logits_at is not None else None
+            keep = at if at is not None and len(at) < x.shape[0] and at == sorted(set(at)) else None
+            for layer in range(num_layers):
+                block, dev = next(walk)
+                x = block(x.to(dev), state, rows, keep if layer == num_layers - 1 else None)  # over a seam, if there is one
+            for row in rows:
+                row.kv.length += row.num_tokens
+            if logits_at is not None and keep is None:
+                x = x[logits_at.to(x.device)]
+            head, dev = next(walk)
+            return head(x.to(dev))
+        finally:
+            walk.close()
+
+    # -- a step of requests ---------------------------------------------------------------------
+
+    def pack(self, rows: list[tuple[Request, int]]) -> Batch:
+        """Every live row's tokens: a decode row's sampled token, or the next `n` of a joining prompt (its first step
+        reuses what its session already holds). Advances each request's prompt position."""
+        b = Batch()
+        now = time.perf_counter()
+        for req, n in rows:
+            if req.cancel_requested:
+                continue
+            if req.t_first_step is None:
+                req.t_first_step = now
+                req.cached = req.session.reuse_prefix(req.prompt_ids)
+                req.fed = req.cached
+                n = min(n, req.prompt_left)
+            ids = [req.next_token] if req.state is RequestState.DECODE else req.prompt_ids[req.fed : req.fed + n]
+            start, pos = len(b.tokens), req.session.kv.length
+            b.tokens.extend(ids)
+            b.positions.extend(range(pos, pos + len(ids)))
+            b.spans.append(RowSpan(start, len(ids), req.session.kv))
+            req.session.token_ids.extend(ids)
+            if req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
+                b.logits_at.append(len(b.tokens) - 1)
+            if req.state is RequestState.PREFILL:
+                req.fed += len(ids)
+                b.num_prompt += len(ids)
+        return b
+
+    def run(self, b: Batch, joint: JointSteps) -> torch.Tensor:
+        """The batch as one packed forward or its rows one after another, as `joint` says; the step timed for it."""
+        decode_only = b.num_prompt == 0
+        together = joint.joint(len(b.spans), decode_only)
+        self.placement.synchronize()  # the clock times this step's work alone, not its queueing
+        t0 = time.perf_counter()
+        logits = self._forward(b.tokens, b.positions, b.spans, b.logits_at) if together else self._forward_each(b)
+        self.placement.synchronize()
+        joint.record(len(b.spans), together, time.perf_counter() - t0, decode_only)
+        return logits
+
+    def _forward(self, tokens: list[int], positions: list[int], spans: list[RowSpan], logits_at: list[int]) -> torch.Tensor:
+        """Every row in one packed forward: dense layers once over all tokens, attention per row."""
+        dev = self.device
+        return self.forward(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            spans,
+            torch.tensor(logits_at, dtype=torch.long, device=dev),
+        )
+
+    def _forward_each(self, b: Batch) -> torch.Tensor:
+        """The rows one after another, each its own forward; logits in the same order as the joint step's."""
+        out = []
+        for span in b.spans:
+            end = span.start + span.num_tokens
+            at = [i - span.start for i in b.logits_at if span.start <= i < end]
+            out.append(self._forward(b.tokens[span.start : end], b.positions[span.start : end], [RowSpan(0, span.num_tokens, span.kv)], at))
+        return torch.cat(out) if out else torch.empty(0)
