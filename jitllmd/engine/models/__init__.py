@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -49,29 +49,25 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, bert.FAMILY)
 
 def family_for(arch: str) -> Family:
     """The family that runs a .jlm's arch; ValueError naming the supported ones."""
-    for family in FAMILIES:
-        if arch in family.archs:
-            return family
-    supported = sorted(a for f in FAMILIES for a in f.archs)
-    raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(supported)})")
+    return _lookup("arch", arch, lambda f: f.archs)
 
 
 def family_for_hf(model_type: Any) -> Family:
     """The family whose Hugging Face directories have this config.json model_type; ValueError naming the supported ones."""
-    for family in FAMILIES:
-        if family.hf is not None and model_type in family.hf.model_types:
-            return family
-    supported = [t for f in FAMILIES if f.hf is not None for t in f.hf.model_types]
-    raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
+    return _lookup("model_type", model_type, lambda f: f.hf.model_types if f.hf is not None else ())
 
 
 def family_for_gguf(architecture: Any) -> Family:
     """The family whose GGUF files have this general.architecture; ValueError naming the supported ones."""
+    return _lookup("GGUF architecture", architecture, lambda f: f.gguf.archs if f.gguf is not None else ())
+
+
+def _lookup(what: str, key: Any, names: Callable[[Family], Iterable[str]]) -> Family:
     for family in FAMILIES:
-        if family.gguf is not None and architecture in family.gguf.archs:
+        if key in names(family):
             return family
-    supported = [a for f in FAMILIES if f.gguf is not None for a in f.gguf.archs]
-    raise ValueError(f"GGUF architecture {architecture!r} is not supported (supported: {', '.join(supported)})")
+    supported = sorted(n for f in FAMILIES for n in names(f))
+    raise ValueError(f"{what} {key!r} is not supported (supported: {', '.join(supported)})")
 
 
 def build_model(jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int, int], None] | None = None) -> Any:
