@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 _URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
 
 
@@ -95,3 +97,27 @@ def tiny_models_dir(root: Path, jlm: Path) -> Path:
         if not (d / name).exists():
             shutil.copyfile(jlm, d / name)
     return d
+
+
+_COUNTS = ("requests", "cancelled", "promptTokens", "generatedTokens", "steps", "activeRows", "queueDepth", "maxRows")
+
+
+def stats(server, model: str = "tiny") -> dict[str, int]:
+    """A model's engine counters from TelemetryService GetStats (Connect JSON: 64-bit counts are strings, zeros left out)."""
+    models = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"]
+    m = next(m for m in models if m["model"] == model)
+    return {k: int(m.get(k, 0)) for k in _COUNTS}
+
+
+def device_queue(server, model: str = "tiny") -> dict:
+    """The model's running and waiting requests now (SessionService GetDeviceQueue)."""
+    r = httpx.post(server.url + "/jitllm.v1.SessionService/GetDeviceQueue", json={"model": model}, timeout=60).json()
+    return {"running": [], "waiting": [], **r["queues"][0]}
+
+
+def wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    """Poll until `condition()` holds. The timeout only bounds the wait for an event that should come; it claims no speed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)

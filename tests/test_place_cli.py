@@ -45,7 +45,7 @@ def _new_session(addr: str) -> str:
 
 
 def test_served_split_as_asked(server, addr: str, budget: int) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while "host pager: budget" not in server.log:  # the line after the start line, which the fixture waited for
         assert time.monotonic() < deadline, server.log
         time.sleep(0.05)
