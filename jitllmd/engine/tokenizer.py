@@ -43,11 +43,6 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        """Ids of the added tokens marked special (dropped by `skip_special_tokens`)."""
-        return self._special_ids
-
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of `token_id` (e.g. "<|im_end|>"), or None if there is no such id."""
         return self._backend.id_to_token(token_id)
