@@ -125,14 +125,17 @@ def test_stop_ends_before_the_stop_string(client):
 
 
 def test_max_tokens_absent_runs_to_the_room(tiny_server):
-    """Without max_tokens a reply that never ends fills the session (-max-seq 3000) and finishes as length."""
-    body = {"model": "tiny", "prompt": "abc", "temperature": 0, "ignore_eos": True}
-    r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=120).json()
+    """Without max_tokens a reply that never ends fills its session (a named one of 300 positions, so a busy machine
+    still gets through it) and finishes as length; a max_tokens past the room is cut to it."""
+    made = httpx.post(tiny_server.url + "/jitllm.v1.SessionService/CreateSession", json={"model": "tiny", "maxSeq": 300}, timeout=60).json()
+    body = {"jitllm_session": made["session"]["id"], "prompt": "abc", "temperature": 0, "ignore_eos": True}
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=600).json()
     assert r["choices"][0]["finish_reason"] == "length"
-    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 3000
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 300
     body["max_tokens"] = 10**6  # too large: cut to the room
-    r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=120).json()
-    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 3000
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=600).json()
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 300
+    httpx.post(tiny_server.url + "/jitllm.v1.SessionService/CloseSession", json={"sessionId": made["session"]["id"]}, timeout=60)
 
 
 def test_completions_echo_and_token_prompt(tiny_server, client):
