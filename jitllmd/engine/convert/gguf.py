@@ -13,7 +13,7 @@ from ..jlm import TensorSpec
 from ..models import family_for_gguf
 from ..models.family import TensorFix
 from .gguf_tokenizer import tokenizer_from_gguf
-from .source import ConvertError, Source, block_order
+from .source import ConvertError, Source, block_order, naming
 
 __all__ = ["GGUF_TYPES", "is_gguf", "read_gguf"]
 
@@ -67,10 +67,7 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         raise ConvertError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
     arch_name = _field(reader, "general.architecture")
-    try:
-        family = family_for_gguf(arch_name)
-    except ValueError as exc:
-        raise ConvertError(f"{path}: {exc}") from None
+    family = naming(path, lambda: family_for_gguf(arch_name))
     assert family.gguf is not None
     gguf_source = family.gguf
     for t in reader.tensors:

@@ -12,7 +12,7 @@ import torch
 
 from ..jlm import TensorSpec
 from ..models import Family, family_for_hf
-from .source import ConvertError, Source, block_order
+from .source import ConvertError, Source, block_order, naming
 
 __all__ = ["is_hf_dir", "read_hf"]
 
@@ -43,10 +43,7 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
     """Describe the .jlm a Hugging Face directory becomes; tensors are read from its safetensors when written."""
     hf = _read_json(path / "config.json")
     model_type = hf.get("model_type")
-    try:
-        family = family_for_hf(model_type)
-    except ValueError as exc:
-        raise ConvertError(f"{path}: {exc}") from None
+    family = naming(path, lambda: family_for_hf(model_type))
     assert family.hf is not None
     hf_source = family.hf
     config = _config(path, family, hf)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from ..jlm import TensorSpec
 
-__all__ = ["ConvertError", "Source", "block_order"]
+__all__ = ["ConvertError", "Source", "block_order", "naming"]
+
+T = TypeVar("T")
 
 
 class ConvertError(ValueError):
@@ -71,3 +75,11 @@ def block_order(spec: TensorSpec) -> tuple[int, int, str]:
     if n.startswith("blocks."):
         return (1, int(n.split(".")[1]), n)
     return (2, 0, n)
+
+
+def naming(path: Path, find: Callable[[], T]) -> T:
+    """`find()`'s answer; its ValueError (e.g. an unsupported architecture) a ConvertError naming the source."""
+    try:
+        return find()
+    except ValueError as exc:
+        raise ConvertError(f"{path}: {exc}") from None
