@@ -625,3 +625,12 @@ def test_convert_names_the_embedded_default(smollm2_gguf, tmp_path: Path) -> Non
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["source"] == str(smollm2_gguf) and out["arch"] == "llama" and (tmp_path / "models" / "smollm2.jlm").is_file()
+
+
+def test_interactive_chat_on_both_bf16_paths(tiny_gguf, tmp_path: Path, monkeypatch, bf16_path) -> None:
+    """Two turns of `run -chat` on a bf16 conversion, in this process (so a dtype warning inside the engine would be
+    an error, and the turn a failure), on the upcast path and on the path of CPUs with bf16 units."""
+    monkeypatch.setenv("JITLLMD_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(app, ["run", "-model", str(tiny_gguf), "-chat", "-temp", "0", "-n", "4"], input="Hello there\nWhat is on?\n")
+    assert r.exit_code == 0, r.output
+    assert "internal error" not in r.output and r.stderr.count(" prompt tokens (") == 2, r.stderr
