@@ -58,26 +58,40 @@ def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, m
 
 
 def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
-    """-sessions 2: two generations hold the rows; four more arrive behind them, wait their turn, and all finish."""
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-max-seq", "512")
+    """-sessions 2: two long generations hold the rows; four more arrive behind them and wait in line (all six in the
+    engine, the four waiting); the long ones are let go, and the four finish."""
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-max-seq", "3000")
+    leave = threading.Event()
+
+    def hold(i: int) -> None:  # streams until told to leave; closing the stream cancels the generation
+        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 2900, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+            for _ in r.iter_lines():
+                if leave.is_set():
+                    return
+
+    holders = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
+    rest: list = [None] * 4
+    waiters = [threading.Thread(target=lambda i=i: rest.__setitem__(i, complete(server, PROMPTS[2 + i], 30))) for i in range(4)]
     try:
         rows = stats(server)["maxRows"]
         assert 1 <= rows <= 2  # measured at load, at most -sessions
-        first: list = [None, None]
-        threads = [threading.Thread(target=lambda i=i: first.__setitem__(i, complete(server, PROMPTS[i], 120))) for i in range(2)]
-        for t in threads:
+        for t in holders:
             t.start()
-        wait_for(lambda: in_engine(server) == 2, "the first two to arrive")
-        rest = at_once(lambda p: complete(server, p, 30), [(p,) for p in PROMPTS[2:6]])
-        for t in threads:
+        wait_for(lambda: in_engine(server) == 2, "the two long generations")
+        for t in waiters:
+            t.start()
+        wait_for(lambda: in_engine(server) == 6 and len(device_queue(server)["waiting"]) >= 4, "the four behind them")
+        leave.set()
+        for t in [*holders, *waiters]:
             t.join(300)
-        assert [r["usage"]["completion_tokens"] for r in first + rest] == [120, 120, 30, 30, 30, 30]
-        # each of the four arrived with at least two ahead of it: with at most two rows, it waited its turn
+        assert [r["usage"]["completion_tokens"] for r in rest] == [30] * 4
         assert all(r["jitllm"]["queue_depth_on_entry"] >= 2 for r in rest), [r["jitllm"] for r in rest]
         s = stats(server)
-        assert s["requests"] == 6 and s["generatedTokens"] == 360 and s["activeRows"] == 0
+        assert s["requests"] == 6 and s["cancelled"] == 2 and s["activeRows"] == 0 and s["queueDepth"] == 0
         assert s["steps"] * rows >= s["generatedTokens"], s  # a step samples a token per row: never more than `rows` ran
     finally:
+        leave.set()
         server.stop()
 
 
