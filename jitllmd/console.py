@@ -44,11 +44,10 @@ def progress_bar(label: str, *, as_bytes: bool = False, enabled: bool = True) ->
         yield lambda done, total: None
         return
     # One line at any width: the figures never wrap, the bar shrinks first, then the label is cut with an ellipsis.
-    fixed = Column(no_wrap=True)
     columns = [
         TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
         BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=5)),
-        TaskProgressColumn(table_column=fixed),
+        TaskProgressColumn(table_column=Column(no_wrap=True)),
     ]
     columns += [DownloadColumn(table_column=Column(no_wrap=True))] if as_bytes else []
     columns += [TimeRemainingColumn(table_column=Column(no_wrap=True))]

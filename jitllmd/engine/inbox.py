@@ -13,7 +13,6 @@ from .sessions import Session
 __all__ = ["Cancel", "CancelAll", "EmbedJob", "Job", "Message", "Submit", "Wake"]
 
 
-
 @dataclass(frozen=True)
 class Submit:
     req: Request
