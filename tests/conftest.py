@@ -166,10 +166,11 @@ def llama_cpp_permute(w, n_head: int):
     return w.reshape(n_head, 2, out // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, arch: str = "llama") -> Path:
+def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, arch: str = "llama", quant: dict[str, str] | None = None) -> Path:
     """Write `hf_model` as llama.cpp's convert_hf_to_gguf.py would: llama.* hyperparameters, q/k permuted,
     tensors in the checkpoint's (alphabetical) order, a gpt2 tokenizer from hf_dir's tokenizer.json, the chat template.
-    q8_0: the 2-D weights as Q8_0 (norms stay F32, as llama.cpp keeps 1-D tensors)."""
+    q8_0: the 2-D weights as Q8_0 (norms stay F32, as llama.cpp keeps 1-D tensors). quant: a type per tensor kind
+    (`attn_q`, `ffn_down`, `token_embd`, `output`...: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), as llama.cpp's mixes are."""
     import gguf
     import numpy as np
 
@@ -241,8 +242,10 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
             elif rest == "self_attn.k_proj.weight":
                 w = llama_cpp_permute(w, cfg.num_key_value_heads)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        if q8_0 and w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = (quant or {}).get(name.split(".")[-2] if name.startswith("blk.") else name.removesuffix(".weight"), "Q8_0" if q8_0 else None)
+        if kind is not None and w.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()
@@ -267,13 +270,26 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, object, Path]:
 
 
 @pytest.fixture(scope="session")
-def tiny_serve_jlm(tmp_path_factory) -> Path:
-    """A tiny random llama with a 4096-position context (room for long generations), as an f32 .jlm."""
+def tiny_serve_hf(tmp_path_factory) -> Path:
+    """A tiny random llama with a 4096-position context (room for long generations), as a Hugging Face directory."""
+    hf_dir, _ = write_tiny_llama(tmp_path_factory.mktemp("tiny_serve") / "hf", max_position_embeddings=4096)
+    return hf_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_serve_jlm(tiny_serve_hf) -> Path:
+    """The tiny serving llama as an f32 .jlm."""
     from jitllmd.engine.convert import convert
 
-    d = tmp_path_factory.mktemp("tiny_serve")
-    hf_dir, _ = write_tiny_llama(d / "hf", max_position_embeddings=4096)
-    return convert(hf_dir, d / "tiny.jlm", "f32").path
+    return convert(tiny_serve_hf, tiny_serve_hf.parent / "tiny.jlm", "f32").path
+
+
+@pytest.fixture(scope="session")
+def tiny_serve_q8_jlm(tiny_serve_hf) -> Path:
+    """The tiny serving llama quantized to Q8_0 (`convert -dtype q8_0`): its blocks run through the quantized kernels."""
+    from jitllmd.engine.convert import convert
+
+    return convert(tiny_serve_hf, tiny_serve_hf.parent / "tiny-q8_0.jlm", "q8_0").path
 
 
 @pytest.fixture(scope="session")

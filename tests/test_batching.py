@@ -57,6 +57,19 @@ def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, m
         server.stop()
 
 
+def test_a_quantized_model_batches_rows_as_it_runs_them_alone(tiny_serve_q8_jlm):
+    """Q8_0 blocks: eight requests at once, rows of shared steps, give each one's text alone (one at a time, same server)."""
+    server = Server("-load", str(tiny_serve_q8_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512")
+    try:
+        one_by_one = [complete(server, p, 12 + i)["choices"][0]["text"] for i, p in enumerate(PROMPTS)]
+        results = at_once(lambda p, n: complete(server, p, n), [(p, 12 + i) for i, p in enumerate(PROMPTS)])
+        assert [r["choices"][0]["text"] for r in results] == one_by_one
+        model_stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"][0]
+        assert float(model_stats["rowsPerStep"]) > 1  # the eight shared steps
+    finally:
+        server.stop()
+
+
 def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
     """-sessions 2: two long generations hold the rows; four more arrive behind them and wait in line (all six in the
     engine, the four waiting); the long ones are let go, and the four finish."""

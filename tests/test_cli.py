@@ -151,9 +151,25 @@ def test_convert_prints_a_summary(tiny, tmp_path: Path) -> None:
     out = tmp_path / "x.jlm"
     r = cli("convert", hf_dir, "-o", out)
     assert r.exit_code == 0, r.output
-    assert re.search(r"hf -> .*x\.jlm: llama, 21 tensors, 0\.\dM params, bf16, [\d.]+ MB in [\d.]+ s", r.stdout), r.stdout
+    assert re.search(r"hf -> .*x\.jlm: llama, 21 tensors, 0\.\dM params, [\d.]+ MB in [\d.]+ s", r.stdout), r.stdout
+    assert "stored as: BF16 x21" in r.stdout  # auto: a Hugging Face directory as bf16
     assert JLMFile(out).tensor("embed.weight").dtype.is_floating_point
     assert "Traceback" not in r.output
+
+
+def test_convert_quantizes_and_says_where_it_fell_back(tiny, tmp_path: Path) -> None:
+    """Rows of 64 and 96 inputs: -dtype q4_k takes Q5_0 (the head Q8_0), and the summary says so."""
+    from jitllmd.engine.jlm import JLMFile
+
+    hf_dir, _, _ = tiny
+    out = tmp_path / "q.jlm"
+    r = cli("convert", hf_dir, "-o", out, "-dtype", "q4_k")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"stored as: .*Q5_0 x\d+.*", r.stdout) and "F32 x5" in r.stdout and "Q8_0 x1" in r.stdout, r.stdout
+    assert "note: 15 tensors stored as Q5_0, not Q4_K" in r.stdout, r.stdout
+    assert JLMFile(out).meta["quantization"]["head.lm_head.weight"]["type"] == "Q8_0"
+    r = cli("convert", hf_dir, "-o", tmp_path / "z.jlm", "-dtype", "q3")
+    assert r.exit_code != 0 and "-dtype 'q3' is not one of auto, f32, bf16, f16, q8_0, q4_0, q4_k" in r.output
 
 
 def test_convert_json(tiny, tmp_path: Path) -> None:

@@ -122,9 +122,10 @@ def test_models(addr: str) -> None:
     listed = {m["id"]: m for m in as_json("models", "-addr", addr)["models"]}
     tiny = listed["tiny"]
     assert tiny["loaded"] is True and tiny["arch"] == "llama" and tiny["num_blocks"] == 4
+    assert tiny["weight_types"] == ["F32"]
     assert any(m["file"].endswith("spare.jlm") and not m["loaded"] for m in listed.values())
     out = ok("models", "-addr", addr).stdout
-    assert "tiny" in out and "spare.jlm" in out
+    assert "tiny" in out and "spare.jlm" in out and "weights" in out and " f32 " in out
 
 
 def test_models_load_unload(addr: str) -> None:

@@ -23,6 +23,8 @@ from jitllmd.engine.kernels import (
     rows_kernel,
     rows_linear,
     silu_mul_rows,
+    use_variant,
+    variants,
 )
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
@@ -185,7 +187,13 @@ def test_panel_linear_adds_a_residual() -> None:
 
 
 def test_describe_names_the_variant_and_its_build() -> None:
-    assert describe().startswith("avx2+fma (kernels-") and describe().endswith(".so)")
+    """The best variant this CPU runs, by default; a forced one names itself."""
+    assert describe().startswith(f"{variants()[-1]} (kernels-") and describe().endswith(".so)")
+    use_variant("avx2+fma")
+    try:
+        assert describe().startswith("avx2+fma (kernels-")
+    finally:
+        use_variant(None)
 
 
 def test_run_keeps_its_kernel_build_under_jitllmd_cache(tiny_serve_jlm: Path, tmp_path: Path) -> None:

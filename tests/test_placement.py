@@ -65,10 +65,16 @@ def _turn(engine: Engine, session, new_ids: list[int], n: int = 24) -> list[int]
 TURNS = [[5, 17, 23, 42, 7], [9, 9, 31], [60, 2, 14, 27], [11, 70]]
 
 
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def model(request, tiny_serve_jlm, tiny_serve_q8_jlm):
+    """The tiny serving llama as floats and kept quantized: moves and paging carry either kind of block."""
+    return tiny_serve_jlm if request.param == "f32" else tiny_serve_q8_jlm
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_serve_jlm) -> list[list[int]]:
+def reference(model) -> list[list[int]]:
     """The conversation never moved: every block resident on the host."""
-    engine = Engine.load(tiny_serve_jlm, max_seq=512)
+    engine = Engine.load(model, max_seq=512)
     try:
         session = engine.new_session()
         return [_turn(engine, session, t) for t in TURNS]
@@ -76,9 +82,9 @@ def reference(tiny_serve_jlm) -> list[list[int]]:
         engine.stop()
 
 
-def test_moves_between_turns_keep_the_conversation(tiny_serve_jlm, reference) -> None:
+def test_moves_between_turns_keep_the_conversation(model, reference) -> None:
     """host -> device -> split -> host between turns gives exactly the tokens of the conversation never moved (f32)."""
-    engine = Engine.load(tiny_serve_jlm, max_seq=512, devices=["cpu"], gpu_layers=0)
+    engine = Engine.load(model, max_seq=512, devices=["cpu"], gpu_layers=0)
     try:
         placement = engine.loaded.placement
         assert placement.places == [HOST] * 4
@@ -99,15 +105,15 @@ def test_moves_between_turns_keep_the_conversation(tiny_serve_jlm, reference) ->
 
 
 @pytest.mark.parametrize("read_ahead", [True, False])
-def test_a_paged_model_gives_the_same_tokens_within_its_budget(tiny_serve_jlm, reference, read_ahead: bool) -> None:
+def test_a_paged_model_gives_the_same_tokens_within_its_budget(model, reference, read_ahead: bool) -> None:
     """About a third of the model's bytes resident: the same conversation, resident bytes within the budget, and
     the paged blocks read from the file at every step (read ahead of their turn, or at it)."""
-    probe = Engine.load(tiny_serve_jlm, max_seq=512)
+    probe = Engine.load(model, max_seq=512)
     total = sum(probe.loaded.placement.block_bytes)
     largest = probe.loaded.placement.pager.largest_layer()[1]
     probe.stop()
     budget = max(total // 3, largest)
-    engine = Engine.load(tiny_serve_jlm, max_seq=512, page_budget=budget, read_ahead=read_ahead)
+    engine = Engine.load(model, max_seq=512, page_budget=budget, read_ahead=read_ahead)
     try:
         pager = engine.loaded.placement.pager
         session = engine.new_session()
@@ -128,16 +134,16 @@ def test_a_paged_model_gives_the_same_tokens_within_its_budget(tiny_serve_jlm, r
         engine.stop()
 
 
-def test_a_move_mid_generation_happens_between_steps(tiny_serve_jlm) -> None:
+def test_a_move_mid_generation_happens_between_steps(model) -> None:
     """A move of the model (no session named) lands between two steps of a running generation, which goes on
     with the same tokens; a move naming the session waits for its generation to end."""
     prompt = [5, 17, 23, 42, 7, 9]
-    alone = Engine.load(tiny_serve_jlm, max_seq=1024)
+    alone = Engine.load(model, max_seq=1024)
     try:
         expected = _turn(alone, alone.new_session(), prompt, n=600)
     finally:
         alone.stop()
-    engine = Engine.load(tiny_serve_jlm, max_seq=1024, devices=["cpu"], gpu_layers=0)
+    engine = Engine.load(model, max_seq=1024, devices=["cpu"], gpu_layers=0)
     try:
         session = engine.new_session()
         events: queue.SimpleQueue = queue.SimpleQueue()
@@ -200,8 +206,8 @@ def test_load_places_the_head_end_on_the_device(tiny_serve_jlm) -> None:
         engine.stop()
 
 
-def test_tune_seam_measures_each_count_and_keeps_the_fastest(tiny_serve_jlm) -> None:
-    engine = Engine.load(tiny_serve_jlm, max_seq=256, devices=["cpu"], gpu_layers=0)
+def test_tune_seam_measures_each_count_and_keeps_the_fastest(model) -> None:
+    engine = Engine.load(model, max_seq=256, devices=["cpu"], gpu_layers=0)
     try:
         measured = engine.tune_seam().result(timeout=120)
         counts = [c.device_blocks for c in measured]

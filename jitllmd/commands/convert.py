@@ -16,16 +16,17 @@ __all__ = ["convert"]
 def convert(
     source: Annotated[Path, typer.Argument(help="A .gguf file, a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or the embedded default's name (smollm2-135m-instruct or smol) for its packaged GGUF.", show_default=False)],
     output: Annotated[Path | None, typer.Option("-o", "-output", "--output", help="The .jlm to write. Default: the source's name with .jlm, in the current directory.", show_default=False)] = None,
-    dtype: Annotated[str, typer.Option("-dtype", "--dtype", help="Stored weight type: f32, bf16 or f16 (f16 computes in bf16 on the CPU).")] = "bf16",
+    dtype: Annotated[str, typer.Option("-dtype", "--dtype", help="Stored weight type. auto: a quantized GGUF keeps its own quantization (each tensor's blocks as they are), anything else bf16. f32, bf16, f16 (f16 computes in bf16 on the CPU). q8_0, q4_0, q4_k: quantized at convert, round to nearest per block (the head in Q8_0; a weight whose rows the block does not divide falls back to Q5_0, Q8_0, then f32).")] = "auto",
     force: Annotated[bool, typer.Option("-force", "--force", help="Replace the output if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the summary as one JSON object.")] = False,
 ) -> None:
-    """Convert a GGUF file (dequantized) or a Hugging Face directory into a .jlm file.
+    """Convert a GGUF file or a Hugging Face directory into a .jlm file.
 
     The output is written to a temporary file and renamed at the end, so a failed conversion leaves nothing behind.
     """
-    if dtype not in ("f32", "bf16", "f16"):
-        raise fail(f"-dtype {dtype!r} is not one of f32, bf16, f16")
+    kinds = ("auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_k")  # engine.convert.DTYPES, without importing torch
+    if dtype not in kinds:
+        raise fail(f"-dtype {dtype!r} is not one of {', '.join(kinds)}")
     source = _embedded(source)
     out = output or Path(source.name.removesuffix(".gguf") + ".jlm")
     if out.suffix != ".jlm":
@@ -51,6 +52,8 @@ def convert(
         "tensors": result.num_tensors,
         "params": result.num_params,
         "bytes": result.nbytes,
+        "types": result.types,
+        "notes": result.notes,
         "seconds": round(result.seconds, 2),
     }
     if as_json:
@@ -58,9 +61,12 @@ def convert(
         return
     console.print(
         f"{source.name} -> {result.path}: {result.arch}, {result.num_tensors} tensors, "
-        f"{result.num_params / 1e6:.1f}M params, {dtype}, {result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
+        f"{result.num_params / 1e6:.1f}M params, {result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
         soft_wrap=True,
     )
+    console.print("stored as: " + ", ".join(f"{kind} x{n}" for kind, n in result.types.items()), soft_wrap=True, highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", soft_wrap=True, highlight=False)
 
 
 def _embedded(source: Path) -> Path:

@@ -72,6 +72,12 @@ def _places(model: Model) -> str:
     return ",".join(model.device_ids) or "host"
 
 
+def _weights(m: Model) -> str:
+    """How its weights are stored: the quantized types (its norms' F32 left out), or the float dtype."""
+    kinds = list(m.weight_types)
+    return "+".join([k for k in kinds if k != "F32"] or kinds).lower()
+
+
 def _print_table(models: Sequence[Model]) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -80,11 +86,11 @@ def _print_table(models: Sequence[Model]) -> None:
         console.print("no models (the server's model directory has no .jlm files)")
         return
     table = Table(box=None, pad_edge=False)
-    for name in ("id", "loaded", "arch", "blocks", "devices", "max_seq", "file"):
+    for name in ("id", "loaded", "arch", "weights", "blocks", "devices", "max_seq", "file"):
         table.add_column(name, justify="right" if name in ("blocks", "max_seq") else "left", no_wrap=name != "file")
     for m in models:
         table.add_row(*map(Text, (
-            m.id, "yes" if m.loaded else "no", m.arch, str(m.num_blocks),
+            m.id, "yes" if m.loaded else "no", m.arch, _weights(m), str(m.num_blocks),
             _places(m) if m.loaded else "", str(m.max_seq) if m.max_seq else "", m.file,
         )))
     console.print(table)

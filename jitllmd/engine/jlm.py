@@ -196,6 +196,15 @@ class JLMFile:
         p = prefix + "."
         return {name[len(p):]: self.tensor(name) for name in self._index if name.startswith(p)}
 
+    def stored_types(self) -> list[str]:
+        """How the tensors are stored, most tensors first: a quantized one's type (Q4_K, ...) or its dtype (F32, BF16)."""
+        quant = self.meta.get("quantization") or {}
+        counts: dict[str, int] = {}
+        for name, (dtype, *_) in self._index.items():
+            kind = str(quant[name]["type"]) if name in quant else _NAMES[dtype]
+            counts[kind] = counts.get(kind, 0) + 1
+        return sorted(counts, key=lambda k: -counts[k])
+
     def block_nbytes(self, prefix: str) -> int:
         p = prefix + "."
         return sum(end - start for name, (_, _, start, end) in self._index.items() if name.startswith(p))

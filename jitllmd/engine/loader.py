@@ -86,14 +86,15 @@ class LoadedModel:
 
 
 def cached_conversion(gguf_path: Path, cache_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
-    """A .gguf's .jlm in `cache_dir`, converted once (keyed by the file's name, size and mtime)."""
+    """A .gguf's .jlm in `cache_dir`, converted once (keyed by the file's name, size and mtime, and how it converts:
+    a quantized file keeps its quantization)."""
     from .convert import convert
 
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:auto".encode()).hexdigest()[:12]
     out = cache_dir / f"{gguf_path.stem}-{key}.jlm"
     if not out.exists():
-        on_own_thread(lambda: convert(gguf_path, out, "bf16", on_progress=on_progress))
+        on_own_thread(lambda: convert(gguf_path, out, "auto", on_progress=on_progress))
     return out
 
 
@@ -142,7 +143,9 @@ def load_model(
     jlm = JLMFile(path)
     meta = jlm.meta
     first = torch.device(devices[0] if devices else "cpu")
-    stored = next((jlm.tensor(n).dtype for n in jlm.names if n.startswith("blocks.")), torch.float32)
+    quantized = meta.get("quantization") or {}
+    # a quantized model computes in f32 around its projections (its float tensors, norms and biases, are f32)
+    stored = next((jlm.tensor(n).dtype for n in jlm.names if n.startswith("blocks.") and n not in quantized), torch.float32)
     dtype = compute_dtype(stored, first)
     special = meta.get("special_tokens", {})
     tokenizer = Tokenizer(

@@ -47,9 +47,13 @@ class BlockReader:
             self._fd = -1
 
     def part_spec(self, names: list[str]) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The dtype and shape of a part: its tensors stacked along dim 0."""
+        """The dtype and shape of a part: its tensors stacked along dim 0. Quantized tensors (rows of block bytes)
+        whose rows differ in width, being of different types, stack as one run of bytes."""
         dtype, shape, _, _ = self.jlm.locate(names[0])
         rows = 0
+        specs = [self.jlm.locate(n) for n in names]
+        if dtype == torch.uint8 and any(s[1:] != shape[1:] for _, s, _, _ in specs) and all(d == dtype for d, *_ in specs):
+            return dtype, (sum(size for *_, size in specs),)
         for n in names:
             d, s, _, _ = self.jlm.locate(n)
             if d != dtype or s[1:] != shape[1:]:

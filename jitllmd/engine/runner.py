@@ -11,6 +11,7 @@ import torch
 
 from .joint import JointSteps
 from .kv import RowSpan, SessionKV
+from .layers import chunk_tokens
 from .placement import Placement
 from .request import Request, RequestState
 
@@ -71,10 +72,13 @@ class ModelRunner:
                 x = block(x.to(dev), state, rows, keep if layer == num_layers - 1 else None)  # over a seam, if there is one
             for row in rows:
                 row.kv.length += row.num_tokens
+            chunk = chunk_tokens(rows, token_ids.shape[0])  # a prompt chunk's tokens stay exact up to their logits
             if logits_at is not None and keep is None:
                 x = x[logits_at.to(x.device)]
+            if chunk is not None and logits_at is not None:
+                chunk = chunk[logits_at.cpu()]
             head, dev = next(walk)
-            return head(x.to(dev))
+            return head(x.to(dev), chunk=chunk)
         finally:
             walk.close()
 

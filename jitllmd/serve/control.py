@@ -115,6 +115,7 @@ def _model_message(catalog: Catalog, served: ServedModel) -> mdl.Model:
         vocab_size=loaded.tokenizer.vocab_size,
         dtype=str(loaded.model.dtype).removeprefix("torch."),
         sessions=len(served.engine.sessions.list()),
+        weight_types=loaded.jlm.stored_types(),
     )
 
 
@@ -124,7 +125,7 @@ def _file_model(catalog: Catalog, entry_id: str, path: Path, created: int) -> md
     return mdl.Model(
         id=entry_id, file=_relative(catalog, path), loaded=False, arch=jlm.arch, num_blocks=blocks,
         weight_bytes=path.stat().st_size, context_length=int(jlm.config.get("max_position_embeddings", 0)),
-        has_chat_template=bool(jlm.meta.get("chat_template")), created_unix=created,
+        has_chat_template=bool(jlm.meta.get("chat_template")), created_unix=created, weight_types=jlm.stored_types(),
     )
 
 
@@ -195,7 +196,7 @@ class Models(ModelService):
             raise ConnectError(Code.INVALID_ARGUMENT, f"output {request.output!r}: the file name must end in .jlm")
         if dst.exists() and not request.force:
             raise ConnectError(Code.ALREADY_EXISTS, f"output {request.output!r} exists: set force to overwrite it")
-        result = await asyncio.to_thread(on_own_thread, lambda: convert(src, dst, request.dtype or "bf16"))
+        result = await asyncio.to_thread(on_own_thread, lambda: convert(src, dst, request.dtype or "auto"))
         return mdl.ConvertResponse(
             output=_relative(self.catalog, result.path), arch=result.arch, num_tensors=result.num_tensors,
             num_params=result.num_params, bytes=result.nbytes, seconds=result.seconds,

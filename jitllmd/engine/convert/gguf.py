@@ -1,4 +1,5 @@
-"""GGUF file -> .jlm: dequantize every tensor; the family maps metadata to config, names, and fixes tensors."""
+"""GGUF file -> .jlm: quantized tensors kept as their blocks, or dequantized; the family maps metadata to config,
+names, and fixes tensors."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from ..models.family import TensorFix
 from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ConvertError, Source, block_order, naming
 
-__all__ = ["GGUF_TYPES", "is_gguf", "read_gguf"]
+__all__ = ["GGUF_TYPES", "is_gguf", "is_quantized_gguf", "read_gguf"]
 
-# Quantization types this converter dequantizes (gguf.quants handles each).
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Quantization types this converter reads (gguf.quants dequantizes each); those in layers/quant.py's FORMATS can be
+# kept as they are, the others (Q2_K, Q3_K) become f32, which loses nothing.
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _REQUIRED = object()
 
 
@@ -28,6 +31,17 @@ def is_gguf(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+def is_quantized_gguf(path: Path) -> bool:
+    """Whether a GGUF file holds any quantized tensor (then `convert` keeps its quantization by default)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception:  # read_gguf reports a damaged file
+        return False
+    return any(t.tensor_type.name not in FLOAT_TYPES for t in reader.tensors)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -57,9 +71,16 @@ class _Meta:
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
 
-def read_gguf(path: Path, dtype: torch.dtype) -> Source:
-    """Open a GGUF file and describe the .jlm it becomes; tensors are dequantized when written."""
+def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
+    """Open a GGUF file and describe the .jlm it becomes. `keep`: quantized tensors of a type the engine runs stay
+    as their blocks (rows of bytes, `quantization` says their type and shape) and the others become f32; else every
+    tensor is dequantized to `dtype` when written."""
     import gguf
+
+    from ..layers.quant import FORMATS
+
+    if keep:
+        dtype = torch.float32  # beside kept blocks, the float tensors (norms, biases) are f32
 
     try:
         reader = gguf.GGUFReader(path)
@@ -93,7 +114,13 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
             w = fix(w)
         return w.to(dtype)
 
+    def raw(t: Any, fix: TensorFix | None) -> torch.Tensor:
+        w = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(meta.shapes[t.name][0], -1)  # [rows, row bytes], a copy
+        return w if fix is None else fix(w).contiguous()  # a row permutation moves whole rows of blocks
+
     specs: list[TensorSpec] = []
+    quantization: dict[str, dict[str, Any]] = {}
+    notes: dict[str, int] = {}
     for t in reader.tensors:
         if t.name in gguf_source.config_tensors:
             continue
@@ -101,7 +128,14 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         if name is None:
             raise ConvertError(f"{path}: unexpected tensor {t.name} for architecture {arch_name}")
         fix = gguf_source.fix(meta, name, config) if gguf_source.fix is not None else None
-        specs.append(TensorSpec(name, dtype, meta.shapes[t.name], functools.partial(produce, t, fix)))
+        kind, shape = t.tensor_type.name, meta.shapes[t.name]
+        if keep and kind in FORMATS and len(shape) == 2:
+            quantization[name] = {"type": kind, "shape": list(shape)}
+            specs.append(TensorSpec(name, torch.uint8, (shape[0], FORMATS[kind].row_bytes(shape[1])), functools.partial(raw, t, fix)))
+            continue
+        if keep and kind not in FLOAT_TYPES:
+            notes[kind] = notes.get(kind, 0) + 1
+        specs.append(TensorSpec(name, dtype, shape, functools.partial(produce, t, fix)))
     specs.sort(key=block_order)
     return Source(
         arch=gguf_source.archs[arch_name],
@@ -114,4 +148,6 @@ def read_gguf(path: Path, dtype: torch.dtype) -> Source:
         add_bos_token=tok.add_bos_token,
         chat_template=tok.chat_template,
         source={"kind": "gguf", "file": path.name, "name": _field(reader, "general.name"), "file_type": _field(reader, "general.file_type")},
+        quantization=quantization,
+        notes=[f"{n} {kind} tensor{'s' * (n > 1)} stored as F32 (no kernel runs {kind}; F32 loses nothing)" for kind, n in notes.items()],
     )

@@ -71,6 +71,7 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
             chat_template=None,
             source=origin,
             special_tokens=special,
+            embeds=True,
         )
     template = tcfg.get("chat_template")
     if isinstance(template, list):  # named templates: the default one is the chat template

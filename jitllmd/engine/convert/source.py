@@ -31,6 +31,9 @@ class Source:
     chat_template: str | None
     source: dict[str, Any] = field(default_factory=dict)
     special_tokens: dict[str, str] = field(default_factory=dict)  # more roles, e.g. an encoder's cls_token, sep_token
+    quantization: dict[str, dict[str, Any]] = field(default_factory=dict)  # tensor -> {"type", "shape"}: stored quantized
+    embeds: bool = False  # an encoder (its tensors stay float)
+    notes: list[str] = field(default_factory=list)  # what the conversion changed on the way, for its summary
 
     def meta(self) -> dict[str, Any]:
         """The .jlm metadata document (see docs/format.md)."""
@@ -47,7 +50,7 @@ class Source:
                 "add_bos_token": self.add_bos_token,
                 **self._roles(),
             },
-            "quantization": {},
+            "quantization": self.quantization,
             "source": self.source,
         }
 

@@ -1,10 +1,12 @@
 """Compiled CPU kernels: C sources built once per machine with the system's C compiler, loaded with ctypes.
 
 rows.c: few-row projections, decode attention, RMSNorm. panels.c: f32 projections over weights rewritten once into
-column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). Where they cannot be built (no compiler,
-not x86 with AVX2 and FMA, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels
-make steps faster, never different in what they compute. `configure` says where builds are kept; `describe` names the
-variant in use, or why there is none.
+column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). quant.c: projections over GGUF-quantized
+rows kept in ggml's block layout, and their dequantization. Where they cannot be built (no compiler, not x86 with
+AVX2, FMA and F16C, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels make steps
+faster, never different in what they compute. The same sources build per CPU feature set (`variants`): the best this
+CPU runs is used unless `use_variant` forces one. `configure` says where builds are kept; `describe` names the variant
+in use, or why there is none.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -22,16 +25,26 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAX_ROWS", "attend_chunk", "attend_rows", "configure", "describe", "pack_panels", "panel_linear", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows"]
+__all__ = [
+    "MAX_ROWS", "QUANT_TYPES", "attend_chunk", "attend_rows", "configure", "dequant_rows", "describe", "pack_panels", "panel_linear",
+    "quant_rows", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
+]
 
 log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
-_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c")]
 _HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of a build's identity
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
-_VARIANT = "avx2+fma"  # what _FLAGS build
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
+_BASE_CPU = ("avx2", "fma", "f16c")  # what _FLAGS need
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# variant -> (flags added to _FLAGS, /proc/cpuinfo flags it needs beyond _BASE_CPU); worst first, the best runnable is used
+_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx2+fma": ([], ()),
+    "avx512+vnni": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"], (*_AVX512, "avx512_vnni")),
+}
 _cache_dir: Path | None = None  # set by configure(); None: ~/.cache/jitllmd/kernels (the engine reads no environment)
+_forced: str | None = None  # set by use_variant(); None: the best of variants()
 
 
 def configure(cache_dir: Path) -> None:
@@ -53,23 +66,49 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(cache: Path, compiler: str) -> Path:
-    """The shared library for these sources and flags, compiled once into `cache` (atomically); builds of other
-    versions of the sources are removed (a process that loaded one keeps its mapping)."""
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS]) + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    out = cache / f"kernels-{key}.so"
+def variants() -> list[str]:
+    """The kernel variants this CPU can run, best last (empty where none: not x86-64, or no AVX2, FMA and F16C)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = _cpu_flags()
+    return [name for name, (_, needs) in _VARIANTS.items() if flags.issuperset((*_BASE_CPU, *needs))]
+
+
+def use_variant(name: str | None) -> None:
+    """Run the kernels built as `name` (one of `variants()`), or the best again (None): for tests and benchmarks. The
+    next call loads it; a library loaded before stays mapped for whoever holds it."""
+    global _forced
+    if name is not None and name not in variants():
+        raise ValueError(f"kernel variant {name!r} does not run on this CPU (it runs {variants()})")
+    _forced = name
+    _load.cache_clear()
+
+
+def _slug(variant: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", variant)
+
+
+def _build(cache: Path, compiler: str, variant: str) -> Path:
+    """The shared library for these sources and the variant's flags, compiled once into `cache` (atomically); older
+    builds of the same variant are removed (a process that loaded one keeps its mapping), other variants' kept."""
+    flags = [*_FLAGS, *_VARIANTS[variant][0]]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS]) + " ".join(flags).encode()).hexdigest()[:12]
+    slug = _slug(variant)
+    out = cache / f"kernels-{slug}-{key}.so"
     if out.exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    for old in [*cache.glob("kernels-*.so"), *cache.glob("rows-*.so")]:
-        if old != out:
+    # this variant's older builds; for avx2+fma also those named before variants were (kernels-<hash>.so, rows-*.so)
+    same = re.compile(rf"kernels-{re.escape(slug)}-[0-9a-f]{{12}}\.so" + (r"|kernels-[0-9a-f]{12}\.so|rows-.*\.so" if variant == "avx2+fma" else ""))
+    for old in cache.iterdir():
+        if old != out and same.fullmatch(old.name):
             old.unlink(missing_ok=True)
     return out
 
@@ -88,30 +127,36 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     machine = platform.machine()
     if machine not in ("x86_64", "AMD64"):
         return None, f"torch ops (not x86-64: {machine})"
-    missing = sorted({"avx2", "fma"} - _cpu_flags())
+    missing = sorted(set(_BASE_CPU) - _cpu_flags())
     if missing:
         return None, f"torch ops (CPU lacks {' and '.join(m.upper() for m in missing)})"
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "torch ops (no C compiler: neither cc nor gcc on PATH)"
-    try:
-        path = _build(_cache_dir or Path.home() / ".cache" / "jitllmd" / "kernels", compiler)
-        lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
-    except (OSError, subprocess.SubprocessError) as exc:
-        why = _failure(exc)
-        log.warning("compiled kernels unavailable, using torch's ops: %s", why)
-        return None, f"torch ops (build failed: {why})"
-    _declare(lib)
-    return lib, f"{_VARIANT} ({path.name})"
+    cache = _cache_dir or Path.home() / ".cache" / "jitllmd" / "kernels"
+    why = ""
+    for variant in [_forced] if _forced else variants()[::-1]:  # the best that builds (a compiler may lack a variant's flags)
+        try:
+            path = _build(cache, compiler, variant)
+            lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = _failure(exc)
+            log.warning("kernel variant %s unavailable: %s", variant, why)
+            continue
+        _declare(lib)
+        return lib, f"{variant} ({path.name})"
+    log.warning("compiled kernels unavailable, using torch's ops: %s", why)
+    return None, f"torch ops (build failed: {why})"
 
 
 def rows_kernel() -> ctypes.CDLL | None:
-    """The compiled kernels (rows.c, panels.c), or None where they cannot run here."""
+    """The compiled kernels (rows.c, panels.c, quant.c), or None where they cannot run here."""
     return _load()[0]
 
 
 def describe() -> str:
-    """The kernels in use, e.g. 'avx2+fma (kernels-<hash>.so)', or 'torch ops (<why not>)'. Builds them if need be."""
+    """The kernels in use, e.g. 'avx512+vnni (kernels-avx512-vnni-<hash>.so)', or 'torch ops (<why not>)'. Builds them
+    if need be."""
     return _load()[1]
 
 
@@ -134,6 +179,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
+    lib.quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.quant_rows.restype = ctypes.c_int
+    lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
+    lib.dequant_rows.restype = ctypes.c_int
 
 
 def _lib() -> ctypes.CDLL:
@@ -265,4 +314,51 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=torch.float32)
     lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+QUANT_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # ggml's type ids
+_QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}  # (weights, bytes)
+
+
+def _quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
+    """Check that w holds n rows of k weights of qtype: uint8 on the CPU, contiguous, [n, row bytes] or 1-D."""
+    if qtype not in _QUANT_BLOCKS:
+        raise ValueError(f"qtype {qtype} is not one of the kernels' types {sorted(QUANT_TYPES)}")
+    elems, nbytes = _QUANT_BLOCKS[qtype]
+    if k % elems:
+        raise ValueError(f"{QUANT_TYPES[qtype]} rows hold a multiple of {elems} weights, not {k}")
+    row_bytes = k // elems * nbytes
+    assert w.dtype == torch.uint8 and w.device.type == "cpu" and w.is_contiguous()
+    assert w.shape == (n, row_bytes) if w.dim() == 2 else w.dim() == 1 and w.numel() >= n * row_bytes, (tuple(w.shape), n, row_bytes)
+
+
+def quant_rows(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (as f32) @ W.T -> [T, n] f32 for W n rows of ggml type `qtype` (uint8 bytes, K a multiple of its
+    block), llama.cpp's way: x rounded per 32 inputs to int8, integer dot products scaled in f32 (quant.c's header
+    bounds the error). `out`: an f32 [T, n] with unit column stride (a column slice of a wider output), written."""
+    lib = _lib()
+    x = x.float().contiguous()
+    rows, width = x.shape
+    _quant_weight(w, qtype, n, width)
+    if out is None:
+        out = torch.empty((rows, n), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.device.type == "cpu" and out.shape == (rows, n) and (out.stride(1) == 1 or n == 1)
+    if rows and n:
+        failed = lib.quant_rows(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, width, n, out.stride(0), qtype, torch.get_num_threads())
+        if failed:
+            raise MemoryError("quant_rows: no memory for x's int8 codes")
+    return out
+
+
+def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W's n rows of ggml type `qtype` (uint8 bytes) -> [n, k] f32 as gguf.quants.dequantize gives them, or into
+    `out` ([n, k] contiguous, f32 or bf16: rounded to nearest even)."""
+    lib = _lib()
+    _quant_weight(w, qtype, n, k)
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float32)
+    assert out.dtype in (torch.float32, torch.bfloat16) and out.device.type == "cpu" and out.is_contiguous() and out.shape == (n, k)
+    if n:
+        lib.dequant_rows(w.data_ptr(), out.data_ptr(), n, k, qtype, int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out

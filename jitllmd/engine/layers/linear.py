@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
 from ..kernels import MAX_ROWS, pack_panels, panel_linear, rows_kernel, rows_linear
+from .quant import QuantLinear, Segment
 
 __all__ = ["ROW_BLOCK_MAX_TOKENS", "Linear", "Projection", "make_linear"]
 
@@ -22,18 +23,22 @@ _UPCAST_MIN_TOKENS = 8  # below this an emulated bf16 GEMV beats upcasting the w
 
 class Projection(Protocol):
     """What a block calls: x [T, in] -> [T, out], added to `residual` where given. `panels`: the kernel can fold a
-    norm (`norm`) or the MLP's gate (`gated`) into how it packs its input."""
+    norm (`norm`) or the MLP's gate (`gated`) into how it packs its input. `chunk` (bool [T], or None): the tokens of
+    prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies exactly."""
 
     panels: bool
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False) -> torch.Tensor: ...
+                 gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, panels: bool = False) -> Projection:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, panels: bool = False, segments: list[Segment] | None = None) -> Projection:
     """The projection for a weight, as stored, on its device: a dense f32/bf16/f16 tensor [out, in] is a `Linear`
     (bf16 upcast where the device has no bf16 units; f32 on the CPU split in row blocks, one per thread). `panels`:
-    the weight stays, so an f32 one on the CPU may be rewritten into panels."""
+    the weight stays, so an f32 one on the CPU may be rewritten into panels. `segments`: the weight is quantized
+    rows (layers/quant.py), a `QuantLinear`."""
+    if segments is not None:
+        return QuantLinear(weight, segments, bias)
     cpu = weight.device.type == "cpu"
     upcast = weight.dtype == torch.bfloat16 and not bf16_matmul_native(weight.device)
     chunks = torch.get_num_threads() if cpu and weight.dtype == torch.float32 else 1
@@ -72,10 +77,10 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False) -> torch.Tensor:
+                 gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass). Panels
         only: with `norm` (weight, eps) the product is of RMSNorm(x) * weight, with `gated` of silu(gate) * up of x
-        [T, 2 * in], made as the kernel packs its rows."""
+        [T, 2 * in], made as the kernel packs its rows. Every token is multiplied alike: `chunk` changes nothing."""
         if self.panels:
             y = panel_linear(x, self.weight, residual, norm=norm, gated=gated)
             return y if self.bias is None else y + self.bias

@@ -11,7 +11,19 @@ import torch
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
 from ..kv import RowSpan, SessionKV
-from ..layers import Attention, RMSNorm, Rope, RopeTables, SiluMul, make_linear, rope_inv_freq
+from ..layers import (
+    Attention,
+    QuantTable,
+    RMSNorm,
+    Rope,
+    RopeTables,
+    Segment,
+    SiluMul,
+    chunk_tokens,
+    make_linear,
+    rope_inv_freq,
+    segments_for,
+)
 from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix
 
 __all__ = ["ARCHS", "FAMILY", "STREAM", "DecoderBlock", "Embed", "Head", "LlamaConfig", "LlamaModel", "layouts"]
@@ -62,23 +74,25 @@ class LlamaConfig:
 
 class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP. Built from the parts
-    `layouts` names (q, k and v stacked into qkv; gate and up into gate_up: fewer, wider GEMVs)."""
+    `layouts` names (q, k and v stacked into qkv; gate and up into gate_up: fewer, wider GEMVs). `quant`: the
+    parts stored quantized, as segments."""
 
     def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, device: torch.device,
-                 panels: bool):
+                 panels: bool, quant: dict[str, list[Segment]]):
         self.act = act  # q, k, v, RoPE, attention and KV; projections run in the weights' dtype, the stream in f32
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)
+        project = lambda part, bias=None: make_linear(t[part] if part in quant else cast(t[part]), bias, panels=panels, segments=quant.get(part))
         self.input_norm = RMSNorm(t["input_norm"], eps, STREAM)  # the norms read the f32 stream
         self.post_norm = RMSNorm(t["post_norm"], eps, STREAM)
         bias = cast(t["qkv_bias"]) if "qkv_bias" in t else None
-        self.qkv = make_linear(cast(t["qkv"]), bias, panels=panels)
-        self.o = make_linear(cast(t["o"]), None, panels=panels)
+        self.qkv = project("qkv", bias)
+        self.o = project("o")
         self.q_norm = RMSNorm(t["q_norm"], eps, act) if cfg.qk_norm else None
         self.k_norm = RMSNorm(t["k_norm"], eps, act) if cfg.qk_norm else None
-        self.gate_up = make_linear(cast(t["gate_up"]), None, panels=panels)
-        self.down = make_linear(cast(t["down"]), None, panels=panels)
+        self.gate_up = project("gate_up")
+        self.down = project("down")
         self.rope = Rope(cfg.head_dim, act, device)
         self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window)
         self.silu_mul = SiluMul(cfg.intermediate_size, device)
@@ -94,10 +108,11 @@ class DecoderBlock:
         kept ones only (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
         if self.fold:
             qkv = self.qkv(x, norm=(self.input_norm.weight, self.input_norm.eps))  # [T, (H + 2*Hkv) * D]
         else:
-            qkv = self.qkv(self.input_norm(x)).to(self.act)
+            qkv = self.qkv(self.input_norm(x), chunk=chunk).to(self.act)
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
@@ -106,21 +121,26 @@ class DecoderBlock:
         attn = self.attn(qk[:, :H], qk[:, H:], v, rows, keep)  # [T or len(keep), H*D]
         if keep is not None:
             x = x[keep]
-        x = self.o(attn, residual=x)  # [T, hidden] f32: the stream
+            chunk = None if chunk is None else chunk[keep]
+        x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
         if self.fold:
             return self.down(self.gate_up(x, norm=(self.post_norm.weight, self.post_norm.eps)), residual=x, gated=True)
-        return self.down(self.silu_mul(self.gate_up(self.post_norm(x))), residual=x)
+        return self.down(self.silu_mul(self.gate_up(self.post_norm(x), chunk=chunk)), residual=x, chunk=chunk)
 
 
 class Embed:
-    """The token embedding: a table on its place, or a paged one that reads only a step's rows from the file."""
+    """The token embedding: a table on its place, or a paged one that reads only a step's rows from the file; a
+    quantized one (`quant`) dequantizes the rows it reads."""
 
-    def __init__(self, table: Any, dtype: torch.dtype):
+    def __init__(self, table: Any, dtype: torch.dtype, quant: Segment | None = None):
         self.paged = hasattr(table, "rows")
-        self.table = table if self.paged or table.dtype == dtype else table.to(dtype)  # [V, hidden]
+        self.quant = None if quant is None else QuantTable(table, quant.fmt, quant.k)
+        self.table = table if self.paged or quant is not None or table.dtype == dtype else table.to(dtype)  # [V, hidden]
         self.dtype = dtype
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.rows(token_ids).to(STREAM)  # [T, hidden], exact
         rows = self.table.rows(token_ids) if self.paged else torch.nn.functional.embedding(token_ids, self.table)  # [T, hidden]
         return rows.to(self.dtype).to(STREAM)  # the stored dtype, as resident rows go, then the f32 stream
 
@@ -128,12 +148,14 @@ class Embed:
 class Head:
     """Final norm and LM head: hidden states -> f32 logits."""
 
-    def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype):
+    def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype, quant: list[Segment] | None = None):
         self.norm = RMSNorm(norm, eps, STREAM)
-        self.lm = make_linear(lm if lm.dtype == dtype else lm.to(dtype), None)  # a tied table's bytes are shared: no panels
+        lm = lm if quant is not None or lm.dtype == dtype else lm.to(dtype)
+        self.lm = make_linear(lm, None, segments=quant)  # a tied table's bytes are shared: no panels
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm(self.norm(x)).float()  # [T, V]
+    def __call__(self, x: torch.Tensor, chunk: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> f32 logits [T, V]; `chunk` marks the tokens of prompt chunks (see DecoderBlock)."""
+        return self.lm(self.norm(x), chunk=chunk).float()  # [T, V]
 
 
 def layouts(cfg: LlamaConfig, names: set[str]) -> dict[str, dict[str, list[str]]]:
@@ -171,18 +193,24 @@ class LlamaModel:
         # weights, and the residual stream stays f32 whatever the weights (STREAM).
         self.act = torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_native("cpu") else dtype
         self.layouts = layouts(cfg, set(jlm.names))
+        quantization = jlm.meta.get("quantization") or {}
+        self.quant = {  # block -> part -> its segments, for the parts stored quantized
+            block: {part: seg for part, names in parts.items() if (seg := segments_for(names, quantization)) is not None}
+            for block, parts in self.layouts.items()
+        }
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any:
         """The runnable block `name` from its parts, already on `device`. `once`: built for one turn from a paged
         block's buffers, so its weights stay as read (rewriting them into panels would cost a pass every step);
         a block that stays takes its f32 projections as panels (`Linear`), its parts rewritten in place."""
+        quant = self.quant[name]
         if name == "embed":
-            return Embed(parts["table"], self.dtype)
+            return Embed(parts["table"], self.dtype, quant["table"][0] if "table" in quant else None)
         if name == "head":
-            return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype)
+            return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype, quant.get("lm"))
         index = int(name.split(".", 1)[1])
-        return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, device, panels=not once)
+        return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, device, panels=not once, quant=quant)
 
     def begin(self, positions: torch.Tensor) -> RopeTables:
         """What every block of a forward over `positions` [T] reads: the RoPE tables."""

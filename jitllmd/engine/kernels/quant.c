@@ -1,0 +1,602 @@
+/* Projections over weights kept in GGUF's own block layout (ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+ * and their dequantization. A weight [N, K] is N rows of K / block_elems blocks, each as ggml lays it out.
+ *
+ * quant_rows: y[t, o] = sum_k x[t, k] * W[o, k], llama.cpp's way. Each x row is quantized once per call, per 32
+ * inputs, to int8 (d = amax / 127, q = round-to-nearest-even(x / d), d = 0 -> q = 0), d and d * sum(q) kept in f32.
+ * A row's weights go by groups of 8 x-blocks (eight 32-format blocks, or one K-format superblock), each unpacked
+ * once for up to GROUP x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
+ * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd) add up in int32 lanes that each belong to
+ * one x-block, then one conversion per group to f32, times each block's d_w * d_x, into a vector accumulator. A
+ * format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...) comes in as offset * (d_x * sum(q)).
+ * Signed weights (Q8_0, Q6_K's q - 32): AVX2 takes |w| against x * sign(w); VNNI x + 128 against w, less
+ * 128 * sum(w). Every (t, o) sums in one order whatever T is and however many threads run: a row's result does not
+ * depend on the rows beside it (nor on the build: the integer sums are exact, the f32 steps the same).
+ *
+ * The error bound against x @ dequant(W).T in exact arithmetic: rounding x to its int8 grid is the only rounding
+ * besides f32 sums, and |x_k - d_b q_k| <= d_b / 2, so
+ *     |y[t, o] - sum_k x[t, k] W[o, k]| <= sum_k |W[o, k]| * d_b(k) / 2 + e,
+ * d_b(k) = amax / 127 of x[t]'s 32-block holding k, e a few f32 ulps of the blocks' partial sums (for the offset
+ * formats those are up to d_w * q_max * sum |x| per block, not just sum |W x|).
+ *
+ * dequant_rows: the rows as f32 (or bf16, rounded to nearest even from the f32), bit for bit gguf.quants.dequantize
+ * (the same f32 operations in the same order: d * sc first, then * q, then the min; never fused into an FMA).
+ *
+ * x86-64 with AVX2, FMA and F16C; built with AVX-512 VL + VNNI + BW, the dot products are dpbusd and Q5's fifth
+ * bits masked moves. Built with rows.c; OpenMP is torch's own runtime.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define GROUP 8 /* x rows per pass over a weight row */
+#define QB 32   /* x is quantized per 32 inputs: one block of the 32-formats, a sub-block of the K-formats */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_BW 1
+#endif
+
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int is_k(int type) { return type >= Q4_K; }
+static inline int64_t block_elems(int type) { return is_k(type) ? 256 : 32; }
+/* formats whose weights are d * (code - offset) or d * code + m: their offset term rides on x's d * sum(q) */
+static inline int has_offset(int type) { return type != Q8_0 && type != Q6_K; }
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float f16(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* v as it is: stops the compiler fusing a product into a following add (gguf rounds both). */
+static inline __m256 settled(__m256 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* ---- one x-block's 32 weight codes as bytes, in element order (for dequantizing) ---- */
+
+/* 16 bytes of nibbles: low nibbles are elements 0..15, high nibbles 16..31 */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+/* 0x10 in byte j where bit j of `bits` is set: Q5's fifth bit */
+static inline __m256i bits32(uint32_t bits) {
+#ifdef HAVE_BW
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* A 32-format block's codes: unsigned (0..15, 0..31) or, for Q8_0, the signed int8 values. */
+static inline __m256i codes32(int type, const uint8_t *b) {
+    switch (type) {
+    case Q4_0: return nibbles32(b + 2);
+    case Q4_1: return nibbles32(b + 4);
+    case Q5_0: return _mm256_or_si256(nibbles32(b + 6), bits32(rd32(b + 2)));
+    case Q5_1: return _mm256_or_si256(nibbles32(b + 8), bits32(rd32(b + 4)));
+    default: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+}
+
+/* bits `shift` .. of every byte moved to bit 4 .., kept under `mask` */
+static inline __m256i bits_to_4(__m256i v, int shift, char mask) {
+    return _mm256_and_si256(shift <= 4 ? _mm256_slli_epi16(v, 4 - shift) : _mm256_srli_epi16(v, shift - 4), _mm256_set1_epi8(mask));
+}
+
+/* Q4_K / Q5_K sub-block j (0..7) of a superblock b: 2c's codes are the low nibbles of qs[32c..], 2c+1's the high;
+ * Q5_K's fifth bit of element l is bit j of qh[l]. Unsigned, 0..31. */
+static inline __m256i codes_k(int type, const uint8_t *b, int j) {
+    const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+    const __m256i lo = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    if (type == Q4_K) return lo;
+    return _mm256_or_si256(lo, bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 16)), j, 0x10));
+}
+
+/* Q6_K's elements 32j .. 32j + 31 as q - 32 (signed): half h = j / 4 of the superblock holds ql[64h ..], qh[32h ..];
+ * its quarter i = j % 4 takes ql[64h + 32 (i & 1) + l]'s low (i < 2) or high nibble and bits 2i, 2i + 1 of qh[32h + l]. */
+static inline __m256i codes_q6k(const uint8_t *b, int j) {
+    const int h = j / 4, i = j % 4;
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (i & 1)));
+    const __m256i lo = _mm256_and_si256(i < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
+    const __m256i hi = bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * i, 0x30);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+/* Q4_K / Q5_K's eight 6-bit scales and mins (llama.cpp's get_scale_min_k4, unpacked four at a time as it does),
+ * times d and dmin: the sub-blocks' d * sc and dmin * m. */
+static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t sc_lo = u[0] & 0x3f3f3f3f, m_lo = u[1] & 0x3f3f3f3f;
+    const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const __m128i v = _mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo);
+    *dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+
+/* ---- the layout the dot products run in ----
+ *
+ * A group of 8 x-blocks (256 inputs: 8 blocks of a 32-format, or one K-format superblock) unpacks into NV = 8
+ * vectors of 32 weight codes whose 4-byte lanes each hold 4 codes of ONE x-block: lane L of vector v is elements
+ * e .. e + 3 of x-block b (x_lane). x is stored in the same order, so the products of matching vectors add up in
+ * int32 lanes that each belong to one x-block over the whole group: one conversion and one FMA per accumulator, row
+ * and group, instead of one per block. The 32-formats have one accumulator (lane L: block L); the K-formats two
+ * (Q4_K, Q5_K: blocks 0 2 4 6 and 1 3 5 7; Q6_K: 0 1 4 5 and 2 3 6 7, lanes L and L + 4 of a block its halves). */
+#define NV 8
+#define GB 256 /* x codes per group */
+
+static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
+
+static inline void x_lane(int type, int v, int L, int *block, int *elem) {
+    static const int q6k[4] = {0, 1, 4, 5};
+    if (!is_k(type)) {
+        *block = L, *elem = 4 * v;
+        return;
+    }
+    *elem = 4 * (v / 2) + 16 * (L / 4);
+    *block = type == Q6_K ? q6k[L % 4] + 2 * (v & 1) : 2 * (L % 4) + (v & 1);
+}
+
+/* the x-block of accumulator a's lane L (vector a's: the K-formats' vector v feeds accumulator v & 1) */
+static inline int acc_block(int type, int a, int L) {
+    int block, elem;
+    x_lane(type, a, L, &block, &elem);
+    return block;
+}
+
+/* With VNNI the signed-weight formats take x + 128 as dpbusd's unsigned operand and subtract 128 * sum(w): exact,
+ * without the sign trick's per-row work. */
+static inline int x_biased(int type) {
+#ifdef HAVE_VNNI
+    return type == Q8_0 || type == Q6_K;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* ---- x: quantized per 32 inputs ---- */
+
+/* 32 floats -> int8 codes in element order; *d = amax / 127, *sum = sum of the codes */
+static inline __m256i quantize_block(const float *x, float *d, int *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 0x55));
+    *d = _mm_cvtss_f32(m) / 127.0f;
+    const float id = *d != 0.0f ? 1.0f / *d : 0.0f;
+    __m256i i32[4];
+    for (int i = 0; i < 4; i++) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id))); /* nearest, ties to even */
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *sum = _mm_cvtsi128_si32(s4);
+    /* packs interleave the 128-bit lanes: the permute puts the 32 bytes back in order */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* One x row of nb blocks, laid out for `type` in ng groups: codes xq (GB bytes a group), each group's block d in
+ * accumulator-lane order (xd: 16 floats) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
+static void quantize_row(int type, const float *x, int64_t nb, int64_t ng, int8_t *xq, float *xd, float *xs) {
+    int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
+    for (int v = 0; v < NV; v++)
+        for (int L = 0; L < 8; L++) {
+            int block, elem;
+            x_lane(type, v, L, &block, &elem);
+            at[block][elem / 4] = 32 * v + 4 * L;
+        }
+    const __m256i bias = _mm256_set1_epi8(x_biased(type) ? (char)0x80 : 0);
+    for (int64_t g = 0; g < ng; g++) {
+        float d[8] = {0};
+        int8_t *xg = xq + g * GB;
+        memset(xg, x_biased(type) ? 0x80 : 0, GB);
+        for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
+            int sum;
+            int8_t codes[QB];
+            _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(x + (8 * g + j) * QB, &d[j], &sum), bias));
+            for (int c = 0; c < 8; c++) memcpy(xg + at[j][c], codes + 4 * c, 4);
+            xs[8 * g + j] = d[j] * (float)sum;
+        }
+        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[8 * g + j] = 0.0f;
+        for (int a = 0; a < 2; a++)
+            for (int L = 0; L < 8; L++) xd[16 * g + 8 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
+    }
+}
+
+/* ---- a group of weights, unpacked once for all the rows ---- */
+
+typedef struct {
+    __m256i w[NV];   /* codes: unsigned (the 4- and 5-bit formats) or signed (Q8_0, Q6_K's q - 32) */
+    __m256i aw[NV];  /* without VNNI, signed formats: |w|, against x * sign(w) */
+    __m256i sc[2];   /* Q6_K: each lane's 16-element scale, per accumulator (int16 pairs; int32 with VNNI) */
+    __m256 dw[2];    /* d_w (Q4_K, Q5_K: d * sc) per accumulator lane */
+    __m256 off;      /* offset coefficient per x-block, in block order: -8 d, m, -16 d, -dmin * m */
+    __m256i corr[2]; /* with VNNI, signed formats: 128 * each lane's sum of weights, per accumulator */
+} group_t;
+
+/* In-lane 4 x 4 transpose of 32-bit lanes: v[k]'s lanes 0-3 are lane k of y[0..3]'s low halves, 4-7 of their high. */
+static inline void transpose4(const __m256i *y, __m256i *v) {
+    const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+static inline __m256i load_pair(const uint8_t *lo, const uint8_t *hi) {
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)hi), _mm_loadu_si128((const __m128i *)lo));
+}
+
+/* Q5_0 / Q5_1: 0x10 in byte e of lane L where bit 4v + e of h's lane L (block L's qh) is set */
+static inline __m256i q5_bits(__m256i h, int v) {
+    const __m256i pick = _mm256_add_epi8(_mm256_set1_epi8((char)(v / 2)), _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404,
+                                                                                          0x08080808, 0x0c0c0c0c));
+    const __m256i s = _mm256_shuffle_epi8(h, pick), bit = _mm256_set1_epi32(v & 1 ? (int)0x80402010 : 0x08040201);
+#ifdef HAVE_BW
+    return _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(s, bit), _mm256_set1_epi8(0x10));
+#else
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(s, bit), bit), _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* Q5_K: the fifth bits for vectors 2i, 2i + 1 (lane L: sub-blocks 2 (L % 4) and 2 (L % 4) + 1, elements l of dword
+ * i + 4 (L / 4)): bits 2 (L % 4) and 2 (L % 4) + 1 of qh[l], moved to bit 4. */
+#define Q5K_BITS(i)                                                                                                  \
+    {                                                                                                                \
+        const __m256i s = _mm256_srlv_epi32(_mm256_shuffle_epi32(qh, (i) * 0x55), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)); \
+        g->w[2 * (i)] = _mm256_or_si256(g->w[2 * (i)], _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x10)));    \
+        g->w[2 * (i) + 1] = _mm256_or_si256(g->w[2 * (i) + 1], _mm256_and_si256(_mm256_slli_epi32(s, 3), _mm256_set1_epi8(0x10))); \
+    }
+
+/* Q6_K: vectors 2i, 2i + 1 from ql's nibbles and qh's bit pairs (g: qh's dwords for lane L's half), as q - 32 */
+#define Q6K_CODES(i, G)                                                                                               \
+    {                                                                                                                 \
+        const __m256i s = _mm256_srlv_epi32(G, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));                            \
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v[i], low4), _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x30))); \
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4), _mm256_and_si256(s, _mm256_set1_epi8(0x30)));  \
+        g->w[2 * (i)] = _mm256_sub_epi8(lo, _mm256_set1_epi8(32));                                                    \
+        g->w[2 * (i) + 1] = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));                                                \
+    }
+
+static const uint8_t zero_block[34]; /* what a row's short last group reads for its missing blocks */
+
+/* The group at b: one K-format superblock, or m 32-format blocks `bytes` apart (m < 8: a row's last group, the rest
+ * read as zero blocks; m is a constant 8 for the others, so the choice folds away). */
+static inline __attribute__((always_inline)) void unpack_group(const int type, const uint8_t *b, int64_t bytes, const int m, group_t *g) {
+#define BLK(j) ((j) < m ? b + (j) * bytes : zero_block)
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i y[4], v[4];
+    if (type == Q4_K || type == Q5_K) {
+        __m256 dsc, dmin_m;
+        k_scales(b, &dsc, &dmin_m);
+        g->off = _mm256_sub_ps(_mm256_setzero_ps(), dmin_m);
+        g->dw[0] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+        g->dw[1] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+        const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        transpose4(y, v);
+        for (int i = 0; i < 4; i++) {
+            g->w[2 * i] = _mm256_and_si256(v[i], low4);
+            g->w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
+        }
+        if (type == Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            Q5K_BITS(0) Q5K_BITS(1) Q5K_BITS(2) Q5K_BITS(3)
+        }
+    } else if (type == Q6_K) {
+        g->dw[0] = g->dw[1] = _mm256_set1_ps(f16(b + 208));
+        for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
+        transpose4(y, v);
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
+        const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
+        Q6K_CODES(0, _mm256_shuffle_epi32(ulo, 0x50)) Q6K_CODES(1, _mm256_shuffle_epi32(ulo, 0xfa))
+        Q6K_CODES(2, _mm256_shuffle_epi32(uhi, 0x50)) Q6K_CODES(3, _mm256_shuffle_epi32(uhi, 0xfa))
+        /* lane L of accumulator a: sub-block 2 * block + L / 4 */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+#ifdef HAVE_VNNI
+        g->sc[0] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 8, 10, 1, 3, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
+        g->sc[1] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 6, 12, 14, 5, 7, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
+#else
+        g->sc[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)));
+        g->sc[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
+#endif
+    } else {
+        /* eight blocks: their d (and m) lane by lane (eight 2-byte stores read back as a vector would stall store
+         * forwarding), their codes transposed so that lane L is block L's */
+        __m128i hd = _mm_setzero_si128(), hm = _mm_setzero_si128();
+        const int with_m = type == Q4_1 || type == Q5_1;
+#define LANE(j)                                                      \
+    hd = _mm_insert_epi16(hd, rd16(BLK(j)), j);                      \
+    if (with_m) hm = _mm_insert_epi16(hm, rd16(BLK(j) + 2), j);
+        LANE(0) LANE(1) LANE(2) LANE(3) LANE(4) LANE(5) LANE(6) LANE(7)
+#undef LANE
+        g->dw[0] = _mm256_cvtph_ps(hd);
+        if (with_m) g->off = _mm256_cvtph_ps(hm);
+        else if (type == Q4_0) g->off = _mm256_mul_ps(g->dw[0], _mm256_set1_ps(-8.0f));
+        else if (type == Q5_0) g->off = _mm256_mul_ps(g->dw[0], _mm256_set1_ps(-16.0f));
+        if (type == Q8_0) {
+            for (int p = 0; p < 4; p++) y[p] = load_pair(BLK(p) + 2, BLK(p + 4) + 2);
+            transpose4(y, g->w);
+            for (int p = 0; p < 4; p++) y[p] = load_pair(BLK(p) + 18, BLK(p + 4) + 18);
+            transpose4(y, g->w + 4);
+        } else {
+            const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+            for (int p = 0; p < 4; p++) y[p] = load_pair(BLK(p) + qs, BLK(p + 4) + qs);
+            transpose4(y, v);
+            for (int k = 0; k < 4; k++) {
+                g->w[k] = _mm256_and_si256(v[k], low4);
+                g->w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low4);
+            }
+            if (type == Q5_0 || type == Q5_1) {
+                const int qh = type == Q5_0 ? 2 : 4;
+                const __m256i h = _mm256_setr_epi32((int)rd32(BLK(0) + qh), (int)rd32(BLK(1) + qh), (int)rd32(BLK(2) + qh), (int)rd32(BLK(3) + qh),
+                                                    (int)rd32(BLK(4) + qh), (int)rd32(BLK(5) + qh), (int)rd32(BLK(6) + qh), (int)rd32(BLK(7) + qh));
+                for (int k = 0; k < NV; k++) g->w[k] = _mm256_or_si256(g->w[k], q5_bits(h, k));
+            }
+        }
+    }
+#ifdef HAVE_VNNI
+    if (type == Q8_0 || type == Q6_K) {
+        for (int a = 0; a < num_acc(type); a++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = a; k < NV; k += num_acc(type)) sum = _mm256_dpbusd_epi32(sum, _mm256_set1_epi8(1), g->w[k]);
+            g->corr[a] = _mm256_slli_epi32(sum, 7);
+        }
+    }
+#else
+    if (type == Q8_0 || type == Q6_K)
+        for (int k = 0; k < NV; k++) g->aw[k] = _mm256_abs_epi8(g->w[k]);
+#endif
+#undef BLK
+}
+
+/* A row's products with the group: per accumulator, each lane's int32 sum -> f32 (exact: under 2^24) * d_w * d_x;
+ * the first accumulator's start from the offset term; the two added. xg: the row's codes for the group, d: its
+ * d per accumulator lane, os: offset * its d * sum(q). Without VNNI the maddubs pairs add up in int16 as far as they
+ * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q6_K's |q - 32| <= 32 4, Q8_0's 1).
+ * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
+ * two vectors at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves.) */
+static inline __attribute__((always_inline)) __m256 group_dot(const int type, const group_t *g, const int8_t *xg, const float *d, __m256 os) {
+    const int na = num_acc(type);
+#define X(k) _mm256_loadu_si256((const __m256i *)(xg + 32 * (k)))
+    __m256 part[2];
+    for (int a = 0; a < na; a++) {
+        __m256i s = _mm256_setzero_si256();
+#ifdef HAVE_VNNI
+        const int sign = type == Q8_0 || type == Q6_K;
+        for (int k = a; k < NV; k += na) s = sign ? _mm256_dpbusd_epi32(s, X(k), g->w[k]) : _mm256_dpbusd_epi32(s, g->w[k], X(k));
+        if (sign) s = _mm256_sub_epi32(s, g->corr[a]);
+        if (type == Q6_K) s = _mm256_mullo_epi32(s, g->sc[a]);
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        if (type == Q8_0) {
+            for (int k = 0; k < NV; k++) s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
+        } else if (type == Q6_K) {
+            __m256i s16 = _mm256_setzero_si256();
+            for (int k = a; k < NV; k += na) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])));
+            s = _mm256_madd_epi16(s16, g->sc[a]);
+        } else {
+            const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
+            for (int k0 = a; k0 < NV; k0 += run * na) {
+                __m256i s16 = _mm256_setzero_si256();
+                for (int k = k0; k < NV && k < k0 + run * na; k += na) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], X(k)));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+            }
+        }
+#endif
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + 8 * a)), a == 0 ? os : _mm256_setzero_ps());
+    }
+    return na == 1 ? part[0] : _mm256_add_ps(part[0], part[1]);
+#undef X
+}
+
+/* The n rows (n, type constants) against group g, added to their accumulators. Row t's codes start at
+ * xq + t * ng * GB, its d at xd + t * ng * 16, its d * sum(q) at xs + t * ng * 8. */
+static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const group_t *grp, int64_t g, int64_t ng,
+                                                             const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
+    for (int t = 0; t < n; t++) {
+        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + (t * ng + g) * 8)) : _mm256_setzero_ps();
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + (t * ng + g) * GB, xd + (t * ng + g) * 16, os));
+    }
+}
+
+/* One weight row w (nb x-blocks, ng groups) against n x rows (n and type constants at each call site, so the loops
+ * unroll): y[t * ldy] for t < n. */
+static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng,
+                                                           const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy) {
+    const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
+    __m256 acc[GROUP];
+    group_t grp;
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full; g++) {
+        unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
+        group_rows(type, n, &grp, g, ng, xq, xd, xs, acc);
+    }
+    if (full < ng) { /* a 32-format row's short last group */
+        unpack_group(type, w + 8 * full * bytes, bytes, (int)(nb - 8 * full), &grp);
+        group_rows(type, n, &grp, full, ng, xq, xd, xs, acc);
+    }
+    for (int t = 0; t < n; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *, int64_t, int64_t);
+
+/* One weight row against all T x rows, GROUP at a time. */
+#define ROW_FN(NAME, TYPE)                                                                                                 \
+    static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
+                     int64_t ldy, int64_t T) {                                                                             \
+        for (int64_t t0 = 0; t0 < T; t0 += GROUP) {                                                                        \
+            const int8_t *q = xq + t0 * ng * GB;                                                                           \
+            const float *d = xd + t0 * ng * 16, *s = xs + t0 * ng * 8;                                                     \
+            float *yt = y + t0 * ldy;                                                                                      \
+            switch (T - t0 < GROUP ? T - t0 : GROUP) {                                                                     \
+            case 1: dot_rows(TYPE, 1, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 2: dot_rows(TYPE, 2, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 3: dot_rows(TYPE, 3, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 4: dot_rows(TYPE, 4, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 5: dot_rows(TYPE, 5, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 6: dot_rows(TYPE, 6, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            case 7: dot_rows(TYPE, 7, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
+            default: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy); break;                                                \
+            }                                                                                                              \
+        }                                                                                                                  \
+    }
+
+ROW_FN(row_q4_0, Q4_0)
+ROW_FN(row_q4_1, Q4_1)
+ROW_FN(row_q5_0, Q5_0)
+ROW_FN(row_q5_1, Q5_1)
+ROW_FN(row_q8_0, Q8_0)
+ROW_FN(row_q4_k, Q4_K)
+ROW_FN(row_q5_k, Q5_K)
+ROW_FN(row_q6_k, Q6_K)
+
+static row_fn row_kernel(int type) {
+    switch (type) {
+    case Q4_0: return row_q4_0;
+    case Q4_1: return row_q4_1;
+    case Q5_0: return row_q5_0;
+    case Q5_1: return row_q5_1;
+    case Q8_0: return row_q8_0;
+    case Q4_K: return row_q4_k;
+    case Q5_K: return row_q5_k;
+    case Q6_K: return row_q6_k;
+    default: return NULL;
+    }
+}
+
+/* y[t * ldy + o] = x[t] . W[o] for x [T, K] f32 contiguous, W N rows of `type` (K a multiple of its block), y's
+ * rows ldy floats apart. Returns 0, -1 without memory for x's codes, -2 for a type it does not know. */
+int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int threads) {
+    const row_fn fn = row_kernel(type);
+    if (!fn) return -2;
+    const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
+    char *buf = malloc((size_t)(T * ng) * (GB + 24 * sizeof(float)));
+    if (!buf) return -1;
+    int8_t *xq = (int8_t *)buf;
+    float *xd = (float *)(buf + T * ng * GB), *xs = xd + T * ng * 16;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < T; t++) quantize_row(type, x + t * K, nb, ng, xq + t * ng * GB, xd + t * ng * 16, xs + t * ng * 8);
+        _Pragma("omp for schedule(static)")
+        for (int64_t o = 0; o < N; o++) fn(W + o * row_bytes, nb, ng, xq, xd, xs, y + o, ldy, T);
+    }
+    free(buf);
+    return 0;
+}
+
+/* ---- dequantization ---- */
+
+/* f32 -> bf16, to nearest even (NaN stays a quiet NaN) */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* 32 values a * q (+ b where with_b) from signed codes q, a_lo for elements 0..15 and a_hi for 16..31, to out
+ * (f32, or bf16 where bf16) at element `at`. */
+static inline void emit32(__m256i q, __m256 a_lo, __m256 a_hi, __m256 b, int with_b, void *out, int64_t at, int bf16) {
+    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int c = 0; c < 4; c++) {
+        const __m128i bytes = c & 1 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
+        __m256 v = settled(_mm256_mul_ps(c < 2 ? a_lo : a_hi, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+        if (with_b) v = _mm256_add_ps(v, b);
+        if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)out + at + 8 * c), bf16x8(v));
+        else _mm256_storeu_ps((float *)out + at + 8 * c, v);
+    }
+}
+
+/* One row (type a constant at each call site) to out at element `at`. */
+static inline __attribute__((always_inline)) void dequant_row(const int type, const uint8_t *w, int64_t K, void *out, int64_t at, int bf16) {
+    const int64_t bytes = block_bytes(type);
+    if (type == Q4_K || type == Q5_K || type == Q6_K) {
+        for (int64_t s = 0; s < K / 256; s++, at += 256) {
+            const uint8_t *b = w + s * bytes;
+            float dsc[8], dmin_m[8];
+            if (type == Q6_K) {
+                const float d = f16(b + 208);
+                for (int j = 0; j < 8; j++) {
+                    const __m256 lo = _mm256_set1_ps(d * (float)(int8_t)b[192 + 2 * j]), hi = _mm256_set1_ps(d * (float)(int8_t)b[193 + 2 * j]);
+                    emit32(codes_q6k(b, j), lo, hi, lo, 0, out, at + 32 * j, bf16);
+                }
+                continue;
+            }
+            __m256 a, m;
+            k_scales(b, &a, &m);
+            _mm256_storeu_ps(dsc, a);
+            _mm256_storeu_ps(dmin_m, _mm256_sub_ps(_mm256_setzero_ps(), m)); /* d q - dmin m = d q + (-(dmin m)) exactly */
+            for (int j = 0; j < 8; j++) {
+                const __m256 aj = _mm256_set1_ps(dsc[j]);
+                emit32(codes_k(type, b, j), aj, aj, _mm256_set1_ps(dmin_m[j]), 1, out, at + 32 * j, bf16);
+            }
+        }
+        return;
+    }
+    for (int64_t j = 0; j < K / QB; j++, at += QB) {
+        const uint8_t *b = w + j * bytes;
+        const __m256 d = _mm256_set1_ps(f16(b));
+        __m256i q = codes32(type, b);
+        if (type == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        if (type == Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        const int with_m = type == Q4_1 || type == Q5_1;
+        emit32(q, d, d, with_m ? _mm256_set1_ps(f16(b + 2)) : d, with_m, out, at, bf16);
+    }
+}
+
+/* W's N rows of `type` (K a multiple of its block) -> out [N, K] f32, or bf16 where bf16. Returns 0, or -2 for a
+ * type it does not know. */
+int dequant_rows(const uint8_t *W, void *out, int64_t N, int64_t K, int type, int bf16, int threads) {
+    if (!block_bytes(type)) return -2;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t o = 0; o < N; o++) {
+        const uint8_t *w = W + o * row_bytes;
+        switch (type) {
+        case Q4_0: dequant_row(Q4_0, w, K, out, o * K, bf16); break;
+        case Q4_1: dequant_row(Q4_1, w, K, out, o * K, bf16); break;
+        case Q5_0: dequant_row(Q5_0, w, K, out, o * K, bf16); break;
+        case Q5_1: dequant_row(Q5_1, w, K, out, o * K, bf16); break;
+        case Q8_0: dequant_row(Q8_0, w, K, out, o * K, bf16); break;
+        case Q4_K: dequant_row(Q4_K, w, K, out, o * K, bf16); break;
+        case Q5_K: dequant_row(Q5_K, w, K, out, o * K, bf16); break;
+        default: dequant_row(Q6_K, w, K, out, o * K, bf16); break;
+        }
+    }
+    return 0;
+}

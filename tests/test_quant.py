@@ -1,0 +1,227 @@
+"""Quantized weights: the block formats against gguf's own reference, the quantizers, and tiny models kept quantized
+against the same weights dequantized to f32 (prompt at once, token by token, packed rows), on every kernel path."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from jitllmd.engine import kernels
+from jitllmd.engine.convert import ConvertError, convert
+from jitllmd.engine.jlm import JLMFile, TensorSpec, write_jlm
+from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.layers import quant as q
+from jitllmd.engine.loader import load_model
+
+from .conftest import write_tiny_gguf, write_tiny_llama
+from .test_models import _run  # logits of every token, fed chunk by chunk through one session
+
+T = gguf.GGMLQuantizationType
+GGUF_WRITES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf-py quantizes these; the K-quants it only reads
+
+
+def _blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """rows x k weights in format `name` as bytes [rows, row bytes]: gguf's quantizer where it has one, else random
+    blocks with sane f16 scales (every bit pattern of the rest is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if name in GGUF_WRITES:
+        return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), T[name])
+    fmt = q.FORMATS[name]
+    b = rng.integers(0, 256, (rows * k // fmt.block, fmt.nbytes), dtype=np.uint8)
+    for at in ([208] if name == "Q6_K" else [0, 2]):
+        b[:, at : at + 2] = rng.uniform(0.01, 0.1, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", list(q.FORMATS))
+def test_reference_dequantize_matches_gguf(name: str) -> None:
+    b = _blocks(name, 6, 512)
+    want = gguf.quants.dequantize(b, T[name]).reshape(6, 512)
+    got = q.dequantize(torch.from_numpy(b), q.FORMATS[name], 6, 512)
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0"])
+def test_quantizers_write_what_llama_cpp_writes(name: str) -> None:
+    w = np.random.default_rng(1).standard_normal((40, 256)).astype(np.float32)
+    w[3] = 0  # an all-zero row: scale 0
+    assert np.array_equal(q.quantize(torch.from_numpy(w), name).numpy(), gguf.quants.quantize(w, T[name]))
+
+
+def test_q4_k_quantizer_writes_blocks_gguf_reads() -> None:
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
+    w[5] = 0
+    b = q.quantize(w, "Q4_K")
+    assert b.shape == (64, 2 * 144)
+    back = torch.from_numpy(gguf.quants.dequantize(b.numpy(), T.Q4_K)).reshape(64, 512)
+    assert torch.equal(back, q.dequantize(b, q.FORMATS["Q4_K"], 64, 512))
+    assert torch.equal(back[5], torch.zeros(512))
+    err = ((back - w).pow(2).mean() / w.pow(2).mean()).sqrt()
+    q4_0 = q.dequantize(q.quantize(w, "Q4_0"), q.FORMATS["Q4_0"], 64, 512)
+    assert err < ((q4_0 - w).pow(2).mean() / w.pow(2).mean()).sqrt() < 0.1  # a fitted scale and min beat Q4_0's
+
+
+def test_quantize_needs_rows_its_block_divides() -> None:
+    with pytest.raises(ValueError, match="not a multiple of its 256-weight block"):
+        q.quantize(torch.zeros(4, 96), "Q4_K")
+
+
+# -- tiny models kept quantized ----------------------------------------------------------------------------------------
+
+# a llama.cpp-style mix over one model: q, k and v of three types stack into one projection, as Q4_K_M files do
+MIX = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_1", "ffn_up": "Q5_0",
+       "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1"}
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}  # K-quant rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    narrow_dir, narrow = write_tiny_llama(d / "narrow")
+    wide_dir, _ = write_tiny_llama(d / "wide", tie_word_embeddings=True, **WIDE)
+    return {"narrow": (narrow_dir, narrow), "wide_dir": wide_dir, "d": d}
+
+
+CASES = ["gguf-mix", "q8_0", "q4_0", "q4_k"]
+
+
+def _dequantized(path, out):
+    """The same .jlm with every quantized tensor dequantized to f32: the reference a quantized model is held to."""
+    jlm = JLMFile(path)
+    quant = jlm.meta["quantization"]
+    specs = []
+    for name in jlm.names:
+        t = jlm.tensor(name)
+        if name in quant:
+            fmt, (n, k) = q.FORMATS[quant[name]["type"]], quant[name]["shape"]
+            specs.append(TensorSpec(name, torch.float32, (n, k), lambda t=t, fmt=fmt, n=n, k=k: q.dequantize(t, fmt, n, k)))
+        else:
+            specs.append(TensorSpec(name, t.dtype, tuple(t.shape), lambda t=t: t.clone()))
+    meta = {k: v for k, v in jlm.meta.items() if k != "format_version"} | {"quantization": {}}
+    write_jlm(out, specs, meta)
+    return out
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tiny):
+    d = tiny["d"]
+    if request.param == "gguf-mix":
+        hf_dir, model = tiny["narrow"]
+        src = write_tiny_gguf(d / "mix.gguf", hf_dir, model, quant=MIX)
+        result = convert(src, d / "mix.jlm")  # auto: a quantized GGUF keeps its blocks
+    else:
+        result = convert(tiny["wide_dir"], d / f"{request.param}.jlm", request.param)
+    ref = _dequantized(result.path, d / f"{request.param}-f32.jlm")
+    return request.param, result, ref
+
+
+@pytest.fixture(params=kernels.variants() + ["reference"] if kernels.rows_kernel() is not None else ["reference"])
+def path(request, monkeypatch):
+    """Each compiled variant this CPU runs, and the torch reference (dequantize, then multiply)."""
+    if request.param == "reference":
+        monkeypatch.setattr(q, "rows_kernel", lambda: None)
+    else:
+        kernels.use_variant(request.param)
+    yield request.param
+    kernels.use_variant(None)
+
+
+PROMPT = [5, 17, 33, 2, 64, 80, 11, 11, 42, 9, 90, 3, 27, 14, 15, 60, 61, 62, 8, 19, 21, 70, 71, 4]
+
+
+def test_kept_blocks_are_the_gguf_s_own_bytes(tiny) -> None:
+    hf_dir, model = tiny["narrow"]
+    src = write_tiny_gguf(tiny["d"] / "mix-bytes.gguf", hf_dir, model, quant=MIX)
+    result = convert(src, tiny["d"] / "mix-bytes.jlm")
+    jlm, reader = JLMFile(result.path), gguf.GGUFReader(src)
+    quant = jlm.meta["quantization"]
+    assert quant["blocks.0.self_attn.v_proj.weight"] == {"type": "Q8_0", "shape": [32, 64]}
+    assert {e["type"] for e in quant.values()} == set(MIX.values())
+    assert result.types == {"F32": 5, "Q8_0": 3, "Q4_0": 4, "Q5_0": 4, "Q4_1": 3, "Q5_1": 2}
+    for t in reader.tensors:
+        if t.name in ("blk.1.attn_v.weight", "blk.1.ffn_down.weight", "token_embd.weight", "output.weight"):
+            name = {"blk.1.attn_v.weight": "blocks.1.self_attn.v_proj.weight", "blk.1.ffn_down.weight": "blocks.1.mlp.down_proj.weight",
+                    "token_embd.weight": "embed.weight", "output.weight": "head.lm_head.weight"}[t.name]
+            assert np.array_equal(jlm.tensor(name).numpy().reshape(-1), np.asarray(t.data).reshape(-1))
+    weights = sum(int(t.n_bytes) for t in reader.tensors)
+    assert sum(jlm.locate(n)[3] for n in jlm.names) == weights  # not a byte more than the GGUF's tensors
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: each 32 inputs rounded (to nearest even) to an int8 grid of step d = amax / 127,
+    computed as the kernels compute it (x * (1 / d) in f32)."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+    return (torch.round(b * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("feed", ["at once", "token by token"])
+def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
+    """Decode rows (short rows): the kernels quantize x to int8 per 32 inputs, and that is their only rounding beside
+    f32 sums: every such product equals the reference's on the same input so rounded (checked call by call: a 1-ulp
+    difference upstream may move a later rounding by one step, and a model amplifies it), and the logits stay near
+    the f32 model's, greedy mostly the same. A prompt chunk (more than MAX_ROWS tokens) is multiplied exactly up to
+    its logits: the f32 model's. The reference path is the f32 model's sums throughout."""
+    name, result, ref = case
+    want = _run(load_model(ref, max_seq=64), [PROMPT])
+    scale = want.abs().max()
+    run, calls = q.QuantLinear._run, {True: [], False: []}
+
+    def checked(self, x, exact):
+        y = run(self, x, exact)
+        if path != "reference":
+            xs = x if exact else _int8_rows(x)
+            rounded = torch.cat([xs @ q.dequantize(w, s.fmt, s.rows, s.k).t() for s, w in zip(self.segments, self.views)], 1)
+            calls[exact].append(((y - rounded).abs().max() / rounded.abs().max()).item())
+        return y
+
+    monkeypatch.setattr(q.QuantLinear, "_run", checked)
+    got = _run(load_model(result.path, max_seq=64), [PROMPT] if feed == "at once" else [[t] for t in PROMPT])
+    if path == "reference":
+        assert (got - want).abs().max() / scale < 1e-5
+        return
+    if feed == "at once":  # a prompt chunk: exact up to its logits
+        assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 1e-5 and not calls[False]
+        assert (got - want).abs().max() / scale < 1e-5
+    else:
+        assert not calls[True] and len(calls[False]) == len(PROMPT) * (4 * 2 + 1) and max(calls[False]) < 1e-5
+    assert (got - want).abs().max() / scale < 0.1
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75  # near-flat logits of a random model: the real ones agree at >= 97%
+
+
+def test_packed_rows_equal_rows_alone(case, path) -> None:
+    """Two sessions' decode rows in one step against each alone."""
+    name, result, _ = case
+    loaded = load_model(result.path, max_seq=64)
+    a, b = loaded.new_kv(), loaded.new_kv()
+    alone = []
+    for kv, ids in ((a, PROMPT[:5]), (b, PROMPT[7:10])):
+        loaded.runner.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
+    solo_a, solo_b = loaded.new_kv(), loaded.new_kv()
+    for kv, ids in ((solo_a, PROMPT[:5]), (solo_b, PROMPT[7:10])):
+        loaded.runner.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
+    for kv, t in ((solo_a, 50), (solo_b, 51)):
+        alone.append(loaded.runner.forward(torch.tensor([t]), torch.tensor([kv.length]), [RowSpan(0, 1, kv)])[-1])
+    packed = loaded.runner.forward(torch.tensor([50, 51]), torch.tensor([a.length, b.length]), [RowSpan(0, 1, a), RowSpan(1, 1, b)])
+    if path == "reference":  # torch's GEMM may sum two rows in another order than one
+        torch.testing.assert_close(packed, torch.stack(alone), rtol=1e-5, atol=1e-5)
+    else:  # the kernels sum each (row, output) one way whatever the rows beside it
+        assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1])
+
+
+def test_convert_quantizes_with_fallbacks(tiny) -> None:
+    """Rows of 64 inputs take no 256-weight block: -dtype q4_k falls back to Q5_0 there, and says so."""
+    hf_dir, _ = tiny["narrow"]
+    result = convert(hf_dir, tiny["d"] / "narrow-q4k.jlm", "q4_k")
+    quant = JLMFile(result.path).meta["quantization"]
+    assert quant["head.lm_head.weight"]["type"] == "Q8_0"
+    assert quant["blocks.0.mlp.down_proj.weight"]["type"] == "Q5_0"  # 96 inputs: three 32-weight blocks
+    assert any("not Q4_K" in note for note in result.notes)
+
+
+def test_an_encoder_is_not_quantized(minilm_dir, tmp_path) -> None:
+    with pytest.raises(ConvertError, match="embedding model is stored as floats"):
+        convert(minilm_dir, tmp_path / "e.jlm", "q8_0")

@@ -1,0 +1,162 @@
+"""quant.c against gguf's own numpy dequantization: every type, on every kernel variant this CPU runs; where builds are kept."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from jitllmd.engine import kernels
+from jitllmd.engine.kernels import QUANT_TYPES, dequant_rows, describe, quant_rows, rows_kernel, use_variant, variants
+
+pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA/F16C here: the engine runs torch's ops")
+
+N = 37  # output rows: not a multiple of 8 (a row group) nor of 2 or 3 (threads)
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+@pytest.fixture(params=variants())
+def variant(request: pytest.FixtureRequest) -> Iterator[str]:
+    use_variant(request.param)
+    yield request.param
+    use_variant(None)
+
+
+def quantized(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of k weights as qtype's bytes [n, row bytes]: gguf's quantizer for the 32-formats; random bytes with
+    sane f16 scales (0.01 .. 0.1) for the K-formats, which gguf cannot quantize."""
+    rng = np.random.default_rng(seed)
+    if qtype < 12:
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(qtype))
+    elems, nbytes = BLOCKS[qtype]
+    raw = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (n, k // elems, 2)).astype(np.float16).view(np.uint8)  # [n, blocks, 4]: d, dmin
+    if qtype == 14:
+        raw[..., 208:210] = scales[..., :2]  # Q6_K: d last
+    else:
+        raw[..., 0:4] = scales  # Q4_K, Q5_K: d, dmin first
+    return raw.reshape(n, -1)
+
+
+def width(qtype: int) -> int:
+    return 352 if qtype < 12 else 512  # 11 blocks (a group of 8 and a short one); 2 superblocks
+
+
+def reference(wb: np.ndarray, qtype: int) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(wb, GGMLQuantizationType(qtype)))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_dequant_rows_is_gguf_bit_for_bit(variant: str, qtype: int) -> None:
+    wb = quantized(qtype, N, width(qtype), qtype)
+    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    got = dequant_rows(w, qtype, N, width(qtype))
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    bf = dequant_rows(w.reshape(-1), qtype, N, width(qtype), out=torch.empty(N, width(qtype), dtype=torch.bfloat16))
+    assert torch.equal(bf.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+
+
+def f32_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What f32 sums may add to the error: a few ulps of each 32-block's magnitude, taken as its largest |w| over all
+    its inputs (for the offset formats a block's partial sums run up to d_w * q_max * sum |x|)."""
+    block_max = w.abs().reshape(w.shape[0], -1, 32).amax(-1).repeat_interleave(32, 1)  # [N, K]
+    return 1e-5 * (x.abs() @ block_max.T) + 1e-6
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """quant.c's bound on |quant_rows - x @ w.T|: sum_k |w_ok| d(t, k) / 2, d x's int8 step per 32 inputs, plus f32 sums."""
+    rows, k = x.shape
+    step = (x.abs().reshape(rows, k // 32, 32).amax(-1) / 127).repeat_interleave(32, 1)  # [T, K]
+    return (step / 2) @ w.abs().T * (1 + 1e-5) + f32_sums(x, w)
+
+
+def on_int8_grid(x: torch.Tensor) -> torch.Tensor:
+    """x as quant.c rounds it: per 32 inputs d = amax / 127, q = round-half-even(x * (1 / d)), d * q (in f64)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d != 0, 1 / d, 0))
+    return (d.double() * q.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: int) -> None:
+    """Steps of 1 .. 17 rows (groups of 8 and their remainders), a zero row, the out= column-slice form, and each row's
+    result the same alone, among others, and on one thread."""
+    k = width(qtype)
+    wb = quantized(qtype, N, k, 100 + qtype)
+    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    g = torch.Generator().manual_seed(qtype)
+    for rows in (1, 3, 8, 9, 16, 17):
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
+        if rows > 2:
+            x[2] = 0
+        y = quant_rows(x, w, qtype, N)
+        assert y.dtype == torch.float32 and y.shape == (rows, N)
+        err = (y - F.linear(x, ref)).abs()
+        assert (err <= bound(x, ref)).all(), (err - bound(x, ref)).max()
+        exact = on_int8_grid(x) @ ref.double().T  # the same x codes, summed exactly: only f32 sums differ
+        assert ((y - exact).abs() <= f32_sums(x, ref)).all()
+        if rows > 2:
+            assert not y[2].any()
+        for r in (0, rows - 1):
+            assert torch.equal(quant_rows(x[r : r + 1], w, qtype, N)[0], y[r])
+        wide = torch.full((rows, N + 7), float("nan"))
+        assert quant_rows(x.bfloat16(), w, qtype, N, out=wide[:, 3 : 3 + N]).data_ptr() == wide[:, 3:].data_ptr()
+        assert torch.equal(wide[:, 3 : 3 + N], quant_rows(x.bfloat16(), w, qtype, N)) and wide[:, :3].isnan().all() and wide[:, 3 + N :].isnan().all()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(quant_rows(x, w, qtype, N), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_variants_agree_bit_for_bit() -> None:
+    """Integer sums are exact and the f32 steps the same on every variant: their results are identical."""
+    results = []
+    for v in variants():
+        use_variant(v)
+        try:
+            out = []
+            for qtype in QUANT_TYPES:
+                wb = torch.from_numpy(quantized(qtype, N, width(qtype), qtype))
+                out.append(quant_rows(torch.randn(5, width(qtype), generator=torch.Generator().manual_seed(qtype)), wb, qtype, N))
+            results.append(out)
+        finally:
+            use_variant(None)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_describe_names_the_variant_in_use(variant: str) -> None:
+    slug = re.sub(r"[^a-z0-9]+", "-", variant)
+    assert re.fullmatch(rf"{re.escape(variant)} \(kernels-{slug}-[0-9a-f]{{12}}\.so\)", describe())
+
+
+def test_a_build_replaces_only_its_own_variants_older_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variant keeps its build as kernels-<slug>-<hash>.so (a tiny source here, to build fast); a new build
+    removes that variant's older ones and no other's."""
+    source = tmp_path / "tiny.c"
+    source.write_text("int tiny(void) { return 1; }\n")
+    monkeypatch.setattr(kernels, "_SOURCES", [source])
+    monkeypatch.setattr(kernels, "_HEADERS", [])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    slugs = {v: re.sub(r"[^a-z0-9]+", "-", v) for v in variants()}
+    stale = [cache / f"kernels-{slug}-000000000000.so" for slug in slugs.values()]
+    for path in [*stale, cache / "kernels-other-000000000000.so"]:
+        path.write_bytes(b"")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    built = {v: kernels._build(cache, compiler, v) for v in variants()[:-1]}
+    assert all(re.fullmatch(rf"kernels-{slugs[v]}-[0-9a-f]{{12}}\.so", p.name) for v, p in built.items())
+    assert not any(p.exists() for p in stale[:-1]) and stale[-1].exists() and (cache / "kernels-other-000000000000.so").exists()
+    assert kernels._build(cache, compiler, variants()[-1]).exists() and not stale[-1].exists()
+    assert all(p.exists() and kernels._build(cache, compiler, v) == p for v, p in built.items())  # kept, and found again

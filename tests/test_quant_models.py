@@ -1,0 +1,115 @@
+"""The real models kept quantized: SmolLM2-135M (its Q4_1 + Q8_0 GGUF) and Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0,
+Q8_0, Q4_K, Q6_K) against the same engine on the same weights dequantized to f32, and their memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from jitllmd.engine.convert import convert
+from jitllmd.engine.engine import Engine
+from jitllmd.engine.jlm import JLMFile
+from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.loader import load_model
+from jitllmd.engine.request import Delta
+from jitllmd.engine.sampler import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were made. "
+    "Before it, scribes copied every page by hand, and a single volume could take months. Paper mills spread along the "
+    "rivers of Europe, and merchants carried the new books to fairs in distant cities, where scholars argued about them. "
+)
+
+
+@pytest.fixture(scope="module")
+def smol_kept(tmp_path_factory, smollm2_gguf):
+    return convert(smollm2_gguf, tmp_path_factory.mktemp("smolq") / "smollm2.jlm").path  # auto: kept quantized
+
+
+@pytest.fixture(scope="module")
+def qwen_f32(tmp_path_factory, qwen_gguf):
+    return convert(qwen_gguf, tmp_path_factory.mktemp("qwenf") / "qwen-f32.jlm", "f32").path
+
+
+def _greedy(path, n: int = 32) -> tuple[list[int], str]:
+    loaded = load_model(path, max_seq=512)
+    prompt = loaded.tokenizer.encode(loaded.chat.render(QUESTION, add_generation_prompt=True))
+    e = Engine(loaded).start()
+    try:
+        events = list(e.generate(prompt, SamplingParams(temperature=0), max_tokens=n))
+    finally:
+        e.stop()
+    deltas = [ev for ev in events if isinstance(ev, Delta)]
+    return [i for d in deltas for i in d.token_ids], "".join(d.text for d in deltas)
+
+
+def _teacher_forced(path, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position of `ids`, fed `chunk` tokens a step (<= 16: the kernels' few-row path)."""
+    loaded = load_model(path, max_seq=len(ids) + 1)
+    kv, out = loaded.new_kv(), []
+    for at in range(0, len(ids), chunk):
+        part = ids[at : at + chunk]
+        out.append(loaded.runner.forward(torch.tensor(part), torch.arange(at, at + len(part)), [RowSpan(0, len(part), kv)]))
+    return torch.cat(out)
+
+
+def _agreement(kept, f32, text: str, n: int = 256) -> float:
+    ids = load_model(kept, max_seq=8).tokenizer.encode(text * 4)[:n]
+    assert len(ids) == n
+    a, b = _teacher_forced(kept, ids, 8), _teacher_forced(f32, ids, n)
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+def test_smollm2_kept_quantized_answers_as_its_f32_weights(smol_kept, smollm2_jlm) -> None:
+    """The Q4_1 blocks (and the Q8_0 table) as stored: greedy 32 tokens equal to the dequantized f32 model's."""
+    assert {e["type"] for e in JLMFile(smol_kept).meta["quantization"].values()} == {"Q4_1", "Q8_0"}
+    ids, text = _greedy(smol_kept)
+    want_ids, want_text = _greedy(smollm2_jlm)
+    assert text == want_text == "The capital of France is Paris."
+    assert ids == want_ids
+
+
+def test_smollm2_teacher_forced_top1_agrees(smol_kept, smollm2_jlm) -> None:
+    assert _agreement(smol_kept, smollm2_jlm, TEXT) >= 0.97
+
+
+def test_qwen_q4_k_m_kept_quantized(qwen_jlm, qwen_f32) -> None:
+    """Q5_0, Q8_0, Q4_K and Q6_K rows, q/k/v of mixed types in one projection: the greedy answer equals the f32
+    model's, and teacher-forced top-1 agrees at >= 97% of 256 positions."""
+    quant = JLMFile(qwen_jlm).meta["quantization"]
+    assert {e["type"] for e in quant.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    ids, text = _greedy(qwen_jlm)
+    want_ids, want_text = _greedy(qwen_f32)
+    assert "Paris" in text and ids == want_ids
+    assert _agreement(qwen_jlm, qwen_f32, TEXT) >= 0.97
+
+
+def _peak_rss_mb(code: str) -> float:
+    """Peak RSS of a fresh Python process running `code`, in MB."""
+    script = code + "\nimport resource; print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RSS")]
+    assert lines, out.stderr[-2000:]
+    return int(lines[-1].split()[1]) / 1024
+
+
+def test_kept_quantized_memory_is_about_the_file(qwen_jlm, qwen_f32) -> None:
+    """A generation's peak RSS, less what an engine process holds before loading anything, stays near the file's
+    size (weights as stored, plus KV and working buffers), far under the f32 model's."""
+    load = "from jitllmd.engine.loader import load_model; from jitllmd.engine.engine import Engine; "
+    base = _peak_rss_mb(load + "import torch; torch.ones(1) @ torch.ones(1)")
+    run = load + (
+        "from jitllmd.engine.sampler import SamplingParams; m = load_model({!r}, max_seq=256); e = Engine(m).start(); "
+        "list(e.generate(m.tokenizer.encode('Write a haiku about memory.'), SamplingParams(temperature=0), max_tokens=16)); e.stop()"
+    )
+    kept = _peak_rss_mb(run.format(str(qwen_jlm))) - base
+    f32 = _peak_rss_mb(run.format(str(qwen_f32))) - base
+    size = qwen_jlm.stat().st_size / 2**20
+    assert kept <= 1.3 * size + 64, (kept, size, base)
+    assert kept < f32 / 3, (kept, f32)
