@@ -166,7 +166,8 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
                 tok = step()
     finally:
         kernels.restore()
-    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0, "sampling": 0.0, "other ops": 0.0}
+    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0, "embedding": 0.0, "sampling": 0.0,
+            "other ops": 0.0}
     for cat, seconds in kernels.seconds.items():
         cats[cat] += seconds / steps * 1000
     for ev in prof.key_averages(group_by_input_shape=True):
@@ -198,10 +199,11 @@ class _KernelTimer:
     category, until restore()."""
 
     def __init__(self, vocab: int):
-        from jitllmd.engine.layers import activation, attention, linear, norm, rope
+        from jitllmd.engine.layers import activation, attention, linear, norm, quant, rope
 
         kinds = {
-            "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "attend_rows": (attention, "attention"),
+            "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "quant_rows": (quant, "projections"),
+            "dequant_rows": (quant, "embedding"), "attend_rows": (attention, "attention"),
             "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "silu_mul_rows": (activation, "activation"),
             "rope_rows": (rope, "rope"),
         }
@@ -212,7 +214,7 @@ class _KernelTimer:
             def call(*args, **kwargs):
                 t0 = time.perf_counter()
                 out = fn(*args, **kwargs)
-                cat = "head" if category == "projections" and args[1].shape[0] == vocab else category
+                cat = "head" if category == "projections" and args[1].shape[0] == vocab else category  # w [out, ...]
                 self.seconds[cat] += time.perf_counter() - t0
                 return out
             return call

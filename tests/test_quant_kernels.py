@@ -118,6 +118,33 @@ def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: in
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", [8, 12, 6, 14])  # Q8_0, Q4_K, Q5_0, Q6_K
+def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) -> None:
+    """With `norm` the rows quantized are rms_norm_rows's, with `gated` silu_mul_rows's, to the bit: the fused call
+    equals the two-call composition, for any number of rows and into a column slice of a wider output."""
+    k = width(qtype)
+    w = torch.from_numpy(quantized(qtype, N, k, 200 + qtype))
+    g = torch.Generator().manual_seed(300 + qtype)
+    nw = torch.rand(k, generator=g) + 0.5
+    for rows in (1, 8, 17):
+        x = torch.randn(rows, k, generator=g) * 3
+        gate_up = torch.randn(rows, 2 * k, generator=g) * 4
+        x[-1], gate_up[-1] = 0, 0  # a zero row: scale 1 / sqrt(eps), and silu(0) = 0
+        cases = [
+            (x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)),
+            (gate_up, {"gated": True}, kernels.silu_mul_rows(gate_up)),
+        ]
+        for src, fold, made in cases:
+            want = quant_rows(made, w, qtype, N)
+            assert torch.equal(quant_rows(src, w, qtype, N, **fold).view(torch.int32), want.view(torch.int32))
+            wide = torch.full((rows, N + 5), float("nan"))
+            quant_rows(src, w, qtype, N, out=wide[:, 2 : 2 + N], **fold)
+            assert torch.equal(wide[:, 2 : 2 + N].view(torch.int32), want.view(torch.int32))
+            assert wide[:, :2].isnan().all() and wide[:, 2 + N :].isnan().all()
+    with pytest.raises(AssertionError):
+        quant_rows(x, w, qtype, N, norm=(nw, 1e-6), gated=True)
+
+
 def test_the_variants_agree_bit_for_bit() -> None:
     """Integer sums are exact and the f32 steps the same on every variant: their results are identical."""
     results = []
@@ -127,7 +154,10 @@ def test_the_variants_agree_bit_for_bit() -> None:
             out = []
             for qtype in QUANT_TYPES:
                 wb = torch.from_numpy(quantized(qtype, N, width(qtype), qtype))
-                out.append(quant_rows(torch.randn(5, width(qtype), generator=torch.Generator().manual_seed(qtype)), wb, qtype, N))
+                g = torch.Generator().manual_seed(qtype)
+                out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N))
+                out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N, norm=(torch.rand(width(qtype), generator=g), 1e-6)))
+                out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated=True))
             results.append(out)
         finally:
             use_variant(None)

@@ -179,7 +179,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
-    lib.quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.quant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
@@ -217,7 +217,21 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-_PLAIN, _NORMED, _GATED = 0, 1, 2  # panels.c's inputs
+_PLAIN, _NORMED, _GATED = 0, 1, 2  # panels.c's and quant.c's inputs
+
+
+def _input(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: bool) -> tuple[int, int, int, float]:
+    """What a kernel makes of x's rows [M, width]: (mode, the product's K, norm weight's address or 0, eps)."""
+    width = x.shape[1]
+    assert norm is None or not gated, "norm or gated, not both"
+    if norm is not None:
+        weight, eps = norm
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (width,) and width % 8 == 0
+        return _NORMED, width, weight.data_ptr(), float(eps)
+    if gated:
+        assert width % 16 == 0
+        return _GATED, width // 2, 0, 0.0
+    return _PLAIN, width, 0, 0.0
 
 
 def panel_linear(
@@ -229,15 +243,8 @@ def panel_linear(
     rows are packed, so no separate pass writes it (K a multiple of 8 for both)."""
     lib = _lib()
     x, y = _operands(x, panels.shape[0])
-    (rows, width), out = x.shape, panels.shape[0]
-    mode, w, eps = _PLAIN, 0, 0.0
-    if norm is not None:
-        weight, eps = norm
-        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (width,) and width % 8 == 0
-        mode, w = _NORMED, weight.data_ptr()
-    elif gated:
-        assert width % 16 == 0
-        mode, width = _GATED, width // 2
+    rows, out = x.shape[0], panels.shape[0]
+    mode, width, w, eps = _input(x, norm, gated)
     assert panels.shape[1] == width
     res = 0
     if residual is not None:
@@ -333,19 +340,27 @@ def _quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
     assert w.shape == (n, row_bytes) if w.dim() == 2 else w.dim() == 1 and w.numel() >= n * row_bytes, (tuple(w.shape), n, row_bytes)
 
 
-def quant_rows(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (as f32) @ W.T -> [T, n] f32 for W n rows of ggml type `qtype` (uint8 bytes, K a multiple of its
-    block), llama.cpp's way: x rounded per 32 inputs to int8, integer dot products scaled in f32 (quant.c's header
-    bounds the error). `out`: an f32 [T, n] with unit column stride (a column slice of a wider output), written."""
+def quant_rows(
+    x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, out: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """a [T, K] @ W.T -> [T, n] f32 for W n rows of ggml type `qtype` (uint8 bytes, K a multiple of its block),
+    llama.cpp's way: a rounded per 32 inputs to int8, integer dot products scaled in f32 (quant.c's header bounds the
+    error). a is x (as f32), or with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` silu(gate) * up
+    of x [T, 2K]: made as a's rows are quantized, bit for bit what rms_norm_rows / silu_mul_rows give. `out`: an f32
+    [T, n] with unit column stride (a column slice of a wider output), written."""
     lib = _lib()
     x = x.float().contiguous()
-    rows, width = x.shape
+    rows = x.shape[0]
+    mode, width, norm_w, eps = _input(x, norm, gated)
     _quant_weight(w, qtype, n, width)
     if out is None:
         out = torch.empty((rows, n), dtype=torch.float32)
     assert out.dtype == torch.float32 and out.device.type == "cpu" and out.shape == (rows, n) and (out.stride(1) == 1 or n == 1)
     if rows and n:
-        failed = lib.quant_rows(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, width, n, out.stride(0), qtype, torch.get_num_threads())
+        failed = lib.quant_rows(
+            x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, width, n, out.stride(0), qtype, mode, norm_w, eps, torch.get_num_threads()
+        )
         if failed:
             raise MemoryError("quant_rows: no memory for x's int8 codes")
     return out

@@ -2,7 +2,8 @@
  * and their dequantization. A weight [N, K] is N rows of K / block_elems blocks, each as ggml lays it out.
  *
  * quant_rows: y[t, o] = sum_k x[t, k] * W[o, k], llama.cpp's way. Each x row is quantized once per call, per 32
- * inputs, to int8 (d = amax / 127, q = round-to-nearest-even(x / d), d = 0 -> q = 0), d and d * sum(q) kept in f32.
+ * inputs, to int8 (d = amax / 127, q = round-to-nearest-even(x / d), d = 0 -> q = 0), d and d * sum(q) kept in f32;
+ * where asked, x is RMSNorm(x) * w or silu(gate) * up, made from the given rows as they are quantized (as panels.c does).
  * A row's weights go by groups of 8 x-blocks (eight 32-format blocks, or one K-format superblock), each unpacked
  * once for up to GROUP x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
  * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd) add up in int32 lanes that each belong to
@@ -183,11 +184,25 @@ static inline int x_biased(int type) {
 
 /* ---- x: quantized per 32 inputs ---- */
 
-/* 32 floats -> int8 codes in element order; *d = amax / 127, *sum = sum of the codes */
-static inline __m256i quantize_block(const float *x, float *d, int *sum) {
+/* What x's rows are, made as they are quantized (panels.c's inputs: the pass a separate kernel would make, saved). */
+enum { PLAIN = 0,  /* x itself: [T, K] */
+       NORMED = 1, /* RMSNorm(x) * norm_w: x [T, K] */
+       GATED = 2   /* silu(gate) * up: x [T, 2K], gate then up in each row */ };
+
+/* An input row's 32 values from element `at` into v: x's own, or made as rows.c's rms_norm_rows and silu_mul_rows
+ * make them (the same f32 operations in the same order, so the same bits). x: the row; scale: its 1 / rms (NORMED). */
+static inline void input_block(int input, const float *x, int64_t K, int64_t at, const float *norm_w, __m256 scale, __m256 *v) {
+    for (int i = 0; i < 4; i++) {
+        const int64_t k = at + 8 * i;
+        if (input == NORMED) v[i] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), scale), _mm256_loadu_ps(norm_w + k));
+        else if (input == GATED) v[i] = silu_mul8(_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + K + k));
+        else v[i] = _mm256_loadu_ps(x + k);
+    }
+}
+
+/* 32 floats (v: 4 vectors) -> int8 codes in element order; *d = amax / 127, *sum = sum of the codes */
+static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
     const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -207,9 +222,13 @@ static inline __m256i quantize_block(const float *x, float *d, int *sum) {
     return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* One x row of nb blocks, laid out for `type` in ng groups: codes xq (GB bytes a group), each group's block d in
- * accumulator-lane order (xd: 16 floats) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
-static void quantize_row(int type, const float *x, int64_t nb, int64_t ng, int8_t *xq, float *xd, float *xs) {
+/* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups: codes xq
+ * (GB bytes a group), each group's block d in accumulator-lane order (xd: 16 floats) and d * sum(q) in block order
+ * (xs: 8 floats). Missing blocks are 0. */
+static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int8_t *xq, float *xd,
+                         float *xs) {
+    const int64_t K = nb * QB;
+    const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
     for (int v = 0; v < NV; v++)
         for (int L = 0; L < 8; L++) {
@@ -225,7 +244,9 @@ static void quantize_row(int type, const float *x, int64_t nb, int64_t ng, int8_
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
             int8_t codes[QB];
-            _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(x + (8 * g + j) * QB, &d[j], &sum), bias));
+            __m256 v[4];
+            input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
+            _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
             for (int c = 0; c < 8; c++) memcpy(xg + at[j][c], codes + 4 * c, 4);
             xs[8 * g + j] = d[j] * (float)sum;
         }
@@ -496,9 +517,11 @@ static row_fn row_kernel(int type) {
     }
 }
 
-/* y[t * ldy + o] = x[t] . W[o] for x [T, K] f32 contiguous, W N rows of `type` (K a multiple of its block), y's
- * rows ldy floats apart. Returns 0, -1 without memory for x's codes, -2 for a type it does not know. */
-int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int threads) {
+/* y[t * ldy + o] = a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy floats apart, where a
+ * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED);
+ * x f32 contiguous. Returns 0, -1 without memory for x's codes, -2 for a type it does not know. */
+int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
+               float eps, int threads) {
     const row_fn fn = row_kernel(type);
     if (!fn) return -2;
     const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
@@ -509,7 +532,8 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     _Pragma("omp parallel num_threads(threads)")
     {
         _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < T; t++) quantize_row(type, x + t * K, nb, ng, xq + t * ng * GB, xd + t * ng * 16, xs + t * ng * 8);
+        for (int64_t t = 0; t < T; t++)
+            quantize_row(type, input, x + t * (input == GATED ? 2 * K : K), norm_w, eps, nb, ng, xq + t * ng * GB, xd + t * ng * 16, xs + t * ng * 8);
         _Pragma("omp for schedule(static)")
         for (int64_t o = 0; o < N; o++) fn(W + o * row_bytes, nb, ng, xq, xd, xs, y + o, ldy, T);
     }

@@ -1,4 +1,4 @@
-/* Vector helpers the kernels share (rows.c, panels.c): AVX2 + FMA, 8 floats to a vector. */
+/* Vector helpers the kernels share (rows.c, panels.c, quant.c): AVX2 + FMA, 8 floats to a vector. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>

@@ -27,6 +27,7 @@ class Projection(Protocol):
     prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies exactly."""
 
     panels: bool
+    folds: bool  # takes `norm` and `gated`
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                  gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -58,7 +59,7 @@ class Linear:
     memory-bound.
     """
 
-    __slots__ = ("bias", "chunks", "panels", "row_blocks", "rows", "upcast", "weight")
+    __slots__ = ("bias", "chunks", "folds", "panels", "row_blocks", "rows", "upcast", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, upcast: bool = False, chunks: int = 1, panels: bool = False):
         self.panels = (
@@ -66,6 +67,7 @@ class Linear:
             and rows_kernel() is not None
         )
         self.weight = pack_panels(weight) if self.panels else weight  # [out, in]; panels: same bytes, panel order
+        self.folds = self.panels
         self.bias = bias
         self.upcast = upcast
         self.chunks = chunks if chunks > 1 and weight.shape[0] % chunks == 0 and not self.panels else 1

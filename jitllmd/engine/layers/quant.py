@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels import MAX_ROWS, QUANT_TYPES, dequant_rows, quant_rows, rows_kernel
+from ..kernels import MAX_ROWS, QUANT_TYPES, dequant_rows, quant_rows, rms_norm_rows, rows_kernel, silu_mul_rows
 from ..kv import RowSpan
 
 __all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "row_bytes", "segments_for"]
@@ -287,8 +287,8 @@ class QuantLinear:
     the f32 product over panels dequantized in turn for the tokens `chunk` marks. Elsewhere (another device, no
     kernels): the reference, each segment dequantized whole per call."""
 
-    __slots__ = ("bias", "kernel", "out_features", "segments", "views")
-    panels = False  # nothing folds into a quantized projection's input
+    __slots__ = ("bias", "folds", "kernel", "out_features", "segments", "views")
+    panels = False  # the f32 panel kernel's: not this
 
     def __init__(self, weight: torch.Tensor, segments: list[Segment], bias: torch.Tensor | None):
         flat = weight.reshape(-1)
@@ -302,17 +302,24 @@ class QuantLinear:
         self.out_features = sum(s.rows for s in segments)
         self.bias = None if bias is None else bias.float()
         self.kernel = weight.device.type == "cpu" and rows_kernel() is not None and all(s.fmt.ggml in QUANT_TYPES for s in segments)
+        self.folds = self.kernel and all(s.k % 8 == 0 for s in segments)  # a norm or the gate made as x rows are quantized
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                  gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
-        assert norm is None and not gated, "only the panel kernel folds a norm or the gate into its input"
-        y = self.project(x, chunk)
+        """x @ W.T (+ bias), added to `residual` where given. With `norm` (weight, eps) the product is of RMSNorm(x) *
+        weight, with `gated` of silu(gate) * up of x [T, 2 * in]: folded into the kernel's quantizing of x rows for
+        decode rows, made first (the same f32 values) for a prompt chunk's tokens."""
+        if (norm is not None or gated) and (chunk is not None or not self.folds):
+            x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else silu_mul_rows(x.float())
+            norm, gated = None, False
+        y = self.project(x, chunk, norm=norm, gated=gated)
         return y if residual is None else residual + y.to(residual.dtype)
 
-    def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+                gated: bool = False) -> torch.Tensor:
         x = x.float()
         if chunk is None or not self.kernel:
-            y = self._run(x, exact=False)
+            y = self._run(x, exact=False, norm=norm, gated=gated)
         elif bool(chunk.all()):
             y = self._run(x, exact=True)
         else:
@@ -322,8 +329,9 @@ class QuantLinear:
             y[short] = self._run(x[short], exact=False)
         return y if self.bias is None else y + self.bias
 
-    def _run(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
-        """x [T, in] f32 -> [T, out]: the integer kernel, or exactly (dequantized f32 panels, or the reference)."""
+    def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
+        """x [T, in] f32 -> [T, out]: the integer kernel (which may fold `norm` or `gated` in), or exactly
+        (dequantized f32 panels, or the reference)."""
         T = x.shape[0]
         y = torch.empty((T, self.out_features), dtype=torch.float32, device=x.device)
         col = 0
@@ -332,7 +340,7 @@ class QuantLinear:
             if not self.kernel:
                 out.copy_(F.linear(x, dequantize(w, s.fmt, s.rows, s.k)))
             elif not exact:
-                quant_rows(x, w, s.fmt.ggml, s.rows, out=out)
+                quant_rows(x, w, s.fmt.ggml, s.rows, out=out, norm=norm, gated=gated)
             else:
                 step = max(1, _PANEL_FLOATS // s.k)
                 for r in range(0, s.rows, step):

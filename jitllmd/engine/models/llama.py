@@ -96,9 +96,10 @@ class DecoderBlock:
         self.rope = Rope(cfg.head_dim, act, device)
         self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window)
         self.silu_mul = SiluMul(cfg.intermediate_size, device)
-        # f32 panels: the norms and silu(gate) * up are made by the projections' own row packing, not passes of their own
+        # f32 panels and quantized rows: the norms and silu(gate) * up are made as the projections pack or quantize
+        # their rows, not passes of their own
         self.fold = (
-            self.qkv.panels and self.gate_up.panels and self.down.panels and act == torch.float32 and cfg.hidden_size % 8 == 0
+            self.qkv.folds and self.gate_up.folds and self.down.folds and act == torch.float32 and cfg.hidden_size % 8 == 0
             and cfg.intermediate_size % 8 == 0
         )
 
@@ -110,7 +111,7 @@ class DecoderBlock:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
         if self.fold:
-            qkv = self.qkv(x, norm=(self.input_norm.weight, self.input_norm.eps))  # [T, (H + 2*Hkv) * D]
+            qkv = self.qkv(x, norm=(self.input_norm.weight, self.input_norm.eps), chunk=chunk)  # [T, (H + 2*Hkv) * D]
         else:
             qkv = self.qkv(self.input_norm(x), chunk=chunk).to(self.act)
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
@@ -124,7 +125,8 @@ class DecoderBlock:
             chunk = None if chunk is None else chunk[keep]
         x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
         if self.fold:
-            return self.down(self.gate_up(x, norm=(self.post_norm.weight, self.post_norm.eps)), residual=x, gated=True)
+            gate_up = self.gate_up(x, norm=(self.post_norm.weight, self.post_norm.eps), chunk=chunk)
+            return self.down(gate_up, residual=x, gated=True, chunk=chunk)
         return self.down(self.silu_mul(self.gate_up(self.post_norm(x), chunk=chunk)), residual=x, chunk=chunk)
 
 
