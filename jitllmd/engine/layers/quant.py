@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..kernels import MAX_ROWS, QUANT_TYPES, dequant_rows, quant_rows, rms_norm_rows, rows_kernel, silu_mul_rows
 from ..kv import RowSpan
 
-__all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "row_bytes", "segments_for"]
+__all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for"]
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,6 @@ FORMATS: dict[str, QFormat] = {
         QFormat("Q6_K", 14, 256, 210),
     )
 }
-
-
-def row_bytes(name: str, k: int) -> int:
-    return FORMATS[name].row_bytes(k)
 
 
 @dataclass(frozen=True)
