@@ -202,7 +202,7 @@ class _KernelTimer:
         from jitllmd.engine.layers import activation, attention, linear, norm, quant, rope
 
         kinds = {
-            "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "quant_rows": (quant, "projections"),
+            "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "quant_runs": (quant, "projections"),
             "dequant_rows": (quant, "embedding"), "attend_rows": (attention, "attention"),
             "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "silu_mul_rows": (activation, "activation"),
             "rope_rows": (rope, "rope"),
@@ -214,7 +214,8 @@ class _KernelTimer:
             def call(*args, **kwargs):
                 t0 = time.perf_counter()
                 out = fn(*args, **kwargs)
-                cat = "head" if category == "projections" and args[1].shape[0] == vocab else category  # w [out, ...]
+                head = category == "projections" and (args[2] if fn.__name__ == "quant_runs" else args[1].shape[0]) == vocab  # (x, runs, out) or (x, w [out, in])
+                cat = "head" if head else category
                 self.seconds[cat] += time.perf_counter() - t0
                 return out
             return call

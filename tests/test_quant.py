@@ -14,6 +14,7 @@ from jitllmd.engine.jlm import JLMFile, TensorSpec, write_jlm
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.layers import quant as q
 from jitllmd.engine.loader import load_model
+from jitllmd.engine.models import llama
 
 from .conftest import write_tiny_gguf, write_tiny_llama
 from .test_models import _run  # logits of every token, fed chunk by chunk through one session
@@ -158,36 +159,47 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("feed", ["at once", "token by token"])
+@pytest.mark.parametrize("feed", ["at once", "at once, bf16 units", "token by token"])
 def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     """Decode rows (short rows): the kernels quantize x to int8 per 32 inputs, and that is their only rounding beside
     f32 sums: every such product equals the reference's on the same input so rounded (checked call by call: a 1-ulp
     difference upstream may move a later rounding by one step, and a model amplifies it), and the logits stay near
     the f32 model's, greedy mostly the same. A prompt chunk (more than MAX_ROWS tokens) is multiplied exactly up to
-    its logits: the f32 model's. The reference path is the f32 model's sums throughout."""
+    its logits: the f32 model's; on a CPU with bf16 units (forced either way here) x and the panels are rounded to
+    bf16, summed in f32, the result rounded to bf16. The reference path is the f32 model's sums throughout."""
     name, result, ref = case
+    bf16 = feed == "at once, bf16 units"
+    monkeypatch.setattr(q, "bf16_matmul_native", lambda device="cpu": bf16)
+    monkeypatch.setattr(llama, "QuantLayer", lambda *args: None)  # each projection a call of its own, to check (layer.c's: the same bits)
     want = _run(load_model(ref, max_seq=64), [PROMPT])
     scale = want.abs().max()
     run, calls = q.QuantLinear._run, {True: [], False: []}
 
-    def checked(self, x, exact, norm=None, gated=False):
-        y = run(self, x, exact, norm, gated)
+    def checked(self, x, exact, norm=None, gated=False, add=None):
+        y = run(self, x, exact, norm, gated, add)
         if path != "reference":
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
                 x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x)
-            xs = x if exact else _int8_rows(x)
+            xs = (x.bfloat16().float() if bf16 else x) if exact else _int8_rows(x)
             rounded = torch.cat([xs @ q.dequantize(w, s.fmt, s.rows, s.k).t() for s, w in zip(self.segments, self.views)], 1)
+            if exact and bf16:  # the panels rounded too, and the result
+                rounded = torch.cat([xs @ q.dequantize(w, s.fmt, s.rows, s.k).bfloat16().float().t() for s, w in zip(self.segments, self.views)], 1)
+                rounded = rounded.bfloat16().float()
+            if add is not None:  # the residual (or bias) the kernel adds in its sums
+                rounded = add + rounded
             calls[exact].append(((y - rounded).abs().max() / rounded.abs().max()).item())
         return y
 
     monkeypatch.setattr(q.QuantLinear, "_run", checked)
-    got = _run(load_model(result.path, max_seq=64), [PROMPT] if feed == "at once" else [[t] for t in PROMPT])
+    got = _run(load_model(result.path, max_seq=64), [PROMPT] if feed.startswith("at once") else [[t] for t in PROMPT])
     if path == "reference":
         assert (got - want).abs().max() / scale < 1e-5
         return
     if feed == "at once":  # a prompt chunk: exact up to its logits
         assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 1e-5 and not calls[False]
         assert (got - want).abs().max() / scale < 1e-5
+    elif bf16:  # bf16 products: f32 sums of the rounded operands, within one bf16 step of the result's rounding
+        assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 2**-7 and not calls[False]
     else:
         assert not calls[True] and len(calls[False]) == len(PROMPT) * (4 * 2 + 1) and max(calls[False]) < 1e-5
     assert (got - want).abs().max() / scale < 0.1
@@ -212,6 +224,37 @@ def test_packed_rows_equal_rows_alone(case, path) -> None:
         torch.testing.assert_close(packed, torch.stack(alone), rtol=1e-5, atol=1e-5)
     else:  # the kernels sum each (row, output) one way whatever the rows beside it
         assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1])
+
+
+def test_a_layer_in_one_call_is_the_layer_call_by_call(case, path) -> None:
+    """Decode rows of a quantized model run each layer in one kernel call (layer.c): the same bits as the layer's
+    kernel calls from Python, for one row and for rows of several sessions packed."""
+    name, result, _ = case
+    if path == "reference":
+        pytest.skip("the reference path has no kernels to fuse")
+    loaded = load_model(result.path, max_seq=64)
+    blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]  # host blocks, kept
+    assert all(b.fused is not None for b in blocks)
+
+    def decode(fused: bool) -> torch.Tensor:
+        saved = [b.fused for b in blocks]
+        if not fused:
+            for b in blocks:
+                b.fused = None
+        try:
+            kvs = [loaded.new_kv() for _ in range(3)]
+            for kv, ids in zip(kvs, (PROMPT[:5], PROMPT[5:7], PROMPT[9:20])):
+                loaded.runner.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
+            out = [loaded.runner.forward(torch.tensor([PROMPT[1]]), torch.tensor([kvs[0].length]), [RowSpan(0, 1, kvs[0])])]
+            for step in range(3):
+                out.append(loaded.runner.forward(torch.tensor(PROMPT[step : step + 3]), torch.tensor([kv.length for kv in kvs]),
+                                                 [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)]))
+            return torch.cat(out)
+        finally:
+            for b, f in zip(blocks, saved):
+                b.fused = f
+
+    assert torch.equal(decode(True).view(torch.int32), decode(False).view(torch.int32))
 
 
 def test_convert_quantizes_with_fallbacks(tiny) -> None:

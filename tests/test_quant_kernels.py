@@ -145,6 +145,28 @@ def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) ->
         quant_rows(x, w, qtype, N, norm=(nw, 1e-6), gated=True)
 
 
+@pytest.mark.parametrize("qtype", [8, 2, 12, 14])  # Q8_0, Q4_0, Q4_K, Q6_K
+def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: int) -> None:
+    """`add` (a residual [T, n] or a bias [n]) is added in the kernel's sums: bit for bit `add + product`, into a
+    column slice too, and across runs of rows (quant_runs) each run's columns of it."""
+    k = width(qtype)
+    w = torch.from_numpy(quantized(qtype, N, k, 400 + qtype))
+    g = torch.Generator().manual_seed(500 + qtype)
+    for rows in (1, 9):
+        x = torch.randn(rows, k, generator=g)
+        product = quant_rows(x, w, qtype, N)
+        for add in (torch.randn(rows, N, generator=g) * 5, torch.randn(N, generator=g)):
+            want = (add + product).view(torch.int32)
+            assert torch.equal(quant_rows(x, w, qtype, N, add=add).view(torch.int32), want)
+            wide = torch.full((rows, N + 4), float("nan"))
+            quant_rows(x, w, qtype, N, out=wide[:, 1 : 1 + N], add=add)
+            assert torch.equal(wide[:, 1 : 1 + N].view(torch.int32), want) and wide[:, 0].isnan().all()
+        # two runs: the first 12 rows and the rest, stacked along the output
+        runs = [(w[:12], qtype, 12), (w[12:], qtype, N - 12)]
+        add = torch.randn(rows, N, generator=g)
+        assert torch.equal(kernels.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
+
+
 def test_the_variants_agree_bit_for_bit() -> None:
     """Integer sums are exact and the f32 steps the same on every variant: their results are identical."""
     results = []

@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "MAX_ROWS", "QUANT_TYPES", "attend_chunk", "attend_rows", "configure", "dequant_rows", "describe", "pack_panels", "panel_linear",
-    "quant_rows", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
+    "MAX_ROWS", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
+    "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
 ]
 
 log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
-_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c")]
-_HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of a build's identity
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mprfchw", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
+_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c", "layer.c", "pool.c")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "pool.h")]  # included by the sources: part of a build's identity
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mprfchw", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
 _BASE_CPU = ("avx2", "fma", "f16c")  # what _FLAGS need
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 # variant -> (flags added to _FLAGS, /proc/cpuinfo flags it needs beyond _BASE_CPU); worst first, the best runnable is used
@@ -138,7 +138,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for variant in [_forced] if _forced else variants()[::-1]:  # the best that builds (a compiler may lack a variant's flags)
         try:
             path = _build(cache, compiler, variant)
-            lib = ctypes.CDLL(str(path))  # torch is loaded: its OpenMP runtime serves the kernel's parallel loop
+            lib = ctypes.CDLL(str(path))  # its loops run on pool.c's threads
         except (OSError, subprocess.SubprocessError) as exc:
             why = _failure(exc)
             log.warning("kernel variant %s unavailable: %s", variant, why)
@@ -179,10 +179,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.panel_linear.restype = ctypes.c_int
-    lib.quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+    lib.quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.quant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
+    lib.pool_test_sum.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]  # pool.c's, for tests
+    lib.pool_test_sum.restype = ctypes.c_int64
+    lib.pool_test_nested.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.pool_test_nested.restype = ctypes.c_int64
+    lib.pool_test_workers.argtypes = []
+    lib.pool_test_workers.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    lib.decode_layer.restype = ctypes.c_int
 
 
 def _lib() -> ctypes.CDLL:
@@ -266,10 +275,10 @@ def attend_rows(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_rows, num_heads, dim = q.shape
     out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
-    meta = torch.tensor(
-        [[t.data_ptr() for t in keys], [t.data_ptr() for t in values], lengths, starts, [t.shape[1] for t in keys]], dtype=torch.int64
-    )  # [5, R]
-    ptr, step = meta.data_ptr(), meta.stride(0) * 8
+    meta = (ctypes.c_int64 * (5 * num_rows))(  # [5, R]: a ctypes array, a few times cheaper than a tensor of it
+        *[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys]
+    )
+    ptr, step = ctypes.addressof(meta), num_rows * 8
     lib.attend_rows(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr, ptr + step, ptr + 2 * step, ptr + 3 * step, ptr + 4 * step,
         num_rows, num_heads, keys[0].shape[0], dim, dim**-0.5, torch.get_num_threads(),
@@ -328,7 +337,7 @@ QUANT_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q
 _QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}  # (weights, bytes)
 
 
-def _quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
+def check_quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
     """Check that w holds n rows of k weights of qtype: uint8 on the CPU, contiguous, [n, row bytes] or 1-D."""
     if qtype not in _QUANT_BLOCKS:
         raise ValueError(f"qtype {qtype} is not one of the kernels' types {sorted(QUANT_TYPES)}")
@@ -342,38 +351,124 @@ def _quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
 
 def quant_rows(
     x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, out: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-    gated: bool = False,
+    gated: bool = False, add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a [T, K] @ W.T -> [T, n] f32 for W n rows of ggml type `qtype` (uint8 bytes, K a multiple of its block),
     llama.cpp's way: a rounded per 32 inputs to int8, integer dot products scaled in f32 (quant.c's header bounds the
     error). a is x (as f32), or with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` silu(gate) * up
-    of x [T, 2K]: made as a's rows are quantized, bit for bit what rms_norm_rows / silu_mul_rows give. `out`: an f32
+    of x [T, 2K]: made as a's rows are quantized, bit for bit what rms_norm_rows / silu_mul_rows give. `add`: a
+    residual [T, n] or a bias [n] (f32, contiguous) added to the product, as `add + product` would. `out`: an f32
     [T, n] with unit column stride (a column slice of a wider output), written."""
-    lib = _lib()
     x = x.float().contiguous()
     rows = x.shape[0]
-    mode, width, norm_w, eps = _input(x, norm, gated)
-    _quant_weight(w, qtype, n, width)
+    check_quant_weight(w, qtype, n, _input(x, norm, gated)[1])
     if out is None:
         out = torch.empty((rows, n), dtype=torch.float32)
     assert out.dtype == torch.float32 and out.device.type == "cpu" and out.shape == (rows, n) and (out.stride(1) == 1 or n == 1)
     if rows and n:
-        failed = lib.quant_rows(
-            x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, width, n, out.stride(0), qtype, mode, norm_w, eps, torch.get_num_threads()
-        )
-        if failed:
-            raise MemoryError("quant_rows: no memory for x's int8 codes")
+        _quant_runs(x, [(w, qtype, n)], out, norm, gated, add)
     return out
+
+
+def quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
+               gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`quant_rows` over runs of quantized rows stacked along the output, (w, qtype, rows) each, checked once by their
+    owner (`check_quant_weight`): a decode step's projection in one kernel call per run, with no other op. -> [T, n] f32"""
+    x = x.float().contiguous()
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if x.shape[0]:
+        _quant_runs(x, runs, y, norm, gated, add)
+    return y
+
+
+def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
+                gated: bool, add: torch.Tensor | None) -> None:
+    lib = _lib()
+    T, n = y.shape
+    mode, width, norm_w, eps = _input(x, norm, gated)
+    add_at, ld_add = 0, 0
+    if add is not None:
+        assert add.dtype == torch.float32 and add.is_contiguous() and add.shape in ((T, n), (n,)), (add.dtype, tuple(add.shape))
+        add_at, ld_add = add.data_ptr(), (n if add.dim() == 2 else 0)
+    xp, yp, ldy, threads, col = x.data_ptr(), y.data_ptr(), y.stride(0), torch.get_num_threads(), 0
+    for w, qtype, rows in runs:
+        if lib.quant_rows(xp, w.data_ptr(), yp + 4 * col, T, width, rows, ldy, qtype, mode, norm_w, eps, add_at + 4 * col if add_at else None,
+                          ld_add, threads):
+            raise MemoryError("quant_rows: no memory for x's int8 codes")
+        col += rows
 
 
 def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """W's n rows of ggml type `qtype` (uint8 bytes) -> [n, k] f32 as gguf.quants.dequantize gives them, or into
     `out` ([n, k] contiguous, f32 or bf16: rounded to nearest even)."""
     lib = _lib()
-    _quant_weight(w, qtype, n, k)
+    check_quant_weight(w, qtype, n, k)
     if out is None:
         out = torch.empty((n, k), dtype=torch.float32)
     assert out.dtype in (torch.float32, torch.bfloat16) and out.device.type == "cpu" and out.is_contiguous() and out.shape == (n, k)
     if n:
         lib.dequant_rows(w.data_ptr(), out.data_ptr(), n, k, qtype, int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+_MAX_RUNS = 4  # layer.c's
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("runs", ctypes.c_int64), ("k", ctypes.c_int64), ("w", ctypes.c_void_p * _MAX_RUNS), ("type", ctypes.c_int64 * _MAX_RUNS),
+                ("rows", ctypes.c_int64 * _MAX_RUNS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
+                ("D", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64)]
+
+
+Runs = list[tuple[torch.Tensor, int, int]]  # (w, qtype, rows): quant_runs's
+
+
+class QuantLayer:
+    """A decoder layer's quantized projections, norms and shape as layer.c's decode_layer reads them (the tensors kept
+    alive here). Projections are runs (quant_runs's), each checked by its owner; `qkv_bias` [(H + 2 Hkv) D] or None."""
+
+    def __init__(self, qkv: tuple[Runs, int], o: tuple[Runs, int], gate_up: tuple[Runs, int], down: tuple[Runs, int],
+                 qkv_bias: torch.Tensor | None, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
+                 head_dim: int):
+        parts = (qkv, o, gate_up, down)
+        if any(len(runs) > _MAX_RUNS for runs, _ in parts):
+            raise ValueError(f"decode_layer takes at most {_MAX_RUNS} runs of rows per projection")
+        self.keep = [input_norm, post_norm, qkv_bias, *(w for runs, _ in parts for w, _, _ in runs)]
+        for t in self.keep[:3]:
+            assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+        hidden, inter = sum(rows for _, _, rows in o[0]), down[1]
+        self.hidden, self.struct = hidden, _Layer()
+        for name, (runs, k) in zip(("qkv", "o", "gate_up", "down"), parts):
+            proj = getattr(self.struct, name)
+            proj.runs, proj.k = len(runs), k
+            for i, (w, qtype, rows) in enumerate(runs):
+                proj.w[i], proj.type[i], proj.rows[i] = w.data_ptr(), qtype, rows
+        L = self.struct
+        L.qkv_bias = None if qkv_bias is None else qkv_bias.data_ptr()
+        L.input_norm, L.post_norm, L.eps, L.scale = input_norm.data_ptr(), post_norm.data_ptr(), eps, head_dim**-0.5
+        L.H, L.Hkv, L.D, L.hidden, L.inter = heads, kv_heads, head_dim, hidden, inter
+        self.address = ctypes.addressof(L)
+
+
+def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 lengths: list[int], starts: list[int]) -> torch.Tensor:
+    """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, RoPE
+    (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache (keys[r], values[r]
+    [Hkv, stride, D] f32, its new K/V written at lengths[r] - 1, keys from starts[r]), o and the residual, norm,
+    gate_up, the gate and down, and the residual: the calls the Python path makes, with the same bits."""
+    lib = _lib()
+    R = x.shape[0]
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    meta = (ctypes.c_int64 * (5 * R))(*[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys])
+    at = ctypes.addressof(meta)
+    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), at, at + 8 * R, at + 16 * R, at + 24 * R,
+                        at + 32 * R, torch.get_num_threads()):
+        raise MemoryError("decode_layer: no memory for its buffers")
+    return y

@@ -11,14 +11,15 @@
  * Every output (m, n) is summed in the same order (K in blocks of KC, each block's partial sum added to the last)
  * whatever M is and however the work is split between threads: a row's result does not depend on the rows that
  * share its step.
- * Built by jitllmd/engine/kernels/__init__.py with rows.c; OpenMP is torch's own runtime.
+ * Built by jitllmd/engine/kernels/__init__.py with rows.c; the loops run on pool.c's threads (pool.h).
  */
 #include <immintrin.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define PANEL 24 /* outputs per panel: three 8-float vectors */
@@ -29,19 +30,29 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* W [N, K] row-major -> the panel layout, in W's own storage; tmp holds N * K floats for the copy. */
+typedef struct {
+    float *W;
+    const float *tmp;
+    int64_t N, K;
+} pack_job;
+
+/* Panel p of pack_panels. */
+static void pack_item(void *arg, int64_t p) {
+    const pack_job *j = arg;
+    const int64_t K = j->K, n0 = p * PANEL, w = min64(PANEL, j->N - n0);
+    float *dst = j->W + n0 * K;
+    for (int64_t c = 0; c < w; c++) {
+        const float *src = j->tmp + (n0 + c) * K;
+        for (int64_t k = 0; k < K; k++) dst[k * w + c] = src[k];
+    }
+}
+
+/* W [N, K] row-major -> the panel layout, in W's own storage; tmp holds N * K floats for the copy. The panels are
+ * pool.c's items. */
 void pack_panels(float *W, float *tmp, int64_t N, int64_t K, int threads) {
     memcpy(tmp, W, (size_t)(N * K) * sizeof(float));
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * PANEL, w = min64(PANEL, N - n0);
-        float *dst = W + n0 * K;
-        for (int64_t j = 0; j < w; j++) {
-            const float *src = tmp + (n0 + j) * K;
-            for (int64_t k = 0; k < K; k++) dst[k * w + j] = src[k];
-        }
-    }
+    pack_job job = {.W = W, .tmp = tmp, .N = N, .K = K};
+    pool_for((N + PANEL - 1) / PANEL, threads, pack_item, &job);
 }
 
 /* One tile: rows n (1..4) of packed a ([kc][4]) against a full panel's block b ([kc][24]); c has row stride ldc. */
@@ -142,71 +153,101 @@ static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_
     }
 }
 
-/* y rows [m0, m1) x panels [p0, p1). */
-static void part(const float *x, const float *P, const float *res, float *y, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
-                 int64_t K, float *ap, int input, const float *norm_w, const float *inv) {
-    for (int64_t pc = 0; pc < K; pc += KC) {
-        const int64_t kc = min64(KC, K - pc);
-        const int first = pc == 0;
-        for (int64_t ic = m0; ic < m1; ic += MC) {
-            const int64_t mc = min64(MC, m1 - ic);
-            pack_rows(x + ic * (input == GATED ? 2 * K : K), ap, mc, K, pc, kc, input, norm_w, inv ? inv + ic : NULL);
-            for (int64_t p = p0; p < p1; p++) {
-                const int64_t n0 = p * PANEL, w = min64(PANEL, N - n0);
-                const float *b = P + n0 * K + pc * w;
-                /* the next panel's block, fetched into L2 a share per tile while this one's tiles run */
-                const int64_t nw = p + 1 < p1 ? min64(PANEL, N - n0 - PANEL) : 0;
-                const char *nb = (const char *)(P + (n0 + PANEL) * K + pc * nw);
-                const int64_t lines = nw * kc * 4 / 64, tiles = (mc + GROUP - 1) / GROUP, per = (lines + tiles - 1) / tiles;
-                for (int64_t g = 0; g < mc; g += GROUP) {
-                    for (int64_t l = g / GROUP * per; l < (g / GROUP + 1) * per && l < lines; l++) _mm_prefetch(nb + l * 64, _MM_HINT_T1);
-                    const float *a = ap + g * kc;
-                    float *c = y + (ic + g) * N + n0;
-                    const float *rc = res ? res + (ic + g) * N + n0 : NULL;
-                    const int n = (int)min64(GROUP, mc - g);
-                    if (w < PANEL) tile_narrow(kc, a, b, w, c, rc, N, first, n);
-                    else switch (n) {
-                        case 1: tile(kc, a, b, c, rc, N, first, 1); break;
-                        case 2: tile(kc, a, b, c, rc, N, first, 2); break;
-                        case 3: tile(kc, a, b, c, rc, N, first, 3); break;
-                        default: tile(kc, a, b, c, rc, N, first, 4); break;
-                    }
-                }
+/* y rows [ic, ic + mc) x panels [p0, p1), K block pc .. pc + kc, the rows packed in ap ([mc/4][kc][4]). */
+static void tiles(const float *ap, const float *P, const float *res, float *y, int64_t ic, int64_t mc, int64_t p0, int64_t p1, int64_t N, int64_t K,
+                  int64_t pc, int64_t kc) {
+    const int first = pc == 0;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * PANEL, w = min64(PANEL, N - n0);
+        const float *b = P + n0 * K + pc * w;
+        /* the next panel's block, fetched into L2 a share per tile while this one's tiles run */
+        const int64_t nw = p + 1 < p1 ? min64(PANEL, N - n0 - PANEL) : 0;
+        const char *nb = (const char *)(P + (n0 + PANEL) * K + pc * nw);
+        const int64_t lines = nw * kc * 4 / 64, num_tiles = (mc + GROUP - 1) / GROUP, per = (lines + num_tiles - 1) / num_tiles;
+        for (int64_t g = 0; g < mc; g += GROUP) {
+            for (int64_t l = g / GROUP * per; l < (g / GROUP + 1) * per && l < lines; l++) _mm_prefetch(nb + l * 64, _MM_HINT_T1);
+            const float *a = ap + g * kc;
+            float *c = y + (ic + g) * N + n0;
+            const float *rc = res ? res + (ic + g) * N + n0 : NULL;
+            const int n = (int)min64(GROUP, mc - g);
+            if (w < PANEL) tile_narrow(kc, a, b, w, c, rc, N, first, n);
+            else switch (n) {
+                case 1: tile(kc, a, b, c, rc, N, first, 1); break;
+                case 2: tile(kc, a, b, c, rc, N, first, 2); break;
+                case 3: tile(kc, a, b, c, rc, N, first, 3); break;
+                default: tile(kc, a, b, c, rc, N, first, 4); break;
             }
         }
     }
 }
 
+typedef struct {
+    const float *x, *P, *res, *norm_w;
+    float *y, *inv, *packed; /* inv: rows' 1 / rms (NORMED), by row; packed: every row, every K block (panel_item) */
+    int64_t M, N, K, panels, rows_per_item;
+    float eps;
+    int input;
+    _Atomic int failed; /* set by an item that found no memory for its packed rows */
+} panel_job;
+
+/* y rows [i * rows_per_item, ...) (at most MC) x all panels: packs its rows per K block into its own buffer. */
+static void row_item(void *arg, int64_t i) {
+    panel_job *j = arg;
+    const int64_t K = j->K, m0 = i * j->rows_per_item, mc = min64(j->M - m0, j->rows_per_item);
+    float *ap = aligned_alloc(64, sizeof(float) * (MC + GROUP) * KC);
+    if (ap == NULL) {
+        atomic_store_explicit(&j->failed, 1, memory_order_relaxed);
+        return;
+    }
+    if (j->input == NORMED)
+        for (int64_t m = m0; m < m0 + mc; m++) j->inv[m] = inv_rms(j->x + m * K, K, j->eps);
+    for (int64_t pc = 0; pc < K; pc += KC) {
+        const int64_t kc = min64(KC, K - pc);
+        pack_rows(j->x + m0 * (j->input == GATED ? 2 * K : K), ap, mc, K, pc, kc, j->input, j->norm_w, j->inv ? j->inv + m0 : NULL);
+        tiles(ap, j->P, j->res, j->y, m0, mc, 0, j->panels, j->N, K, pc, kc);
+    }
+    free(ap);
+}
+
+/* All y rows x panel i, from the rows packed once for every item: the panel's weights are read in order, once. */
+static void panel_item(void *arg, int64_t i) {
+    const panel_job *j = arg;
+    const int64_t K = j->K, rows = (j->M + GROUP - 1) / GROUP * GROUP; /* packed's K block pc: [rows/4][kc][4] at pc * rows */
+    for (int64_t pc = 0; pc < K; pc += KC) tiles(j->packed + pc * rows, j->P, j->res, j->y, 0, j->M, i, i + 1, j->N, K, pc, min64(KC, K - pc));
+}
+
 /* y [M, N] = a [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
  * the panel layout, where a is x (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED; K a multiple of 8) or
- * silu(gate) * up of x [M, 2K] (GATED; K a multiple of 8). Many rows: the threads split the rows (each packs only its
- * own); few rows (a decode step): they split the panels, so each reads its share of the weights once. */
+ * silu(gate) * up of x [M, 2K] (GATED; K a multiple of 8). On pool.c's threads. Many rows: items of up to MC rows,
+ * each packing its own; few rows (a decode step): the rows are packed once and each panel is an item, so each reads
+ * its share of the weights once. Returns 0, -1 without memory. */
 int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int input,
                  const float *norm_w, float eps, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int by_rows = M >= 16 * threads;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t m0 = 0, m1 = M, p0 = 0, p1 = panels;
-        if (by_rows) {
-            const int64_t groups = (M + GROUP - 1) / GROUP;
-            m0 = min64(M, groups * t / nt * GROUP), m1 = min64(M, groups * (t + 1) / nt * GROUP);
-        } else {
-            p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    panel_job job = {.x = x, .P = P, .res = res, .norm_w = norm_w, .y = y, .M = M, .N = N, .K = K, .panels = panels, .eps = eps, .input = input};
+    if (M <= 0) return 0;
+    if (input == NORMED && (job.inv = malloc(sizeof(float) * (size_t)M)) == NULL) return -1;
+    if (by_rows) {
+        /* about two items a thread (one pass over the weights each; one item on one thread), of 16 .. MC rows in
+         * whole groups */
+        const int64_t items = threads > 1 ? 2 * threads : 1;
+        job.rows_per_item = min64(MC, (M + items - 1) / items + GROUP - 1) / GROUP * GROUP;
+        if (job.rows_per_item < 16) job.rows_per_item = 16;
+        pool_for((M + job.rows_per_item - 1) / job.rows_per_item, threads, row_item, &job);
+    } else {
+        const int64_t rows = (M + GROUP - 1) / GROUP * GROUP;
+        job.packed = aligned_alloc(64, sizeof(float) * (size_t)((rows * K + 15) / 16 * 16)); /* a multiple of 64 bytes */
+        if (job.packed == NULL) {
+            free(job.inv);
+            return -1;
         }
-        float *ap = aligned_alloc(64, sizeof(float) * (MC + GROUP) * KC);
-        float *inv = input == NORMED ? malloc(sizeof(float) * (size_t)(M > 0 ? M : 1)) : NULL; /* rows' 1 / rms, by row index */
-        if (ap == NULL || (input == NORMED && inv == NULL)) {
-            _Pragma("omp atomic write")
-            failed = 1;
-        } else if (m0 < m1 && p0 < p1) {
-            if (input == NORMED)
-                for (int64_t m = m0; m < m1; m++) inv[m] = inv_rms(x + m * K, K, eps);
-            part(x, P, res, y, m0, m1, p0, p1, N, K, ap, input, norm_w, inv);
-        }
-        free(ap), free(inv);
+        if (input == NORMED)
+            for (int64_t m = 0; m < M; m++) job.inv[m] = inv_rms(x + m * K, K, eps);
+        for (int64_t pc = 0; pc < K; pc += KC) pack_rows(x, job.packed + pc * rows, M, K, pc, min64(KC, K - pc), input, norm_w, job.inv);
+        pool_for(panels, threads, panel_item, &job);
+        free(job.packed);
     }
-    return failed ? -1 : 0;
+    free(job.inv);
+    return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }

@@ -23,17 +23,21 @@
  * (the same f32 operations in the same order: d * sc first, then * q, then the min; never fused into an FMA).
  *
  * x86-64 with AVX2, FMA and F16C; built with AVX-512 VL + VNNI + BW, the dot products are dpbusd and Q5's fifth
- * bits masked moves. Built with rows.c; OpenMP is torch's own runtime.
+ * bits masked moves. Built with rows.c; its loops run on pool.c's threads.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define GROUP 8 /* x rows per pass over a weight row */
 #define QB 32   /* x is quantized per 32 inputs: one block of the 32-formats, a sub-block of the K-formats */
+#ifndef PF_DIST
+#define PF_DIST 512 /* bytes ahead of a row's reads to prefetch (measured on Sapphire Rapids and Zen) */
+#endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -453,14 +457,18 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 }
 
 /* One weight row w (nb x-blocks, ng groups) against n x rows (n and type constants at each call site, so the loops
- * unroll): y[t * ldy] for t < n. */
+ * unroll): y[t * ldy] for t < n, plus r[t * ldr] where r is given. The next rows' bytes are prefetched PF_DIST ahead:
+ * the hardware's prefetcher alone leaves a row's loads waiting on memory while the integer work waits on them. */
 static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng,
-                                                           const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy) {
+                                                           const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy,
+                                                           const float *r, int64_t ldr) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
     __m256 acc[GROUP];
     group_t grp;
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+    const int64_t gbytes = is_k(type) ? bytes : 8 * bytes;
     for (int64_t g = 0; g < full; g++) {
+        for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
         group_rows(type, n, &grp, g, ng, xq, xd, xs, acc);
     }
@@ -468,28 +476,33 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
         unpack_group(type, w + 8 * full * bytes, bytes, (int)(nb - 8 * full), &grp);
         group_rows(type, n, &grp, full, ng, xq, xd, xs, acc);
     }
-    for (int t = 0; t < n; t++) y[t * ldy] = hsum(acc[t]);
+    if (r)
+        for (int t = 0; t < n; t++) y[t * ldy] = r[t * ldr] + hsum(acc[t]);
+    else
+        for (int t = 0; t < n; t++) y[t * ldy] = hsum(acc[t]);
 }
 
-typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *, int64_t, int64_t);
+typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *, int64_t, const float *, int64_t,
+                       int64_t);
 
 /* One weight row against all T x rows, GROUP at a time. */
 #define ROW_FN(NAME, TYPE)                                                                                                 \
     static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
-                     int64_t ldy, int64_t T) {                                                                             \
+                     int64_t ldy, const float *r, int64_t ldr, int64_t T) {                                                \
         for (int64_t t0 = 0; t0 < T; t0 += GROUP) {                                                                        \
             const int8_t *q = xq + t0 * ng * GB;                                                                           \
             const float *d = xd + t0 * ng * 16, *s = xs + t0 * ng * 8;                                                     \
             float *yt = y + t0 * ldy;                                                                                      \
+            const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
             switch (T - t0 < GROUP ? T - t0 : GROUP) {                                                                     \
-            case 1: dot_rows(TYPE, 1, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 2: dot_rows(TYPE, 2, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 3: dot_rows(TYPE, 3, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 4: dot_rows(TYPE, 4, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 5: dot_rows(TYPE, 5, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 6: dot_rows(TYPE, 6, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            case 7: dot_rows(TYPE, 7, w, nb, ng, q, d, s, yt, ldy); break;                                                 \
-            default: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy); break;                                                \
+            case 1: dot_rows(TYPE, 1, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 2: dot_rows(TYPE, 2, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 3: dot_rows(TYPE, 3, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 4: dot_rows(TYPE, 4, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 5: dot_rows(TYPE, 5, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 6: dot_rows(TYPE, 6, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 7: dot_rows(TYPE, 7, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            default: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                             \
             }                                                                                                              \
         }                                                                                                                  \
     }
@@ -517,26 +530,55 @@ static row_fn row_kernel(int type) {
     }
 }
 
-/* y[t * ldy + o] = a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy floats apart, where a
+/* y[t * ldy + o] = (r[t * ldr + o] +) a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy
+ * floats apart, r (a residual, or with ldr 0 a bias) added where given, where a
  * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED);
  * x f32 contiguous. Returns 0, -1 without memory for x's codes, -2 for a type it does not know. */
+typedef struct {
+    row_fn fn;
+    const float *x, *norm_w, *r;
+    const uint8_t *W;
+    float *y;
+    int8_t *xq;
+    float *xd, *xs, eps;
+    int64_t T, K, N, ldy, ldr, nb, ng, row_bytes;
+    int type, input;
+} rows_job;
+
+#define ROWS_PER_ITEM 4          /* output rows per pool item: a few microseconds of work at one x row */
+#define SMALL_PRODUCT (1 << 15)  /* fewer multiply-adds than this (a few microseconds): one thread, no hand-off */
+
+static void quantize_item(void *arg, int64_t t) {
+    const rows_job *j = arg;
+    quantize_row(j->type, j->input, j->x + t * (j->input == GATED ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, j->xq + t * j->ng * GB,
+                 j->xd + t * j->ng * 16, j->xs + t * j->ng * 8);
+}
+
+static void rows_item(void *arg, int64_t i) {
+    const rows_job *j = arg;
+    const int64_t end = (i + 1) * ROWS_PER_ITEM < j->N ? (i + 1) * ROWS_PER_ITEM : j->N;
+    for (int64_t o = i * ROWS_PER_ITEM; o < end; o++)
+        j->fn(j->W + o * j->row_bytes, j->nb, j->ng, j->xq, j->xd, j->xs, j->y + o, j->ldy, j->r ? j->r + o : NULL, j->ldr, j->T);
+}
+
+/* y[t * ldy + o] = (r[t * ldr + o] +) a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy
+ * floats apart, r (a residual, or with ldr 0 a bias) added where given, where a
+ * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED);
+ * x f32 contiguous. On pool.c's threads (x's rows, then W's rows by ROWS_PER_ITEM). Returns 0, -1 without memory
+ * for x's codes, -2 for a type it does not know. */
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
-               float eps, int threads) {
+               float eps, const float *r, int64_t ldr, int threads) {
     const row_fn fn = row_kernel(type);
     if (!fn) return -2;
     const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
     char *buf = malloc((size_t)(T * ng) * (GB + 24 * sizeof(float)));
     if (!buf) return -1;
-    int8_t *xq = (int8_t *)buf;
-    float *xd = (float *)(buf + T * ng * GB), *xs = xd + T * ng * 16;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < T; t++)
-            quantize_row(type, input, x + t * (input == GATED ? 2 * K : K), norm_w, eps, nb, ng, xq + t * ng * GB, xd + t * ng * 16, xs + t * ng * 8);
-        _Pragma("omp for schedule(static)")
-        for (int64_t o = 0; o < N; o++) fn(W + o * row_bytes, nb, ng, xq, xd, xs, y + o, ldy, T);
-    }
+    rows_job job = {.fn = fn, .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps, .T = T, .K = K, .N = N,
+                    .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
+    job.xd = (float *)(buf + T * ng * GB);
+    job.xs = job.xd + T * ng * 16;
+    pool_for(T, T >= 8 ? threads : 1, quantize_item, &job); /* a few rows: quicker than waking a thread */
+    pool_for((N + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T * N * K >= SMALL_PRODUCT ? threads : 1, rows_item, &job);
     free(buf);
     return 0;
 }
@@ -603,24 +645,34 @@ static inline __attribute__((always_inline)) void dequant_row(const int type, co
     }
 }
 
-/* W's N rows of `type` (K a multiple of its block) -> out [N, K] f32, or bf16 where bf16. Returns 0, or -2 for a
- * type it does not know. */
+typedef struct {
+    const uint8_t *W;
+    void *out;
+    int64_t K, row_bytes;
+    int type, bf16;
+} dequant_job;
+
+static void dequant_item(void *arg, int64_t o) {
+    const dequant_job *j = arg;
+    const uint8_t *w = j->W + o * j->row_bytes;
+    const int64_t K = j->K, bf16 = j->bf16;
+    switch (j->type) {
+    case Q4_0: dequant_row(Q4_0, w, K, j->out, o * K, bf16); break;
+    case Q4_1: dequant_row(Q4_1, w, K, j->out, o * K, bf16); break;
+    case Q5_0: dequant_row(Q5_0, w, K, j->out, o * K, bf16); break;
+    case Q5_1: dequant_row(Q5_1, w, K, j->out, o * K, bf16); break;
+    case Q8_0: dequant_row(Q8_0, w, K, j->out, o * K, bf16); break;
+    case Q4_K: dequant_row(Q4_K, w, K, j->out, o * K, bf16); break;
+    case Q5_K: dequant_row(Q5_K, w, K, j->out, o * K, bf16); break;
+    default: dequant_row(Q6_K, w, K, j->out, o * K, bf16); break;
+    }
+}
+
+/* W's N rows of `type` (K a multiple of its block) -> out [N, K] f32, or bf16 where bf16, row by row on pool.c's
+ * threads. Returns 0, or -2 for a type it does not know. */
 int dequant_rows(const uint8_t *W, void *out, int64_t N, int64_t K, int type, int bf16, int threads) {
     if (!block_bytes(type)) return -2;
-    const int64_t row_bytes = K / block_elems(type) * block_bytes(type);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t o = 0; o < N; o++) {
-        const uint8_t *w = W + o * row_bytes;
-        switch (type) {
-        case Q4_0: dequant_row(Q4_0, w, K, out, o * K, bf16); break;
-        case Q4_1: dequant_row(Q4_1, w, K, out, o * K, bf16); break;
-        case Q5_0: dequant_row(Q5_0, w, K, out, o * K, bf16); break;
-        case Q5_1: dequant_row(Q5_1, w, K, out, o * K, bf16); break;
-        case Q8_0: dequant_row(Q8_0, w, K, out, o * K, bf16); break;
-        case Q4_K: dequant_row(Q4_K, w, K, out, o * K, bf16); break;
-        case Q5_K: dequant_row(Q5_K, w, K, out, o * K, bf16); break;
-        default: dequant_row(Q6_K, w, K, out, o * K, bf16); break;
-        }
-    }
+    dequant_job job = {.W = W, .out = out, .K = K, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .bf16 = bf16};
+    pool_for(N, threads, dequant_item, &job);
     return 0;
 }

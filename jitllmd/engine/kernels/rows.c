@@ -4,14 +4,16 @@
  *
  * Every (t, o) is summed in the same order whatever the number of rows, so a row's result does not depend on
  * which rows share its step. W is f32, or bf16 widened to f32 in registers (a bf16 value is an f32's top half).
- * Built by jitllmd/engine/kernels/__init__.py with -O3 -mavx2 -mfma -fopenmp; OpenMP is torch's own runtime.
+ * Built by jitllmd/engine/kernels/__init__.py with -O3 -mavx2 -mfma; the loops run on pool.c's threads (pool.h).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define GROUP 8 /* x rows per pass over a weight row: 8 accumulators, 1 weight and 1 x register */
@@ -37,14 +39,26 @@ static inline __m256 load_bf16(const uint16_t *w) {
         for (int t = 0; t < n; t++) y[t * O] = hsum(acc[t]);                                                  \
     }
 
+#define OUTS_PER_ITEM 16 /* weight rows per pool item: a few microseconds of work at one x row */
+
+/* rows_f32 / rows_bf16: the weight rows OUTS_PER_ITEM at a time, as pool.c's items. */
 #define ROWS_KERNEL(NAME, DOT, WTYPE)                                                                         \
-    void NAME(const float *x, const WTYPE *W, float *y, int64_t T, int64_t K, int64_t O, int threads) {      \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                    \
-        for (int64_t o = 0; o < O; o++) {                                                                     \
-            const WTYPE *w = W + o * K;                                                                       \
+    typedef struct {                                                                                          \
+        const float *x;                                                                                       \
+        const WTYPE *W;                                                                                       \
+        float *y;                                                                                             \
+        int64_t T, K, O;                                                                                      \
+    } NAME##_job;                                                                                             \
+                                                                                                              \
+    static void NAME##_item(void *arg, int64_t i) {                                                           \
+        const NAME##_job *j = arg;                                                                            \
+        const int64_t T = j->T, K = j->K, O = j->O;                                                           \
+        const int64_t end = (i + 1) * OUTS_PER_ITEM < O ? (i + 1) * OUTS_PER_ITEM : O;                        \
+        for (int64_t o = i * OUTS_PER_ITEM; o < end; o++) {                                                   \
+            const WTYPE *w = j->W + o * K;                                                                    \
             for (int64_t t0 = 0; t0 < T; t0 += GROUP) {                                                       \
-                const float *xt = x + t0 * K;                                                                 \
-                float *yt = y + t0 * O + o;                                                                   \
+                const float *xt = j->x + t0 * K;                                                              \
+                float *yt = j->y + t0 * O + o;                                                                \
                 switch (T - t0 < GROUP ? T - t0 : GROUP) {                                                    \
                 case 1: DOT(xt, w, yt, K, O, 1); break;                                                       \
                 case 2: DOT(xt, w, yt, K, O, 2); break;                                                       \
@@ -57,23 +71,68 @@ static inline __m256 load_bf16(const uint16_t *w) {
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    void NAME(const float *x, const WTYPE *W, float *y, int64_t T, int64_t K, int64_t O, int threads) {      \
+        NAME##_job job = {.x = x, .W = W, .y = y, .T = T, .K = K, .O = O};                                    \
+        pool_for((O + OUTS_PER_ITEM - 1) / OUTS_PER_ITEM, threads, NAME##_item, &job);                        \
     }
 
 DOT_ROWS(dot_f32, float, load_f32)
 DOT_ROWS(dot_bf16, uint16_t, load_bf16)
 
-/* K must be a multiple of 8 (the caller checks); x, W and y are contiguous. */
+/* K must be a multiple of 8 (the caller checks); x, W and y are contiguous. On pool.c's threads. */
 ROWS_KERNEL(rows_f32, dot_f32, float)
 ROWS_KERNEL(rows_bf16, dot_bf16, uint16_t)
 
+typedef struct {
+    const float *q;
+    float *out;
+    const int64_t *k_ptrs, *v_ptrs, *lengths, *starts, *strides;
+    int64_t H, group, D;
+    float scale;
+} attend_job;
+
+/* One (row, query head) of attend_rows: softmax(q K^T * scale) V over the row's keys. */
+static void attend_item(void *arg, int64_t item) {
+    const attend_job *a = arg;
+    const int64_t H = a->H, D = a->D, r = item / H, j = item % H, h = j / a->group;
+    const float *K = (const float *)a->k_ptrs[r] + h * a->strides[r] * D;
+    const float *V = (const float *)a->v_ptrs[r] + h * a->strides[r] * D;
+    const float *qj = a->q + (r * H + j) * D;
+    float *o = a->out + (r * H + j) * D;
+    const int64_t s = a->starts[r], L = a->lengths[r];
+    float *p = (float *)__builtin_alloca((size_t)(L - s) * sizeof(float));
+    float best = -INFINITY;
+    for (int64_t i = s; i < L; i++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(K + i * D + d), acc);
+        float score = hsum(acc) * a->scale;
+        p[i - s] = score;
+        if (score > best) best = score;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < L - s; i++) {
+        p[i] = expf(p[i] - best);
+        total += p[i];
+    }
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    for (int64_t i = s; i < L; i++) { /* values row by row: each read once, in order */
+        const __m256 pi = _mm256_set1_ps(p[i - s]);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pi, _mm256_loadu_ps(V + i * D + d), _mm256_loadu_ps(o + d)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+}
+
 /* Decode attention for a step's single-token rows in one call. Row r's new key and value (k_new[r], v_new[r]:
  * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: [Hkv, stride,
- * D]); then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1. Query head j reads kv head
- * j / (H / Hkv), as grouped-query attention repeats them. D is a multiple of 8. */
+ * D]); then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each row and head one item
+ * on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention repeats them. D is a
+ * multiple of 8. */
 void attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs,
                  const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R,
                  int64_t H, int64_t Hkv, int64_t D, float scale, int threads) {
-    const int64_t group = H / Hkv;
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = (h * strides[r] + lengths[r] - 1) * D;
@@ -81,61 +140,50 @@ void attend_rows(const float *q, const float *k_new, const float *v_new, float *
             memcpy((float *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
         }
     }
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
-    for (int64_t item = 0; item < R * H; item++) {
-        const int64_t r = item / H, j = item % H, h = j / group;
-        const float *K = (const float *)k_ptrs[r] + h * strides[r] * D;
-        const float *V = (const float *)v_ptrs[r] + h * strides[r] * D;
-        const float *qj = q + (r * H + j) * D;
-        float *o = out + (r * H + j) * D;
-        const int64_t s = starts[r], L = lengths[r];
-        float *p = (float *)__builtin_alloca((size_t)(L - s) * sizeof(float));
-        float best = -INFINITY;
-        for (int64_t i = s; i < L; i++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(K + i * D + d), acc);
-            float score = hsum(acc) * scale;
-            p[i - s] = score;
-            if (score > best) best = score;
-        }
-        float total = 0.0f;
-        for (int64_t i = 0; i < L - s; i++) {
-            p[i] = expf(p[i] - best);
-            total += p[i];
-        }
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-        for (int64_t i = s; i < L; i++) {  /* values row by row: each read once, in order */
-            const __m256 pi = _mm256_set1_ps(p[i - s]);
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pi, _mm256_loadu_ps(V + i * D + d), _mm256_loadu_ps(o + d)));
-        }
-        const __m256 inv = _mm256_set1_ps(1.0f / total);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+    attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, strides, H, H / Hkv, D, scale};
+    pool_for(R * H, threads, attend_item, &job);
+}
+
+#define ROWS_PER_ITEM 8 /* x rows per pool item of the row-wise kernels below: about a microsecond of work */
+
+/* What rms_norm_rows, rope_rows and silu_mul_rows pass their items; each uses the fields it names. */
+typedef struct {
+    const float *x, *w, *cos, *sin;
+    float *y;
+    int64_t T, D, stride, heads;
+    float eps;
+} rows_job;
+
+/* The x rows of pool item i. */
+static inline int64_t item_end(int64_t i, int64_t T) { return (i + 1) * ROWS_PER_ITEM < T ? (i + 1) * ROWS_PER_ITEM : T; }
+
+static void rms_norm_item(void *arg, int64_t i) {
+    const rows_job *j = arg;
+    const int64_t D = j->D;
+    for (int64_t t = i * ROWS_PER_ITEM, end = item_end(i, j->T); t < end; t++) {
+        const float *xt = j->x + t * D;
+        float *yt = j->y + t * D;
+        const __m256 scale = _mm256_set1_ps(inv_rms(xt, D, j->eps));
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + d), scale), _mm256_loadu_ps(j->w + d)));
     }
 }
 
 /* RMSNorm of f32 rows, as Hugging Face computes it in f32: x * rsqrt(mean(x^2) + eps) * w. D is a multiple of 8.
  * A step's few rows in one call where torch's fused norm costs tens of microseconds per call; a prompt's rows split
- * between the threads. */
+ * between pool.c's threads. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (T >= 64)")
-    for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * D;
-        float *yt = y + t * D;
-        const __m256 scale = _mm256_set1_ps(inv_rms(xt, D, eps));
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + d), scale), _mm256_loadu_ps(w + d)));
-    }
+    rows_job job = {.x = x, .w = w, .y = y, .T = T, .D = D, .eps = eps};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 64 ? threads : 1, rms_norm_item, &job);
 }
 
-/* Rotate-half RoPE in place on f32 rows: x [T, heads, D] (row stride `stride` floats, heads adjacent in a row), cos
- * [T, D], sin [T, D] with its first half negated: x' = x * cos + (x's halves swapped) * sin. D is a multiple of 16. */
-void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads) {
-    const int64_t half = D / 2;
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (T >= 16)")
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < heads; h++) {
-            float *xh = x + t * stride + h * D;
+static void rope_item(void *arg, int64_t i) {
+    const rows_job *j = arg;
+    const int64_t D = j->D, half = D / 2;
+    for (int64_t t = i * ROWS_PER_ITEM, end = item_end(i, j->T); t < end; t++) {
+        const float *c = j->cos + t * D, *s = j->sin + t * D;
+        for (int64_t h = 0; h < j->heads; h++) {
+            float *xh = j->y + t * j->stride + h * D;
             for (int64_t d = 0; d < half; d += 8) {
                 const __m256 x1 = _mm256_loadu_ps(xh + d), x2 = _mm256_loadu_ps(xh + half + d);
                 _mm256_storeu_ps(xh + d, _mm256_fmadd_ps(x2, _mm256_loadu_ps(s + d), _mm256_mul_ps(x1, _mm256_loadu_ps(c + d))));
@@ -145,18 +193,29 @@ void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int
     }
 }
 
+/* Rotate-half RoPE in place on f32 rows: x [T, heads, D] (row stride `stride` floats, heads adjacent in a row), cos
+ * [T, D], sin [T, D] with its first half negated: x' = x * cos + (x's halves swapped) * sin. D is a multiple of 16.
+ * A prompt's rows split between pool.c's threads. */
+void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads) {
+    rows_job job = {.cos = cos, .sin = sin, .y = x, .T = T, .D = D, .stride = stride, .heads = heads};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, rope_item, &job);
+}
+
+static void silu_mul_item(void *arg, int64_t i) {
+    const rows_job *j = arg;
+    const int64_t I = j->D;
+    for (int64_t t = i * ROWS_PER_ITEM, end = item_end(i, j->T); t < end; t++) {
+        const float *g = j->x + t * 2 * I, *u = g + I;
+        float *o = j->y + t * I;
+        for (int64_t k = 0; k < I; k += 8) _mm256_storeu_ps(o + k, silu_mul8(_mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
+    }
+}
 
 /* The gated MLP's activation: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + e^-g); one pass over a
- * [T, 2I] gate_up product instead of three. I is a multiple of 8. */
+ * [T, 2I] gate_up product instead of three. I is a multiple of 8. A prompt's rows split between pool.c's threads. */
 void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (T >= 16)")
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gu + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
-        for (int64_t i = 0; i < I; i += 8) {
-            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-        }
-    }
+    rows_job job = {.x = gu, .y = out, .T = T, .D = I};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, silu_mul_item, &job);
 }
 
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
@@ -165,9 +224,9 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
  * the chunk's own keys already written); q's rows are q_stride floats apart (q may be a view into qkv's rows). Query
  * head j reads kv head j / (H / Hkv). D is a multiple of 4.
  *
- * Work items are (kv head, block of QB queries): the item's R = group * QB query rows (query-major: the group's heads
- * of one query are adjacent) share each block of KB keys. Everything runs across rows, eight to a vector, so no step
- * needs a horizontal sum or a per-row loop:
+ * Work items, run on pool.c's threads each with its own scratch, are (kv head, block of QB queries): the item's
+ * R = group * QB query rows (query-major: the group's heads of one query are adjacent) share each block of KB keys.
+ * Everything runs across rows, eight to a vector, so no step needs a horizontal sum or a per-row loop:
  *   scores   S[c][r] = K[c] . (q_r * scale)              a register tile of 4 keys (broadcast) x 24 rows, over D
  *   softmax  the rows' running maximum m and sum l, P[c][r] = e^(S[c][r] - m_r), masked keys 0
  *   output   O[d][r] = O[d][r] * corr_r + sum_c V[c][d] P[c][r]   4 dims (broadcast) x 24 rows, over the keys
@@ -219,100 +278,111 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
         default: call(3); break; \
     }
 
-int attend_chunk(const float *q, int64_t q_stride, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
-    const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB, RP = (group * QB + 7) / 8 * 8;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        float *qt = aligned_alloc(32, sizeof(float) * (size_t)(D * RP)), *ot = aligned_alloc(32, sizeof(float) * (size_t)(D * RP));
-        float *st = aligned_alloc(32, sizeof(float) * (size_t)(KB * RP));
-        float *m = aligned_alloc(32, sizeof(float) * (size_t)RP), *l = aligned_alloc(32, sizeof(float) * (size_t)RP);
-        float *corr = aligned_alloc(32, sizeof(float) * (size_t)RP);
-        int32_t *last = aligned_alloc(32, sizeof(int32_t) * (size_t)RP), *first = aligned_alloc(32, sizeof(int32_t) * (size_t)RP);
-        const int ready = qt && ot && st && m && l && corr && last && first;
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t item = 0; item < Hkv * blocks; item++) {
-            if (!ready) {
-                _Pragma("omp atomic write")
-                failed = 1;
-                continue;
-            }
-            const int64_t h = item / blocks, i0 = (item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
-            const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
-            const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
-            /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
-            for (int64_t r = 0; r < rp; r++) {
-                const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
-                const float *qr = q + i * q_stride + (h * group + j) * D;
-                for (int64_t d = 0; d < D; d++) qt[d * rp + r] = r < R ? qr[d] * scale : 0.0f;
-                last[r] = (int32_t)(p + i);
-                first[r] = (int32_t)(window > 0 && p + i - window + 1 > key_start ? p + i - window + 1 : key_start);
-                m[r] = -INFINITY;
-                l[r] = 0.0f;
-            }
-            memset(ot, 0, sizeof(float) * (size_t)(D * rp));
-            const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
-            for (int64_t k0 = lo; k0 < hi; k0 += KB) {
-                const int64_t kn = hi - k0 < KB ? hi - k0 : KB;
-                /* every row sees every key of this block: no mask */
-                const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
-                for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
-                    const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
-                    int64_t c = 0;
+typedef struct {
+    const float *q, *K, *V;
+    float *out;
+    int64_t q_stride, n, H, D, stride, p, key_start, window, group, blocks, RP;
+    float scale;
+    _Atomic int failed; /* set by an item that found no memory for its scratch */
+} chunk_job;
+
+/* One item of attend_chunk: kv head item / blocks, queries from (item % blocks) * QB, with its own scratch. */
+static void chunk_item(void *arg, int64_t item) {
+    chunk_job *job = arg;
+    const float *q = job->q, *K = job->K, *V = job->V;
+    float *out = job->out;
+    const int64_t q_stride = job->q_stride, n = job->n, H = job->H, D = job->D, stride = job->stride, p = job->p;
+    const int64_t key_start = job->key_start, window = job->window, group = job->group, blocks = job->blocks, RP = job->RP;
+    const float scale = job->scale;
+    /* qt, ot [D][RP], st [KB][RP], then m, l, corr, last, first [RP]: each a multiple of 8 floats, so all 32-byte aligned */
+    float *qt = aligned_alloc(32, sizeof(float) * (size_t)((2 * D + KB + 5) * RP));
+    if (qt == NULL) {
+        atomic_store_explicit(&job->failed, 1, memory_order_relaxed);
+        return;
+    }
+    float *ot = qt + D * RP, *st = ot + D * RP, *m = st + KB * RP, *l = m + RP, *corr = l + RP;
+    int32_t *last = (int32_t *)(corr + RP), *first = last + RP;
+    const int64_t h = item / blocks, i0 = (item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
+    const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
+    const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
+    /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
+    for (int64_t r = 0; r < rp; r++) {
+        const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
+        const float *qr = q + i * q_stride + (h * group + j) * D;
+        for (int64_t d = 0; d < D; d++) qt[d * rp + r] = r < R ? qr[d] * scale : 0.0f;
+        last[r] = (int32_t)(p + i);
+        first[r] = (int32_t)(window > 0 && p + i - window + 1 > key_start ? p + i - window + 1 : key_start);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(ot, 0, sizeof(float) * (size_t)(D * rp));
+    const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
+    for (int64_t k0 = lo; k0 < hi; k0 += KB) {
+        const int64_t kn = hi - k0 < KB ? hi - k0 : KB;
+        /* every row sees every key of this block: no mask */
+        const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
+        for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
+            const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
+            int64_t c = 0;
 #define SCORE4(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 4, NV)
-                    for (; c + 4 <= kn; c += 4) BY_VECTORS(nv, SCORE4)
+            for (; c + 4 <= kn; c += 4) BY_VECTORS(nv, SCORE4)
 #undef SCORE4
 #define SCORE1(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 1, NV)
-                    for (; c < kn; c++) BY_VECTORS(nv, SCORE1)
+            for (; c < kn; c++) BY_VECTORS(nv, SCORE1)
 #undef SCORE1
-                }
-                for (int64_t v = 0; v < nvec; v++) {
-                    float *sv = st + 8 * v;
-                    const __m256i hi_v = _mm256_load_si256((const __m256i *)(last + 8 * v)), lo_v = _mm256_load_si256((const __m256i *)(first + 8 * v));
-                    __m256 top = _mm256_set1_ps(-INFINITY);
-                    if (full) {
-                        for (int64_t c = 0; c < kn; c++) top = _mm256_max_ps(top, _mm256_load_ps(sv + c * rp));
-                    } else {
-                        for (int64_t c = 0; c < kn; c++) {
-                            const __m256i key = _mm256_set1_epi32((int32_t)(k0 + c));
-                            const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(key, hi_v), _mm256_cmpgt_epi32(lo_v, key));
-                            const __m256 s = _mm256_blendv_ps(_mm256_load_ps(sv + c * rp), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
-                            _mm256_store_ps(sv + c * rp, s);
-                            top = _mm256_max_ps(top, s);
-                        }
-                    }
-                    const __m256 old = _mm256_load_ps(m + 8 * v), best = _mm256_max_ps(old, top);
-                    /* rows that have seen no key yet keep m = -inf: subtract 0 there, not -inf */
-                    const __m256 none = _mm256_cmp_ps(best, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-                    const __m256 shift = _mm256_blendv_ps(best, _mm256_setzero_ps(), none);
-                    _mm256_store_ps(corr + 8 * v, exp8_neg(_mm256_sub_ps(old, shift))); /* tiny, not 0, on a row's first keys: o, l are 0 there */
-                    _mm256_store_ps(m + 8 * v, best);
-                    __m256 sum = _mm256_setzero_ps();
-                    for (int64_t c = 0; c < kn; c++) {
-                        const __m256 s = _mm256_load_ps(sv + c * rp);
-                        __m256 e = exp8_neg(_mm256_sub_ps(s, shift));
-                        if (!full) e = _mm256_and_ps(e, _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-                        _mm256_store_ps(sv + c * rp, e);
-                        sum = _mm256_add_ps(sum, e);
-                    }
-                    _mm256_store_ps(l + 8 * v, _mm256_fmadd_ps(_mm256_load_ps(l + 8 * v), _mm256_load_ps(corr + 8 * v), sum));
-                }
-                for (int64_t d = 0; d < D; d += 4)
-                    for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
-                        const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
-#define PV(NV) pv_tile(Vh + k0 * D + d, D, st + 8 * v0, rp, kn, ot + d * rp + 8 * v0, corr + 8 * v0, NV)
-                        BY_VECTORS(nv, PV)
-#undef PV
-                    }
-            }
-            for (int64_t r = 0; r < R; r++) {
-                float *dst = out + ((i0 + r / group) * H + h * group + r % group) * D;
-                const float inv = 1.0f / l[r];
-                for (int64_t d = 0; d < D; d++) dst[d] = ot[d * rp + r] * inv;
-            }
         }
-        free(qt), free(ot), free(st), free(m), free(l), free(corr), free(last), free(first);
+        for (int64_t v = 0; v < nvec; v++) {
+            float *sv = st + 8 * v;
+            const __m256i hi_v = _mm256_load_si256((const __m256i *)(last + 8 * v)), lo_v = _mm256_load_si256((const __m256i *)(first + 8 * v));
+            __m256 top = _mm256_set1_ps(-INFINITY);
+            if (full) {
+                for (int64_t c = 0; c < kn; c++) top = _mm256_max_ps(top, _mm256_load_ps(sv + c * rp));
+            } else {
+                for (int64_t c = 0; c < kn; c++) {
+                    const __m256i key = _mm256_set1_epi32((int32_t)(k0 + c));
+                    const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(key, hi_v), _mm256_cmpgt_epi32(lo_v, key));
+                    const __m256 s = _mm256_blendv_ps(_mm256_load_ps(sv + c * rp), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
+                    _mm256_store_ps(sv + c * rp, s);
+                    top = _mm256_max_ps(top, s);
+                }
+            }
+            const __m256 old = _mm256_load_ps(m + 8 * v), best = _mm256_max_ps(old, top);
+            /* rows that have seen no key yet keep m = -inf: subtract 0 there, not -inf */
+            const __m256 none = _mm256_cmp_ps(best, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+            const __m256 shift = _mm256_blendv_ps(best, _mm256_setzero_ps(), none);
+            _mm256_store_ps(corr + 8 * v, exp8_neg(_mm256_sub_ps(old, shift))); /* tiny, not 0, on a row's first keys: o, l are 0 there */
+            _mm256_store_ps(m + 8 * v, best);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t c = 0; c < kn; c++) {
+                const __m256 s = _mm256_load_ps(sv + c * rp);
+                __m256 e = exp8_neg(_mm256_sub_ps(s, shift));
+                if (!full) e = _mm256_and_ps(e, _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                _mm256_store_ps(sv + c * rp, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            _mm256_store_ps(l + 8 * v, _mm256_fmadd_ps(_mm256_load_ps(l + 8 * v), _mm256_load_ps(corr + 8 * v), sum));
+        }
+        for (int64_t d = 0; d < D; d += 4)
+            for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
+                const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
+#define PV(NV) pv_tile(Vh + k0 * D + d, D, st + 8 * v0, rp, kn, ot + d * rp + 8 * v0, corr + 8 * v0, NV)
+                BY_VECTORS(nv, PV)
+#undef PV
+            }
     }
-    return failed ? -1 : 0;
+    for (int64_t r = 0; r < R; r++) {
+        float *dst = out + ((i0 + r / group) * H + h * group + r % group) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = ot[d * rp + r] * inv;
+    }
+    free(qt);
+}
+
+int attend_chunk(const float *q, int64_t q_stride, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
+                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
+    const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB;
+    chunk_job job = {.q = q, .K = K, .V = V, .out = out, .q_stride = q_stride, .n = n, .H = H, .D = D, .stride = stride, .p = p,
+                     .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .scale = scale};
+    pool_for(Hkv * blocks, threads, chunk_item, &job);
+    return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels import MAX_ROWS, QUANT_TYPES, dequant_rows, quant_rows, rms_norm_rows, rows_kernel, silu_mul_rows
+from ..devices import bf16_matmul_native
+from ..kernels import MAX_ROWS, QUANT_TYPES, check_quant_weight, dequant_rows, quant_runs, rms_norm_rows, rows_kernel, silu_mul_rows
 from ..kv import RowSpan
 
 __all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for"]
@@ -261,7 +262,7 @@ def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
 
 # -- running them --------------------------------------------------------------------------------------------------
 
-_PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weights at a time (4 MB of f32)
+_PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weights at a time (4 MB of f32, 2 of bf16)
 
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
@@ -279,26 +280,39 @@ def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
 class QuantLinear:
     """A projection over quantized rows: x [T, in] -> [T, out] f32 (+ bias), added to `residual` where given.
 
-    On the CPU with the kernels: the integer kernel for short rows' tokens (each block read once for all of them);
-    the f32 product over panels dequantized in turn for the tokens `chunk` marks. Elsewhere (another device, no
-    kernels): the reference, each segment dequantized whole per call."""
+    On the CPU with the kernels: the integer kernel for short rows' tokens (each block read once for all of them),
+    with the norm or the gate folded into its quantizing of x and the residual or bias into its sums, one call per
+    run of same-format rows; for the tokens `chunk` marks (prompt chunks), a GEMM over panels dequantized in turn:
+    in f32, exact, or where the CPU has bf16 units (`bf16`) torch's bf16 GEMM (AMX), x and the panels rounded to
+    bf16, the sums f32, the result rounded to bf16 as a bf16 model's are. Elsewhere (another device, no kernels): the
+    reference, each segment dequantized whole per call."""
 
-    __slots__ = ("bias", "folds", "kernel", "out_features", "segments", "views")
+    __slots__ = ("bf16", "bias", "folds", "kernel", "out_features", "runs", "segments", "views")
     panels = False  # the f32 panel kernel's: not this
 
     def __init__(self, weight: torch.Tensor, segments: list[Segment], bias: torch.Tensor | None):
         flat = weight.reshape(-1)
         if flat.numel() != sum(s.nbytes for s in segments):
             raise ValueError(f"quantized part holds {flat.numel()} bytes, its segments {sum(s.nbytes for s in segments)}")
-        self.segments = segments
-        self.views, at = [], 0
+        merged: list[Segment] = []  # stacked tensors of one format and width are one run of rows: one kernel call
         for s in segments:
+            if merged and (merged[-1].fmt, merged[-1].k) == (s.fmt, s.k):
+                merged[-1] = Segment(s.fmt, merged[-1].rows + s.rows, s.k)
+            else:
+                merged.append(s)
+        self.segments = merged
+        self.views, at = [], 0
+        for s in merged:
             self.views.append(flat[at : at + s.nbytes].view(s.rows, s.fmt.row_bytes(s.k)))  # [rows, row bytes]
             at += s.nbytes
-        self.out_features = sum(s.rows for s in segments)
-        self.bias = None if bias is None else bias.float()
-        self.kernel = weight.device.type == "cpu" and rows_kernel() is not None and all(s.fmt.ggml in QUANT_TYPES for s in segments)
-        self.folds = self.kernel and all(s.k % 8 == 0 for s in segments)  # a norm or the gate made as x rows are quantized
+        self.out_features = sum(s.rows for s in merged)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.kernel = weight.device.type == "cpu" and rows_kernel() is not None and all(s.fmt.ggml in QUANT_TYPES for s in merged)
+        self.folds = self.kernel and all(s.k % 8 == 0 for s in merged)  # a norm or the gate made as x rows are quantized
+        self.bf16 = self.kernel and bf16_matmul_native("cpu")
+        self.runs = [(w, s.fmt.ggml, s.rows) for s, w in zip(merged, self.views)] if self.kernel else []
+        for w, qtype, rows in self.runs:
+            check_quant_weight(w, qtype, rows, merged[0].k)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                  gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,6 +322,10 @@ class QuantLinear:
         if (norm is not None or gated) and (chunk is not None or not self.folds):
             x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else silu_mul_rows(x.float())
             norm, gated = None, False
+        if self.kernel and chunk is None and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
+            # decode rows: one kernel call per run, the bias or else the residual added in it (y = add + product)
+            y = self._run(x.float(), False, norm, gated, self.bias if self.bias is not None or residual is None else residual)
+            return y if residual is None or self.bias is None else residual + y
         y = self.project(x, chunk, norm=norm, gated=gated)
         return y if residual is None else residual + y.to(residual.dtype)
 
@@ -315,19 +333,22 @@ class QuantLinear:
                 gated: bool = False) -> torch.Tensor:
         x = x.float()
         if chunk is None or not self.kernel:
-            y = self._run(x, exact=False, norm=norm, gated=gated)
-        elif bool(chunk.all()):
-            y = self._run(x, exact=True)
-        else:
-            long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
-            y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-            y[long] = self._run(x[long], exact=True)
-            y[short] = self._run(x[short], exact=False)
-        return y if self.bias is None else y + self.bias
+            return self._run(x, False, norm, gated, self.bias)
+        if bool(chunk.all()):
+            return self._run(x, True, add=self.bias)
+        long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
+        y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        y[long] = self._run(x[long], True, add=self.bias)
+        y[short] = self._run(x[short], False, add=self.bias)
+        return y
 
-    def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
-        """x [T, in] f32 -> [T, out]: the integer kernel (which may fold `norm` or `gated` in), or exactly
-        (dequantized f32 panels, or the reference)."""
+    def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+             add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the integer
+        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or a GEMM over dequantized panels
+        (bf16 where `bf16`, else exact), or the reference."""
+        if self.kernel and not exact:
+            return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
         T = x.shape[0]
         y = torch.empty((T, self.out_features), dtype=torch.float32, device=x.device)
         col = 0
@@ -335,15 +356,16 @@ class QuantLinear:
             out = y[:, col : col + s.rows]
             if not self.kernel:
                 out.copy_(F.linear(x, dequantize(w, s.fmt, s.rows, s.k)))
-            elif not exact:
-                quant_rows(x, w, s.fmt.ggml, s.rows, out=out, norm=norm, gated=gated)
             else:
                 step = max(1, _PANEL_FLOATS // s.k)
+                dtype = torch.bfloat16 if self.bf16 else torch.float32
+                xs = x.to(dtype)
                 for r in range(0, s.rows, step):
-                    panel = dequant_rows(w[r : r + step], s.fmt.ggml, min(step, s.rows - r), s.k)  # [rows, in] f32
-                    out[:, r : r + panel.shape[0]] = x @ panel.t()
+                    n = min(step, s.rows - r)
+                    panel = dequant_rows(w[r : r + n], s.fmt.ggml, n, s.k, out=torch.empty((n, s.k), dtype=dtype))  # [rows, in]
+                    out[:, r : r + n] = xs @ panel.t()
             col += s.rows
-        return y
+        return y if add is None else add + y
 
 
 class QuantTable:

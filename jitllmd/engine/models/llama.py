@@ -10,9 +10,11 @@ import torch
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
+from ..kernels import QuantLayer, decode_layer
 from ..kv import RowSpan, SessionKV
 from ..layers import (
     Attention,
+    QuantLinear,
     QuantTable,
     RMSNorm,
     Rope,
@@ -102,12 +104,29 @@ class DecoderBlock:
             self.qkv.folds and self.gate_up.folds and self.down.folds and act == torch.float32 and cfg.hidden_size % 8 == 0
             and cfg.intermediate_size % 8 == 0
         )
+        # quantized on the CPU with the kernels: a step's single-token rows go through the whole layer in one call
+        self.fused = self._fused(cfg) if self.fold and self.q_norm is None and self.rope.kernel and self.attn.decode_kernel else None
+
+    def _fused(self, cfg: LlamaConfig) -> QuantLayer | None:
+        """layer.c's view of this layer, where every projection is quantized rows the kernels multiply (no bias but
+        qkv's, a few runs of rows each)."""
+        parts = [self.qkv, self.o, self.gate_up, self.down]
+        quant = [p for p in parts if isinstance(p, QuantLinear) and p.kernel and len(p.runs) <= 4 and (p is self.qkv or p.bias is None)]
+        if len(quant) < len(parts):
+            return None
+        qkv, o, gate_up, down = ((p.runs, p.segments[0].k) for p in quant)
+        return QuantLayer(qkv, o, gate_up, down, quant[0].bias, self.input_norm.weight, self.post_norm.weight, cfg.rms_norm_eps, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, x: torch.Tensor, rope: RopeTables, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """x [T, hidden] f32 -> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those
         tokens' [len(keep), hidden]: every token's K/V still goes to its session, but attention and the MLP run for the
         kept ones only (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
         T = x.shape[0]
+        if self.fused is not None and keep is None and T == len(rows):  # single-token rows: the layer in one kernel call
+            i, window = self.attn.layer, self.attn.window
+            return decode_layer(self.fused, x.contiguous(), *rope.on(x.device), [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows],
+                                [r.kv.length + 1 for r in rows], [r.key_start(window) for r in rows])
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
         if self.fold:
@@ -157,6 +176,8 @@ class Head:
 
     def __call__(self, x: torch.Tensor, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> f32 logits [T, V]; `chunk` marks the tokens of prompt chunks (see DecoderBlock)."""
+        if self.lm.folds and x.dtype == torch.float32:  # quantized rows: the norm made as the kernel quantizes x
+            return self.lm(x, norm=(self.norm.weight, self.norm.eps), chunk=chunk)
         return self.lm(self.norm(x), chunk=chunk).float()  # [T, V]
 
 

@@ -1,0 +1,88 @@
+/* A decoder layer's decode step over quantized weights in one call: what DecoderBlock does for a step's single-token
+ * rows, kernel by kernel, without a return to Python between them (each return, with its wrapper, ctypes conversions
+ * and the allocation of the next output, cost ~20 us: a third of a 135M model's step).
+ *
+ * decode_layer runs, for R rows of x [R, hidden]:
+ *     qkv  = quant(RMSNorm(x) * input_norm) (+ qkv bias)       quant_rows, the norm folded, the bias added in its sums
+ *     q, k = RoPE(q, k)                                        rope_rows, in qkv's own rows
+ *     attn = attention(q, k, v) with each row's session KV     attend_rows, which writes k and v into the cache first
+ *     y    = x + quant(attn) @ o                               quant_rows, the residual added in its sums
+ *     y    = y + quant(silu(gate) * up) @ down, gate_up = quant(RMSNorm(y) * post_norm) @ gate_up
+ * the same calls with the same arguments as the layer's Python path makes them, so it gives the same bits. Each
+ * projection is its runs of same-format rows stacked along the output (a Q5_0 q/k and a Q8_0 v: two runs).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { PLAIN, NORMED, GATED }; /* quant.c's inputs */
+#define MAX_RUNS 4
+
+int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
+               float eps, const float *r, int64_t ldr, int threads);
+void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads);
+void attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs, const int64_t *v_ptrs,
+                 const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R, int64_t H, int64_t Hkv, int64_t D, float scale,
+                 int threads);
+
+/* A projection: `runs` runs of rows of `k` inputs, run i `rows[i]` rows of ggml type `type[i]` at w[i]. */
+typedef struct {
+    int64_t runs, k;
+    const uint8_t *w[MAX_RUNS];
+    int64_t type[MAX_RUNS], rows[MAX_RUNS];
+} qproj;
+
+/* A layer (every field 8 bytes: ctypes lays it out alike). qkv_bias may be NULL. */
+typedef struct {
+    qproj qkv, o, gate_up, down;
+    const float *qkv_bias, *input_norm, *post_norm;
+    double eps, scale;
+    int64_t H, Hkv, D, hidden, inter;
+} qlayer;
+
+/* y [T, out] (rows ldy apart) = add (+ its row t at ldr, or with ldr 0 a bias) + a @ W.T, a made from x per input. */
+static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t ldy, int input, const float *norm_w, float eps, const float *add,
+                   int64_t ldr, int threads) {
+    for (int64_t i = 0, col = 0; i < p->runs; col += p->rows[i], i++) {
+        const int rc = quant_rows(x, p->w[i], y + col, T, p->k, p->rows[i], ldy, (int)p->type[i], input, norm_w, eps, add ? add + col : NULL, ldr, threads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Layer L over R single-token rows: x [R, hidden] -> y [R, hidden] (y may not be x). cos, sin [R, D]: the rows'
+ * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] ([Hkv, strides[r], D] f32), its new token at
+ * position lengths[r] - 1, attending from starts[r]. Returns 0, or -1 without memory. */
+int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const float *cos, const float *sin, const int64_t *k_ptrs,
+                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int threads) {
+    const int64_t H = L->H, Hkv = L->Hkv, D = L->D, W = (H + 2 * Hkv) * D, hidden = L->hidden, I = L->inter;
+    const float eps = (float)L->eps;
+    const int64_t packed = R > 1 ? R * W : 0; /* several rows: q, k and v each packed row after row, as attend_rows reads them */
+    float *qkv = malloc((size_t)(R * W + R * H * D + R * 2 * I + packed) * sizeof(float));
+    if (!qkv) return -1;
+    float *attn = qkv + R * W, *gate_up = attn + R * H * D, *pack = gate_up + R * 2 * I;
+    int rc = project(&L->qkv, x, qkv, R, W, NORMED, L->input_norm, eps, L->qkv_bias, 0, threads);
+    if (!rc) {
+        rope_rows(qkv, W, cos, sin, R, H + Hkv, D, threads);
+        const float *q = qkv, *k = qkv + H * D, *v = qkv + (H + Hkv) * D;
+        if (R > 1) {
+            float *pq = pack, *pk = pack + R * H * D, *pv = pk + R * Hkv * D;
+            for (int64_t r = 0; r < R; r++) {
+                memcpy(pq + r * H * D, qkv + r * W, (size_t)(H * D) * sizeof(float));
+                memcpy(pk + r * Hkv * D, qkv + r * W + H * D, (size_t)(Hkv * D) * sizeof(float));
+                memcpy(pv + r * Hkv * D, qkv + r * W + (H + Hkv) * D, (size_t)(Hkv * D) * sizeof(float));
+            }
+            q = pq;
+            k = pk;
+            v = pv;
+        }
+        int64_t keys = 0; /* attention's multiply-adds, about: a short history is quicker on one thread */
+        for (int64_t r = 0; r < R; r++) keys += lengths[r] - starts[r];
+        attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, strides, R, H, Hkv, D, (float)L->scale, keys * H * D >= (1 << 15) ? threads : 1);
+        rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
+    }
+    if (!rc) rc = project(&L->gate_up, y, gate_up, R, 2 * I, NORMED, L->post_norm, eps, NULL, 0, threads);
+    if (!rc) rc = project(&L->down, gate_up, y, R, hidden, GATED, NULL, 0.0f, y, hidden, threads); /* each y element read, then written, by one thread */
+    free(qkv);
+    return rc ? -1 : 0;
+}
