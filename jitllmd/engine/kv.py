@@ -18,8 +18,11 @@ class RoomError(ValueError):
 class SessionKV:
     """K and V for every attention block of one session: [num_kv_heads, capacity, head_dim] per block.
 
-    Storage grows on demand up to `capacity` (the session's -max-seq), so a session costs what it uses.
-    Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries them across.
+    A session costs what it uses, up to `capacity` (the session's -max-seq): on the CPU a layer's storage is its whole
+    capacity from the first reservation, whose pages the OS maps only as positions are written (so it never grows by
+    copying, which held the old and the new copy at once: ~150 MB of a 4k-token SmolLM2 session's peak); on another
+    device it grows on demand, doubling. `nbytes` counts the positions reserved either way. Each layer's K/V live on
+    its block's place (`devices`, one per layer); `move` carries the filled positions across.
     """
 
     def __init__(
@@ -58,17 +61,25 @@ class SessionKV:
         if total <= self._allocated:
             return
         new = min(self.capacity, max(total, self._allocated * 2, _GROW))
-        shape = (self.num_kv_heads, new, self.head_dim)
-        ks, vs = [], []
         for i in range(self.num_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.devices[i])
-            v = torch.empty(shape, dtype=self.dtype, device=self.devices[i])
-            if self._allocated:
+            if i < len(self.k) and self.k[i].shape[1] >= new:
+                continue  # a CPU layer's storage: already whole
+            k, v = self._storage(self.devices[i], new)
+            if i < len(self.k):
                 k[:, : self.length] = self.k[i][:, : self.length]
                 v[:, : self.length] = self.v[i][:, : self.length]
-            ks.append(k)
-            vs.append(v)
-        self.k, self.v, self._allocated = ks, vs, new
+                self.k[i], self.v[i] = k, v
+            else:
+                self.k.append(k)
+                self.v.append(v)
+        self._allocated = new
+
+    def _storage(self, device: torch.device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty K and V for one layer holding `positions` on `device`: the whole capacity on the CPU (unwritten
+        pages cost nothing there), just `positions` elsewhere."""
+        room = self.capacity if device.type == "cpu" else positions
+        shape = (self.num_kv_heads, room, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=device), torch.empty(shape, dtype=self.dtype, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -81,8 +92,10 @@ class SessionKV:
             return
         self.devices[layer] = device
         if self._allocated:
-            self.k[layer] = self.k[layer].to(device)
-            self.v[layer] = self.v[layer].to(device)
+            k, v = self._storage(device, self._allocated)
+            k[:, : self.length] = self.k[layer][:, : self.length]
+            v[:, : self.length] = self.v[layer][:, : self.length]
+            self.k[layer], self.v[layer] = k, v
 
     def layer_nbytes(self) -> int:
         """Bytes of one layer's K/V storage now."""

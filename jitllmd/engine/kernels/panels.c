@@ -229,11 +229,10 @@ int panel_linear(const float *x, const float *P, const float *res, float *y, int
     if (M <= 0) return 0;
     if (input == NORMED && (job.inv = malloc(sizeof(float) * (size_t)M)) == NULL) return -1;
     if (by_rows) {
-        /* about two items a thread (one pass over the weights each; one item on one thread), of 16 .. MC rows in
-         * whole groups */
-        const int64_t items = threads > 1 ? 2 * threads : 1;
-        job.rows_per_item = min64(MC, (M + items - 1) / items + GROUP - 1) / GROUP * GROUP;
-        if (job.rows_per_item < 16) job.rows_per_item = 16;
+        /* an item a thread, two from 64 rows a thread (each item reads all the weights: fewer rows would read them
+         * for too little work), of at most MC rows in whole groups */
+        const int64_t items = (threads > 1 ? threads : 1) * (M >= 64 * threads ? 2 : 1);
+        job.rows_per_item = min64(MC, ((M + items - 1) / items + GROUP - 1) / GROUP * GROUP);
         pool_for((M + job.rows_per_item - 1) / job.rows_per_item, threads, row_item, &job);
     } else {
         const int64_t rows = (M + GROUP - 1) / GROUP * GROUP;

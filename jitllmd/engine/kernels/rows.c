@@ -286,7 +286,7 @@ typedef struct {
     _Atomic int failed; /* set by an item that found no memory for its scratch */
 } chunk_job;
 
-/* One item of attend_chunk: kv head item / blocks, queries from (item % blocks) * QB, with its own scratch. */
+/* One item of attend_chunk: kv head item / blocks, a block of QB queries, with its own scratch. */
 static void chunk_item(void *arg, int64_t item) {
     chunk_job *job = arg;
     const float *q = job->q, *K = job->K, *V = job->V;
@@ -302,7 +302,9 @@ static void chunk_item(void *arg, int64_t item) {
     }
     float *ot = qt + D * RP, *st = ot + D * RP, *m = st + KB * RP, *l = m + RP, *corr = l + RP;
     int32_t *last = (int32_t *)(corr + RP), *first = last + RP;
-    const int64_t h = item / blocks, i0 = (item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
+    /* each head's blocks last to first: the items claimed last are the lightest (fewest keys), so the threads finish
+     * together */
+    const int64_t h = item / blocks, i0 = (blocks - 1 - item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
     const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
     const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
     /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */

@@ -1,0 +1,48 @@
+"""Session KV storage: a CPU layer's storage is whole from the first reservation (never regrown by copying), the
+positions reserved are what it reports, and moves carry the filled positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitllmd.engine.kv import RoomError, SessionKV
+
+
+def _fill(kv: SessionKV, start: int, n: int) -> None:
+    for i in range(kv.num_layers):
+        for t in range(start, start + n):
+            kv.k[i][:, t] = t + 1000 * i
+            kv.v[i][:, t] = -(t + 1000 * i)
+    kv.length = start + n
+
+
+def test_cpu_storage_is_whole_once_and_keeps_its_positions() -> None:
+    kv = SessionKV(num_layers=3, num_kv_heads=2, head_dim=8, capacity=3000, dtype=torch.float32)
+    kv.reserve(10)
+    assert kv.nbytes() == 256 * kv.bytes_per_position()  # positions reserved: at least a growth step
+    assert all(k.shape == (2, 3000, 8) for k in kv.k)  # the whole capacity, unwritten pages unmapped
+    addresses = [k.data_ptr() for k in kv.k]
+    _fill(kv, 0, 10)
+    for total in (300, 700, 2999, 3000):
+        kv.reserve(total)
+        assert [k.data_ptr() for k in kv.k] == addresses  # no copy to grow
+    assert kv.nbytes() == 3000 * kv.bytes_per_position()
+    assert kv.k[2][0, 9, 0].item() == 2009 and kv.v[1][1, 4, 3].item() == -1004
+    with pytest.raises(RoomError):
+        kv.reserve(3001)
+
+
+def test_moves_carry_the_filled_positions() -> None:
+    kv = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32)
+    kv.reserve(20)
+    _fill(kv, 0, 20)
+    kv.move(1, torch.device("meta"))  # another device: storage for the positions reserved, not the capacity
+    assert kv.k[1].shape == (1, 256, 4) and kv.devices[1].type == "meta"
+    kv.reserve(300)  # it grows by doubling there (and the CPU layer stays as it is)
+    assert kv.k[1].shape == (1, 512, 4) and kv.k[0].shape == (1, 600, 4)
+    back = SessionKV(num_layers=1, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32)
+    back.reserve(20)
+    _fill(back, 0, 20)
+    back.move(0, torch.device("cpu"))  # same place: nothing to do
+    assert back.k[0][0, 19, 0].item() == 19
