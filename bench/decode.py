@@ -166,7 +166,7 @@ def profile_ours(path: Path, steps: int = 20) -> list[tuple[str, float]]:
                 tok = step()
     finally:
         kernels.restore()
-    cats = {"projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0, "embedding": 0.0, "sampling": 0.0,
+    cats = {"decoder layers in one call (quantized)": 0.0, "projections": 0.0, "head": 0.0, "attention": 0.0, "norms": 0.0, "activation": 0.0, "rope": 0.0, "embedding": 0.0, "sampling": 0.0,
             "other ops": 0.0}
     for cat, seconds in kernels.seconds.items():
         cats[cat] += seconds / steps * 1000
@@ -200,8 +200,10 @@ class _KernelTimer:
 
     def __init__(self, vocab: int):
         from jitllmd.engine.layers import activation, attention, linear, norm, quant, rope
+        from jitllmd.engine.models import llama
 
         kinds = {
+            "decode_layer": (llama, "decoder layers in one call (quantized)"),
             "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "quant_runs": (quant, "projections"),
             "dequant_rows": (quant, "embedding"), "attend_rows": (attention, "attention"),
             "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "silu_mul_rows": (activation, "activation"),
@@ -237,7 +239,7 @@ def run_worker(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (the GGUF's Q4_1 kept; transformers runs f32)")
+    ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (the GGUF's Q4_1 kept; transformers runs bf16 where the CPU has bf16 units, else f32)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -252,25 +254,28 @@ def main() -> None:
         return
     import torch
 
+    from jitllmd.engine.devices import bf16_matmul_native
+
     paths = prepare()
     dtypes = a.dtypes.split(",")
+    # transformers has no quantized kernels on the CPU: its faster dtype here is q's peer (bf16 where the CPU has bf16 units)
+    q_peer = "bf16" if bf16_matmul_native() else "f32"
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(a.rounds):
         for dt in dtypes:
             for engine in ("jitllmd", "transformers"):
                 path = paths[dt] if engine == "jitllmd" else paths["hf"]
-                ref_dt = "f32" if dt == "q" else dt  # transformers has no quantized kernels on the CPU: f32 is its peer
+                ref_dt = q_peer if dt == "q" else dt
                 res = run_worker([engine, dt if engine == "jitllmd" else ref_dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
                 results.setdefault((engine, dt), []).append(res)
                 print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     from jitllmd.engine import kernels
-    from jitllmd.engine.devices import bf16_matmul_native
 
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx512", "amx"))})
     print(f"\nCPU flags: {' '.join(flags) or 'no AVX-512, no AMX'}; kernels: {kernels.describe()}; bf16 path: "
           f"{'native (bf16 GEMMs in hardware)' if bf16_matmul_native() else 'upcast (bf16 weights multiplied in f32)'}; "
-          "q: the GGUF's Q4_1 blocks kept (transformers: f32 on the same weights)")
+          f"q: the GGUF's Q4_1 blocks kept (transformers: {q_peer} on the same weights)")
     print(f"SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
           f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
     print("| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
