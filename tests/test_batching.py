@@ -110,18 +110,20 @@ def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
 
 def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
     """Four rows stream; a 440-token prompt joins in 16-token chunks: every step of its prefill gives each row a token."""
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "1024", "-prompt-chunk", "16")
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "4096", "-prompt-chunk", "16")
     chunks = [0] * 4
     leave = threading.Event()
 
     def stream(i: int) -> None:
-        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        # far more tokens than the test needs (the rows must outlast the joining prompt however fast steps are): closing
+        # the stream at the end cancels the rest
+        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     chunks[i] += 1
                 if leave.is_set():
-                    return  # closing the stream cancels the row: the rest of its 400 tokens is not needed
+                    return  # closing the stream cancels the row: the rest of its tokens is not needed
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     try:

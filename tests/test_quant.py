@@ -159,17 +159,14 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("feed", ["at once", "at once, bf16 units", "token by token"])
+@pytest.mark.parametrize("feed", ["at once", "token by token"])
 def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     """Decode rows (short rows): the kernels quantize x to int8 per 32 inputs, and that is their only rounding beside
     f32 sums: every such product equals the reference's on the same input so rounded (checked call by call: a 1-ulp
     difference upstream may move a later rounding by one step, and a model amplifies it), and the logits stay near
     the f32 model's, greedy mostly the same. A prompt chunk (more than MAX_ROWS tokens) is multiplied exactly up to
-    its logits: the f32 model's; on a CPU with bf16 units (forced either way here) x and the panels are rounded to
-    bf16, summed in f32, the result rounded to bf16. The reference path is the f32 model's sums throughout."""
+    its logits: the f32 model's. The reference path is the f32 model's sums throughout."""
     name, result, ref = case
-    bf16 = feed == "at once, bf16 units"
-    monkeypatch.setattr(q, "bf16_matmul_native", lambda device="cpu": bf16)
     monkeypatch.setattr(llama, "QuantLayer", lambda *args: None)  # each projection a call of its own, to check (layer.c's: the same bits)
     want = _run(load_model(ref, max_seq=64), [PROMPT])
     scale = want.abs().max()
@@ -180,26 +177,21 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         if path != "reference":
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
                 x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x)
-            xs = (x.bfloat16().float() if bf16 else x) if exact else _int8_rows(x)
+            xs = x if exact else _int8_rows(x)
             rounded = torch.cat([xs @ q.dequantize(w, s.fmt, s.rows, s.k).t() for s, w in zip(self.segments, self.views)], 1)
-            if exact and bf16:  # the panels rounded too, and the result
-                rounded = torch.cat([xs @ q.dequantize(w, s.fmt, s.rows, s.k).bfloat16().float().t() for s, w in zip(self.segments, self.views)], 1)
-                rounded = rounded.bfloat16().float()
             if add is not None:  # the residual (or bias) the kernel adds in its sums
                 rounded = add + rounded
             calls[exact].append(((y - rounded).abs().max() / rounded.abs().max()).item())
         return y
 
     monkeypatch.setattr(q.QuantLinear, "_run", checked)
-    got = _run(load_model(result.path, max_seq=64), [PROMPT] if feed.startswith("at once") else [[t] for t in PROMPT])
+    got = _run(load_model(result.path, max_seq=64), [PROMPT] if feed == "at once" else [[t] for t in PROMPT])
     if path == "reference":
         assert (got - want).abs().max() / scale < 1e-5
         return
     if feed == "at once":  # a prompt chunk: exact up to its logits
         assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 1e-5 and not calls[False]
         assert (got - want).abs().max() / scale < 1e-5
-    elif bf16:  # bf16 products: f32 sums of the rounded operands, within one bf16 step of the result's rounding
-        assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 2**-7 and not calls[False]
     else:
         assert not calls[True] and len(calls[False]) == len(PROMPT) * (4 * 2 + 1) and max(calls[False]) < 1e-5
     assert (got - want).abs().max() / scale < 0.1

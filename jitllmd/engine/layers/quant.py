@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..devices import bf16_matmul_native
 from ..kernels import MAX_ROWS, QUANT_TYPES, check_quant_weight, dequant_rows, quant_runs, rms_norm_rows, rows_kernel, silu_mul_rows
 from ..kv import RowSpan
 
@@ -262,7 +261,7 @@ def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
 
 # -- running them --------------------------------------------------------------------------------------------------
 
-_PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weights at a time (4 MB of f32, 2 of bf16)
+_PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weights at a time (4 MB of f32)
 
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
@@ -282,12 +281,11 @@ class QuantLinear:
 
     On the CPU with the kernels: the integer kernel for short rows' tokens (each block read once for all of them),
     with the norm or the gate folded into its quantizing of x and the residual or bias into its sums, one call per
-    run of same-format rows; for the tokens `chunk` marks (prompt chunks), a GEMM over panels dequantized in turn:
-    in f32, exact, or where the CPU has bf16 units (`bf16`) torch's bf16 GEMM (AMX), x and the panels rounded to
-    bf16, the sums f32, the result rounded to bf16 as a bf16 model's are. Elsewhere (another device, no kernels): the
+    run of same-format rows; the exact f32 product over panels dequantized in turn for the tokens `chunk` marks
+    (prompt chunks: a prompt's logits are the dequantized weights'). Elsewhere (another device, no kernels): the
     reference, each segment dequantized whole per call."""
 
-    __slots__ = ("bf16", "bias", "folds", "kernel", "out_features", "runs", "segments", "views")
+    __slots__ = ("bias", "folds", "kernel", "out_features", "runs", "segments", "views")
     panels = False  # the f32 panel kernel's: not this
 
     def __init__(self, weight: torch.Tensor, segments: list[Segment], bias: torch.Tensor | None):
@@ -309,7 +307,6 @@ class QuantLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = weight.device.type == "cpu" and rows_kernel() is not None and all(s.fmt.ggml in QUANT_TYPES for s in merged)
         self.folds = self.kernel and all(s.k % 8 == 0 for s in merged)  # a norm or the gate made as x rows are quantized
-        self.bf16 = self.kernel and bf16_matmul_native("cpu")
         self.runs = [(w, s.fmt.ggml, s.rows) for s, w in zip(merged, self.views)] if self.kernel else []
         for w, qtype, rows in self.runs:
             check_quant_weight(w, qtype, rows, merged[0].k)
@@ -345,8 +342,8 @@ class QuantLinear:
     def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
              add: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the integer
-        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or a GEMM over dequantized panels
-        (bf16 where `bf16`, else exact), or the reference."""
+        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or exactly (dequantized f32 panels, or
+        the reference)."""
         if self.kernel and not exact:
             return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
         T = x.shape[0]
@@ -358,12 +355,9 @@ class QuantLinear:
                 out.copy_(F.linear(x, dequantize(w, s.fmt, s.rows, s.k)))
             else:
                 step = max(1, _PANEL_FLOATS // s.k)
-                dtype = torch.bfloat16 if self.bf16 else torch.float32
-                xs = x.to(dtype)
                 for r in range(0, s.rows, step):
-                    n = min(step, s.rows - r)
-                    panel = dequant_rows(w[r : r + n], s.fmt.ggml, n, s.k, out=torch.empty((n, s.k), dtype=dtype))  # [rows, in]
-                    out[:, r : r + n] = xs @ panel.t()
+                    panel = dequant_rows(w[r : r + step], s.fmt.ggml, min(step, s.rows - r), s.k)  # [rows, in] f32
+                    out[:, r : r + panel.shape[0]] = x @ panel.t()
             col += s.rows
         return y if add is None else add + y
 
