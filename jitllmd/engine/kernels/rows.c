@@ -93,90 +93,32 @@ typedef struct {
     float scale;
 } attend_job;
 
-/* The sums of 8 vectors, as one vector [sum(v[0]), ..., sum(v[7])]. */
-static inline __m256 hsum8(const __m256 *v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-static inline float hmax(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 0x55)));
-}
-
-/* o [D] = sum_i p[i] V[i] (the softmax's weights p unnormalised) with o in registers: ND = D / 8 vectors (a
- * constant at each call site). */
-#define PV_ROWS(NAME, ND)                                                                            \
-    static void NAME(const float *p, const float *V, int64_t n, float *o, float inv) {              \
-        __m256 acc[ND];                                                                              \
-        for (int c = 0; c < ND; c++) acc[c] = _mm256_setzero_ps();                                   \
-        for (int64_t i = 0; i < n; i++) {                                                            \
-            const __m256 pi = _mm256_set1_ps(p[i]);                                                  \
-            for (int c = 0; c < ND; c++) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(V + i * 8 * ND + 8 * c), acc[c]); \
-        }                                                                                            \
-        for (int c = 0; c < ND; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv))); \
-    }
-PV_ROWS(pv_64, 8)
-PV_ROWS(pv_128, 16)
-
-/* One (row, query head) of attend_rows: softmax(q K^T * scale) V over the row's keys. Scores 8 keys at a time (one
- * reduction for 8 dot products), e^x 8 at a time (simd.h's exp8_neg, within 2 ulp of expf), the weighted values
- * summed in registers for the common head sizes. */
+/* One (row, query head) of attend_rows: softmax(q K^T * scale) V over the row's keys. */
 static void attend_item(void *arg, int64_t item) {
     const attend_job *a = arg;
     const int64_t H = a->H, D = a->D, r = item / H, j = item % H, h = j / a->group;
-    const int64_t s = a->starts[r], L = a->lengths[r], n = L - s;
-    const float *K = (const float *)a->k_ptrs[r] + (h * a->strides[r] + s) * D;
-    const float *V = (const float *)a->v_ptrs[r] + (h * a->strides[r] + s) * D;
+    const float *K = (const float *)a->k_ptrs[r] + h * a->strides[r] * D;
+    const float *V = (const float *)a->v_ptrs[r] + h * a->strides[r] * D;
     const float *qj = a->q + (r * H + j) * D;
     float *o = a->out + (r * H + j) * D;
-    float *p = (float *)__builtin_alloca((size_t)n * sizeof(float));
-    const __m256 scale = _mm256_set1_ps(a->scale);
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 acc[8];
-        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(qj + d);
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(K + (i + u) * D + d), acc[u]);
-        }
-        const __m256 scores = _mm256_mul_ps(hsum8(acc), scale);
-        _mm256_storeu_ps(p + i, scores);
-        top = _mm256_max_ps(top, scores);
-    }
-    float best = hmax(top);
-    for (; i < n; i++) {
+    const int64_t s = a->starts[r], L = a->lengths[r];
+    float *p = (float *)__builtin_alloca((size_t)(L - s) * sizeof(float));
+    float best = -INFINITY;
+    for (int64_t i = s; i < L; i++) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(K + i * D + d), acc);
-        p[i] = hsum(acc) * a->scale;
-        if (p[i] > best) best = p[i];
+        float score = hsum(acc) * a->scale;
+        p[i - s] = score;
+        if (score > best) best = score;
     }
-    const __m256 shift = _mm256_set1_ps(best);
-    __m256 sum = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 e = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
-        _mm256_storeu_ps(p + i, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    float total = hsum(sum);
-    for (; i < n; i++) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < L - s; i++) {
         p[i] = expf(p[i] - best);
         total += p[i];
     }
-    if (D == 64) {
-        pv_64(p, V, n, o, 1.0f / total);
-        return;
-    }
-    if (D == 128) {
-        pv_128(p, V, n, o, 1.0f / total);
-        return;
-    }
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    for (i = 0; i < n; i++) { /* values row by row: each read once, in order */
-        const __m256 pi = _mm256_set1_ps(p[i]);
+    for (int64_t i = s; i < L; i++) { /* values row by row: each read once, in order */
+        const __m256 pi = _mm256_set1_ps(p[i - s]);
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pi, _mm256_loadu_ps(V + i * D + d), _mm256_loadu_ps(o + d)));
     }
     const __m256 inv = _mm256_set1_ps(1.0f / total);

@@ -6,12 +6,11 @@ A quantized weight [N, K] is N rows of bytes, each row K / block_elems blocks ba
 independent, so q, k and v (or gate and up) stack by concatenating their bytes, even where their types differ (a
 Q4_K_M file mixes Q4_K and Q6_K rows): a projection is a list of segments, one per stacked tensor.
 
-Where rounding happens: the tokens of a step's short rows (decode rows, prompts of at most MAX_ROWS tokens) are
-multiplied llama.cpp's way (kernels/quant.c), each x row quantized to int8 per 32 inputs and dotted in integers, so
+Where rounding happens: the tokens of a step's single-token rows (decode rows) are multiplied llama.cpp's way (kernels/quant.c), each x row quantized to int8 per 32 inputs and dotted in integers, so
 |y - x @ W.T| <= sum_k |W[o, k]| * d_k / 2 with d_k that block's amax / 127, nothing else rounding but f32 sums; the
-tokens of a longer row (a prompt chunk) are multiplied in f32 against the weights dequantized a panel at a time,
-exact up to f32 sums (and faster than the integer kernel at that many rows). A token's path depends on its own row
-only, never on the rows beside it. The reference path (no kernels, or not the CPU) dequantizes and multiplies in f32.
+tokens of a longer row (a prompt chunk, whatever its size: a server's calibrated chunk must not change a prompt's
+numbers) are multiplied in f32 against the weights dequantized a panel at a time, exact up to f32 sums. A token's
+path depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU) dequantizes and multiplies in f32.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels import MAX_ROWS, QUANT_TYPES, check_quant_weight, dequant_rows, quant_runs, rms_norm_rows, rows_kernel, silu_mul_rows
+from ..kernels import QUANT_TYPES, check_quant_weight, dequant_rows, quant_runs, rms_norm_rows, rows_kernel, silu_mul_rows
 from ..kv import RowSpan
 
 __all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for"]
@@ -265,9 +264,9 @@ _PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weight
 
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
-    """bool [T]: the tokens of rows longer than MAX_ROWS (prompt chunks), which quantized projections multiply
-    exactly; None where there are none."""
-    long = [r for r in rows if r.num_tokens > MAX_ROWS]
+    """bool [T]: the tokens of rows of more than one token (prompt chunks, of any size), which quantized projections
+    multiply exactly; None where there are none."""
+    long = [r for r in rows if r.num_tokens > 1]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)
