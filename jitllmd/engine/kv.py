@@ -120,6 +120,7 @@ class RowSpan:
     start: int
     num_tokens: int
     kv: SessionKV
+    prompt: bool = False  # tokens of a prompt (even one): quantized projections multiply them exactly
     _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def begin(self) -> None:

@@ -101,7 +101,7 @@ class ModelRunner:
             start, pos = len(b.tokens), req.session.kv.length
             b.tokens.extend(ids)
             b.positions.extend(range(pos, pos + len(ids)))
-            b.spans.append(RowSpan(start, len(ids), req.session.kv))
+            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=req.state is not RequestState.DECODE))
             req.session.token_ids.extend(ids)
             if req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
                 b.logits_at.append(len(b.tokens) - 1)

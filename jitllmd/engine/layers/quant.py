@@ -264,9 +264,9 @@ _PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weight
 
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
-    """bool [T]: the tokens of rows of more than one token (prompt chunks, of any size), which quantized projections
-    multiply exactly; None where there are none."""
-    long = [r for r in rows if r.num_tokens > 1]
+    """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
+    token alone), which quantized projections multiply exactly; None where there are none."""
+    long = [r for r in rows if r.num_tokens > 1 or r.prompt]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)

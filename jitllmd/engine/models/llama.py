@@ -123,7 +123,7 @@ class DecoderBlock:
         tokens' [len(keep), hidden]: every token's K/V still goes to its session, but attention and the MLP run for the
         kept ones only (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
         T = x.shape[0]
-        if self.fused is not None and keep is None and T == len(rows):  # single-token rows: the layer in one kernel call
+        if self.fused is not None and keep is None and T == len(rows) and not any(r.prompt for r in rows):  # single-token rows: the layer in one kernel call
             i, window = self.attn.layer, self.attn.window
             return decode_layer(self.fused, x.contiguous(), *rope.on(x.device), [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows],
                                 [r.kv.length + 1 for r in rows], [r.key_start(window) for r in rows])
