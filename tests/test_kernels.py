@@ -30,6 +30,35 @@ from jitllmd.engine.kernels import (
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
 
+@pytest.mark.parametrize("variant", variants())
+def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str) -> None:
+    """A kept-quantized model's f16 K/V: attend_rows rounds the new K/V to f16 as torch's .half() does and reads the
+    cache widened, so its output is bit for bit the f32 kernel's over the same values; attend_chunk likewise."""
+    use_variant(variant)
+    try:
+        g = torch.Generator().manual_seed(3)
+        H, Hkv, D, cap = 6, 2, 64, 300
+        keys16 = [torch.randn(Hkv, cap, D, generator=g).half() for _ in range(3)]
+        values16 = [torch.randn(Hkv, cap, D, generator=g).half() for _ in range(3)]
+        keys32, values32 = [t.float() for t in keys16], [t.float() for t in values16]
+        lengths, starts = [12, 300, 1], [0, 150, 0]
+        q, k, v = torch.randn(3, H, D, generator=g), torch.randn(3, Hkv, D, generator=g), torch.randn(3, Hkv, D, generator=g)
+        out16 = attend_rows(q, k, v, keys16, values16, lengths, starts)
+        out32 = attend_rows(q, k.half().float(), v.half().float(), keys32, values32, lengths, starts)
+        assert torch.equal(out16, out32)
+        for r in range(3):
+            assert torch.equal(keys16[r].float(), keys32[r]) and torch.equal(values16[r].float(), values32[r])
+        n, start = 70, 100  # a later chunk: its keys span blocks of 64, the last one partial
+        qc = torch.randn(n, H, D, generator=g)
+        for window in (None, 50):
+            assert torch.equal(attend_chunk(qc, keys16[1], values16[1], start, 0, window), attend_chunk(qc, keys32[1], values32[1], start, 0, window))
+        odd16 = torch.randn(1, 40, 12, generator=g).half()  # a head size that is no multiple of 8: the widening's tail
+        qo = torch.randn(9, 2, 12, generator=g)
+        assert torch.equal(attend_chunk(qo, odd16, odd16, 3, 0, None), attend_chunk(qo, odd16.float(), odd16.float(), 3, 0, None))
+    finally:
+        use_variant(None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_linear_matches_torch(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
@@ -66,6 +95,21 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
         vv = values[r][:, starts[r] : lengths[r]].repeat_interleave(H // Hkv, 0)
         ref = F.scaled_dot_product_attention(q[r][:, None, :][None], kk[None], vv[None])[0, :, 0, :].reshape(-1)
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 24])
+def test_attend_rows_over_a_long_history(dim: int) -> None:
+    """A history whose scores outgrow the stack buffer (the heap's), for the head sizes with their own loops and any
+    other; one row alone equals it beside a short one (each (row, kv head) is summed one way)."""
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, L = 6, 2, 6001  # 3 heads x 6001 scores: 72 KB
+    keys, values = [torch.randn(Hkv, L, dim, generator=g) for _ in range(2)], [torch.randn(Hkv, L, dim, generator=g) for _ in range(2)]
+    q, k, v = torch.randn(2, H, dim, generator=g), torch.randn(2, Hkv, dim, generator=g), torch.randn(2, Hkv, dim, generator=g)
+    out = attend_rows(q, k, v, keys, values, [L, 37], [5, 0])
+    kk, vv = keys[0][:, 5:L].repeat_interleave(H // Hkv, 0), values[0][:, 5:L].repeat_interleave(H // Hkv, 0)
+    ref = F.scaled_dot_product_attention(q[0][:, None, :][None], kk[None], vv[None])[0, :, 0, :].reshape(-1)
+    torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(attend_rows(q[:1], k[:1], v[:1], keys[:1], values[:1], [L], [5])[0], out[0])
 
 
 @pytest.mark.parametrize(

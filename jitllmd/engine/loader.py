@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from .chat import ChatTemplate
-from .devices import compute_dtype, device_info
+from .devices import compute_dtype, device_info, trim_heap
 from .jlm import JLMFile
 from .kv import SessionKV
 from .models import DecoderModel, EncoderModel, build_model, family_for
@@ -132,12 +132,14 @@ def load_model(
     page_budget: int | None = None,
     read_ahead: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Open a .jlm and place its blocks: on `devices` (names from the device grammar, `cpu` included) from the head
     backwards, at most `gpu_layers` of them (-1: as many as fit beside the KV of `sessions` sessions), the rest on the
     host, where at most `page_budget` bytes stay resident (None: all) and the others are read for their turn
     (`read_ahead`, the next one while this one runs; None: only where the CPU has cores torch's pool leaves free).
-    An encoder runs whole on the first device, or the host. Raises JLMError / ValueError with one-line messages."""
+    An encoder runs whole on the first device, or the host. `kv_dtype`: the sessions' K/V (None: the model's own
+    choice, f16 for a kept-quantized model, else its compute dtype). Raises JLMError / ValueError with one-line messages."""
     path = Path(path)
     devices = list(devices or [])
     jlm = JLMFile(path)
@@ -163,10 +165,13 @@ def load_model(
     if family_for(jlm.arch).embeds:  # an encoder keeps no KV: its room is the longest input it takes
         cap = int(jlm.config.get("max_seq_length", context))
     else:
+        if kv_dtype is not None:
+            model.kv_dtype = kv_dtype
         per_position = model.new_kv(1).bytes_per_position()
         cap = min(max_seq, context) if max_seq else default_max_seq(context, per_position)
         placement = _place(model, jlm, devices, gpu_layers, sessions * cap * per_position // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
         runner = ModelRunner(model, placement)
+    trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
         name=name or path.name.removesuffix(".jlm"),
         path=path,

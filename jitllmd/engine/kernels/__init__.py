@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "MAX_ROWS", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
+    "KV_DTYPES", "MAX_ROWS", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
     "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
 ]
 
@@ -165,15 +165,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.rows_f32, lib.rows_bf16):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         fn.restype = None
-    lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
-    lib.attend_rows.restype = None
+    lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.attend_rows.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rms_norm_rows.restype = None
     lib.silu_mul_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.silu_mul_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rope_rows.restype = None
-    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int]
+    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
@@ -190,7 +190,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pool_test_nested.restype = ctypes.c_int64
     lib.pool_test_workers.argtypes = []
     lib.pool_test_workers.restype = ctypes.c_int
-    lib.decode_layer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    lib.decode_layer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int, ctypes.c_int]
     lib.decode_layer.restype = ctypes.c_int
 
 
@@ -265,31 +265,46 @@ def panel_linear(
     return y
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the attention kernels read
+
+
+class _RowMeta:
+    """Single-token rows' caches as attend_rows and decode_layer take them: five int64 arrays [R] (keys' and
+    values' addresses, lengths, starts, strides) in one ctypes array (a few times cheaper than a tensor of it), and
+    whether the caches are f16. Every cache is [Hkv, stride, D] contiguous on the CPU, all of one dtype in KV_DTYPES."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]):
+        dtype = keys[0].dtype
+        assert dtype in KV_DTYPES and all(t.dtype == dtype for t in (*keys, *values))
+        self.kv16 = int(dtype == torch.float16)
+        self.array = (ctypes.c_int64 * (5 * len(keys)))(
+            *[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys]
+        )
+        at, step = ctypes.addressof(self.array), 8 * len(keys)
+        self.pointers = [at + i * step for i in range(5)]
+
+
 def attend_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]
 ) -> torch.Tensor:
-    """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] go to position lengths[r] - 1 of
-    keys[r], values[r] ([Hkv, stride, D] f32 contiguous: its session's cache); then q[r] [H, D] attends to positions
-    starts[r] .. lengths[r] - 1. All f32. -> [R, H * D]."""
+    """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] f32 go to position lengths[r] - 1
+    of keys[r], values[r] ([Hkv, stride, D] contiguous, f32 or f16 (rounded to nearest): its session's cache); then
+    q[r] [H, D] f32 attends to positions starts[r] .. lengths[r] - 1. -> [R, H * D] f32."""
     lib = _lib()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_rows, num_heads, dim = q.shape
     out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
-    meta = (ctypes.c_int64 * (5 * num_rows))(  # [5, R]: a ctypes array, a few times cheaper than a tensor of it
-        *[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys]
-    )
-    ptr, step = ctypes.addressof(meta), num_rows * 8
-    lib.attend_rows(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr, ptr + step, ptr + 2 * step, ptr + 3 * step, ptr + 4 * step,
-        num_rows, num_heads, keys[0].shape[0], dim, dim**-0.5, torch.get_num_threads(),
-    )
+    meta = _RowMeta(keys, values, lengths, starts)
+    if lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *meta.pointers, num_rows, num_heads, keys[0].shape[0], dim,
+                       dim**-0.5, meta.kv16, torch.get_num_threads()):
+        raise MemoryError("attend_rows: no memory for its scores")
     return out
 
 
 def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
-    start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D], f32 contiguous, D a multiple
-    of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
+    start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D] contiguous, f32 or f16, D a
+    multiple of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
     lib = _lib()
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # heads adjacent in a row; the rows may be wider ones (qkv's)
         q = q.contiguous()
@@ -297,7 +312,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     out = torch.empty((n, heads * dim), dtype=torch.float32)
     failed = lib.attend_chunk(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
-        start, key_start, window or 0, dim**-0.5, torch.get_num_threads(),
+        start, key_start, window or 0, dim**-0.5, int(keys.dtype == torch.float16), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("attend_chunk: no memory for its score buffers")
@@ -459,16 +474,15 @@ def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: tor
                  lengths: list[int], starts: list[int]) -> torch.Tensor:
     """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, RoPE
     (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache (keys[r], values[r]
-    [Hkv, stride, D] f32, its new K/V written at lengths[r] - 1, keys from starts[r]), o and the residual, norm,
+    [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o and the residual, norm,
     gate_up, the gate and down, and the residual: the calls the Python path makes, with the same bits."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
-    meta = (ctypes.c_int64 * (5 * R))(*[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys])
-    at = ctypes.addressof(meta)
-    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), at, at + 8 * R, at + 16 * R, at + 24 * R,
-                        at + 32 * R, torch.get_num_threads()):
+    meta = _RowMeta(keys, values, lengths, starts)
+    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16,
+                        torch.get_num_threads()):
         raise MemoryError("decode_layer: no memory for its buffers")
     return y

@@ -21,9 +21,9 @@ enum { PLAIN, NORMED, GATED }; /* quant.c's inputs */
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
                float eps, const float *r, int64_t ldr, int threads);
 void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads);
-void attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs, const int64_t *v_ptrs,
+int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs, const int64_t *v_ptrs,
                  const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R, int64_t H, int64_t Hkv, int64_t D, float scale,
-                 int threads);
+                 int kv16, int threads);
 
 /* A projection: `runs` runs of rows of `k` inputs, run i `rows[i]` rows of ggml type `type[i]` at w[i]. */
 typedef struct {
@@ -51,10 +51,10 @@ static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t 
 }
 
 /* Layer L over R single-token rows: x [R, hidden] -> y [R, hidden] (y may not be x). cos, sin [R, D]: the rows'
- * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] ([Hkv, strides[r], D] f32), its new token at
+ * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] ([Hkv, strides[r], D] f32, or f16 where kv16), its new token at
  * position lengths[r] - 1, attending from starts[r]. Returns 0, or -1 without memory. */
 int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const float *cos, const float *sin, const int64_t *k_ptrs,
-                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int threads) {
+                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int kv16, int threads) {
     const int64_t H = L->H, Hkv = L->Hkv, D = L->D, W = (H + 2 * Hkv) * D, hidden = L->hidden, I = L->inter;
     const float eps = (float)L->eps;
     const int64_t packed = R > 1 ? R * W : 0; /* several rows: q, k and v each packed row after row, as attend_rows reads them */
@@ -78,8 +78,8 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
         }
         int64_t keys = 0; /* attention's multiply-adds, about: a short history is quicker on one thread */
         for (int64_t r = 0; r < R; r++) keys += lengths[r] - starts[r];
-        attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, strides, R, H, Hkv, D, (float)L->scale, keys * H * D >= (1 << 15) ? threads : 1);
-        rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
+        rc = attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, strides, R, H, Hkv, D, (float)L->scale, kv16, keys * H * D >= (1 << 15) ? threads : 1);
+        if (!rc) rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
     }
     if (!rc) rc = project(&L->gate_up, y, gate_up, R, 2 * I, NORMED, L->post_norm, eps, NULL, 0, threads);
     if (!rc) rc = project(&L->down, gate_up, y, R, hidden, GATED, NULL, 0.0f, y, hidden, threads); /* each y element read, then written, by one thread */

@@ -91,57 +91,166 @@ typedef struct {
     const int64_t *k_ptrs, *v_ptrs, *lengths, *starts, *strides;
     int64_t H, group, D;
     float scale;
+    _Atomic int failed; /* set by an item that found no memory for its scores */
 } attend_job;
 
-/* One (row, query head) of attend_rows: softmax(q K^T * scale) V over the row's keys. */
-static void attend_item(void *arg, int64_t item) {
-    const attend_job *a = arg;
-    const int64_t H = a->H, D = a->D, r = item / H, j = item % H, h = j / a->group;
-    const float *K = (const float *)a->k_ptrs[r] + h * a->strides[r] * D;
-    const float *V = (const float *)a->v_ptrs[r] + h * a->strides[r] * D;
-    const float *qj = a->q + (r * H + j) * D;
-    float *o = a->out + (r * H + j) * D;
-    const int64_t s = a->starts[r], L = a->lengths[r];
-    float *p = (float *)__builtin_alloca((size_t)(L - s) * sizeof(float));
-    float best = -INFINITY;
-    for (int64_t i = s; i < L; i++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(K + i * D + d), acc);
-        float score = hsum(acc) * a->scale;
-        p[i - s] = score;
-        if (score > best) best = score;
+/* n f16 values widened to f32 (exactly). */
+static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
+}
+
+/* hsum of each of 8 vectors at once, lane j of the result hsum(v[j]) bit for bit: the same additions in the same
+ * tree ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), done for eight keys across lanes. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    __m256 s[4]; /* s[j]: lo + hi of v[j] in the low half, of v[j + 4] in the high half */
+    for (int j = 0; j < 4; j++) s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[j], v[j + 4], 0x20), _mm256_permute2f128_ps(v[j], v[j + 4], 0x31));
+    const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(s[0], s[1]), _mm256_unpackhi_ps(s[0], s[1]));
+    const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+}
+
+#define KEYS_PER_BLOCK 64 /* keys whose K (or V) rows stay in L1 while every query head of their kv head reads them */
+
+/* One (row, kv head) of attend_rows: for each of the kv head's `group` query heads, softmax(q K^T * scale) V over the
+ * row's keys, for an f16 or f32 cache and a head size DC known at compile time (64, 128) or 0 (a->D, any multiple of
+ * 8). The heads take each block of keys in turn while it is in L1, so K and V come from memory once for all of them.
+ * Each score is hsum of its own lane-wise sums over D, eight keys reduced at once (hsum8); e^x is libm's expf; each
+ * head's weighted values are summed key by key in order (in registers within a block where DC is known): the same
+ * bits as one head and one key at a time. */
+static inline __attribute__((always_inline)) void attend_group(const attend_job *a, int64_t item, const int f16, const int64_t DC) {
+    const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv, head = h * a->strides[r] * D;
+    const void *K = f16 ? (const void *)((const uint16_t *)a->k_ptrs[r] + head) : (const void *)((const float *)a->k_ptrs[r] + head);
+    const void *V = f16 ? (const void *)((const uint16_t *)a->v_ptrs[r] + head) : (const void *)((const float *)a->v_ptrs[r] + head);
+    /* an f16 cache's block of keys (then of values) widened once, exactly, for every head to read */
+    const float *q = a->q + (r * a->H + h * g) * D; /* the group's query heads, adjacent */
+    float *out = a->out + (r * a->H + h * g) * D;
+    const int64_t s = a->starts[r], L = a->lengths[r], n = L - s;
+    const float scale = a->scale;
+    /* head jj's scores, then weights: p + jj * n; on the stack unless long (a worker's stack is the OS default) */
+    const size_t p_bytes = (size_t)(g * n) * sizeof(float);
+    float *p = p_bytes <= (64 << 10) ? (float *)__builtin_alloca(p_bytes) : malloc(p_bytes), *heap = p_bytes <= (64 << 10) ? NULL : p;
+    if (p == NULL) {
+        atomic_store_explicit((_Atomic int *)&a->failed, 1, memory_order_relaxed);
+        return;
     }
-    float total = 0.0f;
-    for (int64_t i = 0; i < L - s; i++) {
-        p[i] = expf(p[i] - best);
-        total += p[i];
+    float *best = (float *)__builtin_alloca((size_t)g * sizeof(float));
+    float *wide = f16 ? (float *)__builtin_alloca((size_t)(KEYS_PER_BLOCK * D) * sizeof(float)) : NULL;
+    for (int64_t jj = 0; jj < g; jj++) best[jj] = -INFINITY;
+    for (int64_t b0 = s; b0 < L; b0 += KEYS_PER_BLOCK) {
+        const int64_t b1 = b0 + KEYS_PER_BLOCK < L ? b0 + KEYS_PER_BLOCK : L;
+        const float *kb = f16 ? wide : (const float *)K + b0 * D; /* key i's row at kb + (i - b0) * D */
+        if (f16) widen_f16(wide, (const uint16_t *)K + b0 * D, (b1 - b0) * D);
+        for (int64_t jj = 0; jj < g; jj++) {
+            const float *qj = q + jj * D;
+            float *pj = p + jj * n - s;
+            __m256 top = _mm256_set1_ps(best[jj]);
+            int64_t i = b0;
+            for (; i + 8 <= b1; i += 8) {
+                __m256 acc[8];
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(qj + d);
+                    for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (i - b0 + k) * D + d), acc[k]);
+                }
+                const __m256 score = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(pj + i, score);
+                top = _mm256_max_ps(top, score);
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            float m = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 0x55)));
+            for (; i < b1; i++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(kb + (i - b0) * D + d), acc);
+                const float score = hsum(acc) * scale;
+                pj[i] = score;
+                if (score > m) m = score;
+            }
+            best[jj] = m;
+        }
     }
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    for (int64_t i = s; i < L; i++) { /* values row by row: each read once, in order */
-        const __m256 pi = _mm256_set1_ps(p[i - s]);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pi, _mm256_loadu_ps(V + i * D + d), _mm256_loadu_ps(o + d)));
+    float *inv = best; /* each head's maximum, then 1 / its sum */
+    for (int64_t jj = 0; jj < g; jj++) {
+        float *pj = p + jj * n, total = 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            pj[k] = expf(pj[k] - best[jj]);
+            total += pj[k];
+        }
+        inv[jj] = 1.0f / total;
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+    for (int64_t i = 0; i < g * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    for (int64_t b0 = s; b0 < L; b0 += KEYS_PER_BLOCK) {
+        const int64_t b1 = b0 + KEYS_PER_BLOCK < L ? b0 + KEYS_PER_BLOCK : L;
+        const float *vb = f16 ? wide : (const float *)V + b0 * D; /* value k's row at vb + (k - b0) * D */
+        if (f16) widen_f16(wide, (const uint16_t *)V + b0 * D, (b1 - b0) * D);
+        for (int64_t jj = 0; jj < g; jj++) {
+            const float *pj = p + jj * n - s;
+            float *o = out + jj * D;
+            if (DC) { /* this head's output in registers through the block */
+                __m256 acc[DC ? DC / 8 : 1];
+                for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_loadu_ps(o + 8 * d);
+                for (int64_t k = b0; k < b1; k++) {
+                    const __m256 pk = _mm256_set1_ps(pj[k]);
+                    for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vb + (k - b0) * D + 8 * d), acc[d]);
+                }
+                for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(o + 8 * d, acc[d]);
+            } else {
+                for (int64_t k = b0; k < b1; k++) {
+                    const __m256 pk = _mm256_set1_ps(pj[k]);
+                    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pk, _mm256_loadu_ps(vb + (k - b0) * D + d), _mm256_loadu_ps(o + d)));
+                }
+            }
+        }
+    }
+    for (int64_t jj = 0; jj < g; jj++) {
+        const __m256 iv = _mm256_set1_ps(inv[jj]);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + jj * D + d, _mm256_mul_ps(_mm256_loadu_ps(out + jj * D + d), iv));
+    }
+    free(heap);
+}
+
+#define ATTEND_ITEM(F16, DC) \
+    static void attend_item_##F16##_##DC(void *arg, int64_t item) { attend_group(arg, item, F16, DC); }
+ATTEND_ITEM(0, 0)
+ATTEND_ITEM(0, 64)
+ATTEND_ITEM(0, 128)
+ATTEND_ITEM(1, 0)
+ATTEND_ITEM(1, 64)
+ATTEND_ITEM(1, 128)
+
+/* n f32 values to f16, rounded to nearest even as torch's .half() rounds them. n is a multiple of 8. */
+static inline void to_f16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* Decode attention for a step's single-token rows in one call. Row r's new key and value (k_new[r], v_new[r]:
  * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: [Hkv, stride,
- * D]); then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each row and head one item
- * on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention repeats them. D is a
- * multiple of 8. */
-void attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs,
+ * D], f32, or f16 where kv16); then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each
+ * row and kv head one item on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention
+ * repeats them. D is a multiple of 8. Returns 0, or -1 without memory for the scores. */
+int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs,
                  const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R,
-                 int64_t H, int64_t Hkv, int64_t D, float scale, int threads) {
+                 int64_t H, int64_t Hkv, int64_t D, float scale, int kv16, int threads) {
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = (h * strides[r] + lengths[r] - 1) * D;
-            memcpy((float *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
-            memcpy((float *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
+            if (kv16) {
+                to_f16((uint16_t *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, D);
+                to_f16((uint16_t *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, D);
+            } else {
+                memcpy((float *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
+                memcpy((float *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
+            }
         }
     }
-    attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, strides, H, H / Hkv, D, scale};
-    pool_for(R * H, threads, attend_item, &job);
+    attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, strides, H, H / Hkv, D, scale, 0};
+    static void (*const items[2][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
+                                                         {attend_item_1_0, attend_item_1_64, attend_item_1_128}};
+    pool_for(R * Hkv, threads, items[kv16 != 0][D == 64 ? 1 : D == 128 ? 2 : 0], &job);
+    return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }
 
 #define ROWS_PER_ITEM 8 /* x rows per pool item of the row-wise kernels below: about a microsecond of work */
@@ -221,7 +330,7 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
  * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
- * the chunk's own keys already written); q's rows are q_stride floats apart (q may be a view into qkv's rows). Query
+ * f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys already written); q's rows are q_stride floats apart (q may be a view into qkv's rows). Query
  * head j reads kv head j / (H / Hkv). D is a multiple of 4.
  *
  * Work items, run on pool.c's threads each with its own scratch, are (kv head, block of QB queries): the item's
@@ -278,10 +387,12 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
         default: call(3); break; \
     }
 
+
 typedef struct {
-    const float *q, *K, *V;
+    const float *q;
+    const void *K, *V; /* f32, or f16 where kv16 */
     float *out;
-    int64_t q_stride, n, H, D, stride, p, key_start, window, group, blocks, RP;
+    int64_t q_stride, n, H, D, stride, p, key_start, window, group, blocks, RP, kv16;
     float scale;
     _Atomic int failed; /* set by an item that found no memory for its scratch */
 } chunk_job;
@@ -289,24 +400,26 @@ typedef struct {
 /* One item of attend_chunk: kv head item / blocks, a block of QB queries, with its own scratch. */
 static void chunk_item(void *arg, int64_t item) {
     chunk_job *job = arg;
-    const float *q = job->q, *K = job->K, *V = job->V;
+    const float *q = job->q;
     float *out = job->out;
     const int64_t q_stride = job->q_stride, n = job->n, H = job->H, D = job->D, stride = job->stride, p = job->p;
     const int64_t key_start = job->key_start, window = job->window, group = job->group, blocks = job->blocks, RP = job->RP;
     const float scale = job->scale;
-    /* qt, ot [D][RP], st [KB][RP], then m, l, corr, last, first [RP]: each a multiple of 8 floats, so all 32-byte aligned */
-    float *qt = aligned_alloc(32, sizeof(float) * (size_t)((2 * D + KB + 5) * RP));
+    /* qt, ot [D][RP], st [KB][RP], then m, l, corr, last, first [RP]: each a multiple of 8 floats, so all 32-byte
+     * aligned; then, for an f16 cache, a block of keys and one of values widened to f32 [KB][D] */
+    float *qt = aligned_alloc(32, sizeof(float) * (size_t)((2 * D + KB + 5) * RP + (job->kv16 ? 2 * KB * D : 0)));
     if (qt == NULL) {
         atomic_store_explicit(&job->failed, 1, memory_order_relaxed);
         return;
     }
     float *ot = qt + D * RP, *st = ot + D * RP, *m = st + KB * RP, *l = m + RP, *corr = l + RP;
     int32_t *last = (int32_t *)(corr + RP), *first = last + RP;
+    float *kf = (float *)(first + RP), *vf = kf + KB * D;
     /* each head's blocks last to first: the items claimed last are the lightest (fewest keys), so the threads finish
      * together */
     const int64_t h = item / blocks, i0 = (blocks - 1 - item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
     const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
-    const float *Kh = K + h * stride * D, *Vh = V + h * stride * D;
+    const int64_t head = h * stride * D;
     /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
     for (int64_t r = 0; r < rp; r++) {
         const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
@@ -321,15 +434,25 @@ static void chunk_item(void *arg, int64_t item) {
     const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
     for (int64_t k0 = lo; k0 < hi; k0 += KB) {
         const int64_t kn = hi - k0 < KB ? hi - k0 : KB;
+        const float *kb, *vb; /* this block's keys and values, f32 */
+        if (job->kv16) {
+            widen_f16(kf, (const uint16_t *)job->K + head + k0 * D, kn * D);
+            widen_f16(vf, (const uint16_t *)job->V + head + k0 * D, kn * D);
+            kb = kf;
+            vb = vf;
+        } else {
+            kb = (const float *)job->K + head + k0 * D;
+            vb = (const float *)job->V + head + k0 * D;
+        }
         /* every row sees every key of this block: no mask */
         const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
         for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
             const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
             int64_t c = 0;
-#define SCORE4(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 4, NV)
+#define SCORE4(NV) score_tile(kb + c * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 4, NV)
             for (; c + 4 <= kn; c += 4) BY_VECTORS(nv, SCORE4)
 #undef SCORE4
-#define SCORE1(NV) score_tile(Kh + (k0 + c) * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 1, NV)
+#define SCORE1(NV) score_tile(kb + c * D, D, qt + 8 * v0, rp, st + c * rp + 8 * v0, 1, NV)
             for (; c < kn; c++) BY_VECTORS(nv, SCORE1)
 #undef SCORE1
         }
@@ -367,7 +490,7 @@ static void chunk_item(void *arg, int64_t item) {
         for (int64_t d = 0; d < D; d += 4)
             for (int64_t v0 = 0; v0 < nvec; v0 += 3) {
                 const int nv = (int)(nvec - v0 < 3 ? nvec - v0 : 3);
-#define PV(NV) pv_tile(Vh + k0 * D + d, D, st + 8 * v0, rp, kn, ot + d * rp + 8 * v0, corr + 8 * v0, NV)
+#define PV(NV) pv_tile(vb + d, D, st + 8 * v0, rp, kn, ot + d * rp + 8 * v0, corr + 8 * v0, NV)
                 BY_VECTORS(nv, PV)
 #undef PV
             }
@@ -380,11 +503,11 @@ static void chunk_item(void *arg, int64_t item) {
     free(qt);
 }
 
-int attend_chunk(const float *q, int64_t q_stride, const float *K, const float *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int threads) {
+int attend_chunk(const float *q, int64_t q_stride, const void *K, const void *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
+                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
     const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB;
     chunk_job job = {.q = q, .K = K, .V = V, .out = out, .q_stride = q_stride, .n = n, .H = H, .D = D, .stride = stride, .p = p,
-                     .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .scale = scale};
+                     .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .kv16 = kv16, .scale = scale};
     pool_for(Hkv * blocks, threads, chunk_item, &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import attend_chunk, attend_rows, rows_kernel
+from ..kernels import KV_DTYPES, attend_chunk, attend_rows, rows_kernel
 from ..kv import RowSpan
 
 __all__ = ["Attention"]
@@ -23,7 +23,7 @@ class Attention:
         self.dtype = dtype
         self.window = window  # a key at position k is seen from q when q - window < k <= q; None: every earlier key
         kernels = device.type == "cpu" and rows_kernel() is not None
-        # the kernels take f32 caches on the CPU, for the head sizes they vectorise
+        # the kernels take f32 rows and f32 or f16 caches (KV_DTYPES) on the CPU, for the head sizes they vectorise
         self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
         self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
 
@@ -37,7 +37,7 @@ class Attention:
                             [i - r.start for i in keep if r.start <= i < r.start + r.num_tokens])
                 for r in rows
             ])
-        if T == len(rows) and self.decode_kernel:  # every row feeds one token: one call writes and attends them all
+        if T == len(rows) and self.decode_kernel and rows[0].kv.dtype in KV_DTYPES:  # every row feeds one token: one call writes and attends them all
             i = self.layer
             return attend_rows(q, k, v, [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows], [r.kv.length + 1 for r in rows],
                                [r.key_start(self.window) for r in rows])
@@ -61,8 +61,10 @@ class Attention:
         ks = row.key_start(self.window)
         if only is not None:
             return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, H * D))
-        if self.chunk_kernel and kc.device.type == "cpu":  # flash-style in C: no mask, no score matrix
+        if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
             return attend_chunk(q, kc, vc, p, ks, self.window)
+        if kc.dtype != q.dtype:  # a cache kept narrower than the rows (f16 beside f32): SDPA takes one dtype
+            kc, vc = kc[:, : p + n].to(q.dtype), vc[:, : p + n].to(q.dtype)
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):
             # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :n], vc[None, :, :n], is_causal=True, enable_gqa=True)
@@ -76,8 +78,10 @@ class Attention:
 
     def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
         """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
-        if self.chunk_kernel and kc.device.type == "cpu":
+        if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
             return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
         lo = max(key_start, pos - self.window + 1) if self.window else key_start
+        kc, vc = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)
+        lo, pos = 0, pos - lo
         out = F.scaled_dot_product_attention(q[:, None, :][None], kc[None, :, lo : pos + 1], vc[None, :, lo : pos + 1], enable_gqa=True)
         return out.reshape(1, -1)

@@ -222,6 +222,9 @@ class LlamaModel:
             for block, parts in self.layouts.items()
         }
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # A kept-quantized model keeps K/V in f16, as llama.cpp does: half an f32 cache's bytes to hold and to read
+        # at every step; each value rounds to f16's 11 significant bits once, as it is written, and is read exactly.
+        self.kv_dtype = torch.float16 if quantization and self.act == torch.float32 else self.act
 
     def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any:
         """The runnable block `name` from its parts, already on `device`. `once`: built for one turn from a paged
@@ -242,7 +245,7 @@ class LlamaModel:
     def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV:
         """A session's KV, each layer's on its block's device (`devices`, one per layer; default the CPU)."""
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.act, devices or [torch.device("cpu")] * c.num_layers)
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers)
 
 
 # -- sources: Hugging Face and GGUF --
