@@ -62,6 +62,15 @@ def test_whole_prompt_matches_transformers(pair):
     assert (ours - _reference(hf, PROMPT)).abs().max().item() <= TOL
 
 
+def test_a_prompt_longer_than_an_mlp_tile_matches_transformers(pair, monkeypatch):
+    """A chunk longer than MLP_ROWS runs its MLP a tile of rows at a time (here 4, 4, 4 and 1 of 13)."""
+    from jitllmd.engine.models import llama
+
+    loaded, hf = pair
+    monkeypatch.setattr(llama, "MLP_ROWS", 4)
+    assert (_run(loaded, [PROMPT]) - _reference(hf, PROMPT)).abs().max().item() <= TOL
+
+
 def test_token_by_token_through_kv_matches(pair):
     loaded, hf = pair
     ours = _run(loaded, [[t] for t in PROMPT])
