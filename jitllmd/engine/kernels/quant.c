@@ -5,7 +5,7 @@
  * inputs, to int8 (d = amax / 127, q = round-to-nearest-even(x / d), d = 0 -> q = 0), d and d * sum(q) kept in f32;
  * where asked, x is RMSNorm(x) * w or silu(gate) * up, made from the given rows as they are quantized (as panels.c does).
  * A row's weights go by groups of 8 x-blocks (eight 32-format blocks, or one K-format superblock), each unpacked
- * once for up to GROUP x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
+ * once for up to GROUP (WIDE_GROUP) x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
  * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd) add up in int32 lanes that each belong to
  * one x-block, then one conversion per group to f32, times each block's d_w * d_x, into a vector accumulator. A
  * format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...) comes in as offset * (d_x * sum(q)).
@@ -44,6 +44,14 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1
 #endif
+/* With AVX-512 VL (32 vector registers), 16 rows may share a pass: a group unpacked once for all of them, their
+ * accumulators in registers (a 16-row step's projections measured 1.17x quicker: SmolLM2 Q8_0, Qwen2.5 Q4_K_M). */
+#ifdef HAVE_VNNI
+#define WIDE_GROUP 16
+#else
+#define WIDE_GROUP 0
+#endif
+
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_BW 1
 #endif
@@ -463,7 +471,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
                                                            const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy,
                                                            const float *r, int64_t ldr) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
-    __m256 acc[GROUP];
+    __m256 acc[WIDE_GROUP > GROUP ? WIDE_GROUP : GROUP];
     group_t grp;
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
     const int64_t gbytes = is_k(type) ? bytes : 8 * bytes;
@@ -485,16 +493,17 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
 typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *, int64_t, const float *, int64_t,
                        int64_t);
 
-/* One weight row against all T x rows, GROUP at a time. */
+/* One weight row against all T x rows: WIDE_GROUP at a time while as many are left, then GROUP at a time. */
 #define ROW_FN(NAME, TYPE)                                                                                                 \
     static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
                      int64_t ldy, const float *r, int64_t ldr, int64_t T) {                                                \
-        for (int64_t t0 = 0; t0 < T; t0 += GROUP) {                                                                        \
+        for (int64_t t0 = 0, n; t0 < T; t0 += n) {                                                                         \
             const int8_t *q = xq + t0 * ng * GB;                                                                           \
             const float *d = xd + t0 * ng * 16, *s = xs + t0 * ng * 8;                                                     \
             float *yt = y + t0 * ldy;                                                                                      \
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
-            switch (T - t0 < GROUP ? T - t0 : GROUP) {                                                                     \
+            n = WIDE_GROUP && T - t0 >= WIDE_GROUP ? WIDE_GROUP : T - t0 < GROUP ? T - t0 : GROUP;                         \
+            switch (n) {                                                                                                   \
             case 1: dot_rows(TYPE, 1, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
             case 2: dot_rows(TYPE, 2, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
             case 3: dot_rows(TYPE, 3, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
@@ -502,7 +511,8 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const 
             case 5: dot_rows(TYPE, 5, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
             case 6: dot_rows(TYPE, 6, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
             case 7: dot_rows(TYPE, 7, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            default: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                             \
+            case 8: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            default: dot_rows(TYPE, WIDE_GROUP ? WIDE_GROUP : 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                   \
             }                                                                                                              \
         }                                                                                                                  \
     }
