@@ -357,8 +357,9 @@ class QuantLinear:
                 for r in range(0, s.rows, step):
                     panel = dequant_rows(w[r : r + step], s.fmt.ggml, min(step, s.rows - r), s.k)  # [rows, in] f32
                     out[:, r : r + panel.shape[0]] = x @ panel.t()
+                    del panel  # gone before the next is made: one panel at a time (4 MB), not two
             col += s.rows
-        return y if add is None else add + y
+        return y if add is None else y.add_(add)  # add + y, in y's own storage
 
 
 class QuantTable:
