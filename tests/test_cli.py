@@ -431,6 +431,27 @@ def test_run_gguf_converts_once_into_the_cache(tiny_gguf, tmp_path: Path, monkey
     assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
 
 
+def test_a_changed_gguf_replaces_its_cached_conversion(tiny_gguf, tmp_path: Path, monkeypatch) -> None:
+    """The same path with new contents (a reinstalled package's file) converts again and the stale .jlm goes; a file
+    of the same name elsewhere keeps its own."""
+    import os
+
+    from jitllmd.engine.loader import cached_conversion
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    here, there = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"
+    for g in (here, there):
+        g.parent.mkdir()
+        g.write_bytes(tiny_gguf.read_bytes())
+    first, other = cached_conversion(here, cache), cached_conversion(there, cache)
+    assert first != other and cached_conversion(here, cache) == first
+    os.utime(here, ns=(here.stat().st_atime_ns, here.stat().st_mtime_ns + 10**9))  # the file changed
+    second = cached_conversion(here, cache)
+    assert second != first and second.exists() and not first.exists() and other.exists()
+    assert sorted(cache.glob("*.jlm")) == sorted([second, other])
+
+
 def test_run_subprocess_stream_and_json(tiny, tmp_path: Path) -> None:
     _, jlm, loaded = tiny
     want = greedy_text(loaded, loaded.tokenizer.encode("abc"), 8)

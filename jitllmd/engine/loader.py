@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import os
 import threading
@@ -86,15 +87,21 @@ class LoadedModel:
 
 
 def cached_conversion(gguf_path: Path, cache_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
-    """A .gguf's .jlm in `cache_dir`, converted once (keyed by the file's name, size and mtime, and how it converts:
-    a quantized file keeps its quantization)."""
+    """A .gguf's .jlm in `cache_dir`, converted once: named by the file's path, then its size and mtime (and how it
+    converts: a quantized file keeps its quantization). A new conversion removes the ones made from the same path
+    before the file changed (a reinstalled package's model, say), so they do not pile up; a process still using one
+    keeps its open file."""
     from .convert import convert
 
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:auto".encode()).hexdigest()[:12]
-    out = cache_dir / f"{gguf_path.stem}-{key}.jlm"
+    source = hashlib.sha256(f"{gguf_path.resolve()}".encode()).hexdigest()[:8]
+    version = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:auto".encode()).hexdigest()[:8]
+    out = cache_dir / f"{gguf_path.stem}-{source}-{version}.jlm"
     if not out.exists():
         on_own_thread(lambda: convert(gguf_path, out, "auto", on_progress=on_progress))
+        for stale in cache_dir.glob(f"{glob.escape(gguf_path.stem)}-{source}-*.jlm"):
+            if stale != out:
+                stale.unlink(missing_ok=True)
     return out
 
 
