@@ -100,6 +100,8 @@ def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
             t.join(300)
         assert [r["usage"]["completion_tokens"] for r in rest] == [30] * 4
         assert all(r["jitllm"]["queue_depth_on_entry"] >= 2 for r in rest), [r["jitllm"] for r in rest]
+        # a closed stream's generation ends when the engine next sees it: wait for both cancellations to be counted
+        wait_for(lambda: stats(server)["requests"] == 6, "the two cancelled generations to be counted")
         s = stats(server)
         assert s["requests"] == 6 and s["cancelled"] == 2 and s["activeRows"] == 0 and s["queueDepth"] == 0
         assert s["steps"] * rows >= s["generatedTokens"], s  # a step samples a token per row: never more than `rows` ran
