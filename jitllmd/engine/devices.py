@@ -9,6 +9,7 @@ import gc
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -165,9 +166,16 @@ def release_host_memory() -> None:
 
 def trim_heap() -> None:
     """glibc's malloc_trim: return freed heap pages to the OS (a no-op elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """libc's malloc_trim, looked up once (find_library runs ldconfig), or None where there is none (not glibc)."""
     name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

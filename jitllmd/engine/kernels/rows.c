@@ -119,11 +119,10 @@ static inline __m256 hsum8(const __m256 v[8]) {
  * Each score is hsum of its own lane-wise sums over D, eight keys reduced at once (hsum8); e^x is libm's expf; each
  * head's weighted values are summed key by key in order (in registers within a block where DC is known): the same
  * bits as one head and one key at a time. */
-static inline __attribute__((always_inline)) void attend_group(const attend_job *a, int64_t item, const int f16, const int64_t DC) {
+static inline __attribute__((always_inline)) void attend_group(attend_job *a, int64_t item, const int f16, const int64_t DC) {
     const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv, head = h * a->strides[r] * D;
     const void *K = f16 ? (const void *)((const uint16_t *)a->k_ptrs[r] + head) : (const void *)((const float *)a->k_ptrs[r] + head);
     const void *V = f16 ? (const void *)((const uint16_t *)a->v_ptrs[r] + head) : (const void *)((const float *)a->v_ptrs[r] + head);
-    /* an f16 cache's block of keys (then of values) widened once, exactly, for every head to read */
     const float *q = a->q + (r * a->H + h * g) * D; /* the group's query heads, adjacent */
     float *out = a->out + (r * a->H + h * g) * D;
     const int64_t s = a->starts[r], L = a->lengths[r], n = L - s;
@@ -132,10 +131,11 @@ static inline __attribute__((always_inline)) void attend_group(const attend_job 
     const size_t p_bytes = (size_t)(g * n) * sizeof(float);
     float *p = p_bytes <= (64 << 10) ? (float *)__builtin_alloca(p_bytes) : malloc(p_bytes), *heap = p_bytes <= (64 << 10) ? NULL : p;
     if (p == NULL) {
-        atomic_store_explicit((_Atomic int *)&a->failed, 1, memory_order_relaxed);
+        atomic_store_explicit(&a->failed, 1, memory_order_relaxed);
         return;
     }
     float *best = (float *)__builtin_alloca((size_t)g * sizeof(float));
+    /* an f16 cache's block of keys (then of values) widened once, exactly, for every head to read */
     float *wide = f16 ? (float *)__builtin_alloca((size_t)(KEYS_PER_BLOCK * D) * sizeof(float)) : NULL;
     for (int64_t jj = 0; jj < g; jj++) best[jj] = -INFINITY;
     for (int64_t b0 = s; b0 < L; b0 += KEYS_PER_BLOCK) {
@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_group(const attend_job 
         if (f16) widen_f16(wide, (const uint16_t *)K + b0 * D, (b1 - b0) * D);
         for (int64_t jj = 0; jj < g; jj++) {
             const float *qj = q + jj * D;
-            float *pj = p + jj * n - s;
+            float *pj = p + jj * n; /* key i's score at pj[i - s] */
             __m256 top = _mm256_set1_ps(best[jj]);
             int64_t i = b0;
             for (; i + 8 <= b1; i += 8) {
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void attend_group(const attend_job 
                     for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (i - b0 + k) * D + d), acc[k]);
                 }
                 const __m256 score = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
-                _mm256_storeu_ps(pj + i, score);
+                _mm256_storeu_ps(pj + i - s, score);
                 top = _mm256_max_ps(top, score);
             }
             __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_group(const attend_job 
                 __m256 acc = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(kb + (i - b0) * D + d), acc);
                 const float score = hsum(acc) * scale;
-                pj[i] = score;
+                pj[i - s] = score;
                 if (score > m) m = score;
             }
             best[jj] = m;
@@ -186,19 +186,19 @@ static inline __attribute__((always_inline)) void attend_group(const attend_job 
         const float *vb = f16 ? wide : (const float *)V + b0 * D; /* value k's row at vb + (k - b0) * D */
         if (f16) widen_f16(wide, (const uint16_t *)V + b0 * D, (b1 - b0) * D);
         for (int64_t jj = 0; jj < g; jj++) {
-            const float *pj = p + jj * n - s;
+            const float *pj = p + jj * n; /* key k's weight at pj[k - s] */
             float *o = out + jj * D;
             if (DC) { /* this head's output in registers through the block */
                 __m256 acc[DC ? DC / 8 : 1];
                 for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_loadu_ps(o + 8 * d);
                 for (int64_t k = b0; k < b1; k++) {
-                    const __m256 pk = _mm256_set1_ps(pj[k]);
+                    const __m256 pk = _mm256_set1_ps(pj[k - s]);
                     for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vb + (k - b0) * D + 8 * d), acc[d]);
                 }
                 for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(o + 8 * d, acc[d]);
             } else {
                 for (int64_t k = b0; k < b1; k++) {
-                    const __m256 pk = _mm256_set1_ps(pj[k]);
+                    const __m256 pk = _mm256_set1_ps(pj[k - s]);
                     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pk, _mm256_loadu_ps(vb + (k - b0) * D + d), _mm256_loadu_ps(o + d)));
                 }
             }
@@ -330,8 +330,9 @@ void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int thread
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
  * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
- * f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys already written); q's rows are q_stride floats apart (q may be a view into qkv's rows). Query
- * head j reads kv head j / (H / Hkv). D is a multiple of 4.
+ * f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys already written); q's rows
+ * are q_stride floats apart (q may be a view into qkv's rows). Query head j reads kv head j / (H / Hkv). D is a
+ * multiple of 4.
  *
  * Work items, run on pool.c's threads each with its own scratch, are (kv head, block of QB queries): the item's
  * R = group * QB query rows (query-major: the group's heads of one query are adjacent) share each block of KB keys.
@@ -386,7 +387,6 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
         case 2: call(2); break; \
         default: call(3); break; \
     }
-
 
 typedef struct {
     const float *q;

@@ -81,7 +81,6 @@ class Attention:
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
             return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
         lo = max(key_start, pos - self.window + 1) if self.window else key_start
-        kc, vc = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)
-        lo, pos = 0, pos - lo
-        out = F.scaled_dot_product_attention(q[:, None, :][None], kc[None, :, lo : pos + 1], vc[None, :, lo : pos + 1], enable_gqa=True)
+        keys, values = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)  # a cast where the cache is narrower
+        out = F.scaled_dot_product_attention(q[:, None, :][None], keys[None], values[None], enable_gqa=True)
         return out.reshape(1, -1)
