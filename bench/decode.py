@@ -78,6 +78,9 @@ def prompt_ids(tokenizer_encode, n: int) -> list[int]:
 
 
 def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
+    # nothing has loaded torch yet in this process: jitllmd first, as the CLI runs it (it tunes torch's OpenMP threads'
+    # spin before torch loads); transformers' workers keep torch's defaults
+    import jitllmd  # noqa: F401
     from jitllmd.engine.engine import Engine
     from jitllmd.engine.request import Done
     from jitllmd.engine.sampler import SamplingParams

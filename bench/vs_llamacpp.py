@@ -250,7 +250,8 @@ def worker_info() -> dict:
     from jitllmd.engine import kernels
     from jitllmd.engine.devices import bf16_matmul_native
 
-    return {"kernels": kernels.describe(), "variants": kernels.variants(), "bf16_units": bf16_matmul_native(), "torch": torch.__version__}
+    return {"kernels": kernels.describe(), "variants": kernels.variants(), "bf16_units": bf16_matmul_native(), "prompt_units": kernels.bf16_units(),
+            "torch": torch.__version__}
 
 
 def worker_convert(gguf: Path) -> dict:
@@ -260,6 +261,9 @@ def worker_convert(gguf: Path) -> dict:
 
 
 def worker(job: dict) -> dict:
+    import jitllmd  # noqa: F401  (before torch, as the CLI runs it: it tunes torch's OpenMP threads' spin as torch loads)
+
+    # isort: split
     import torch
 
     st = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["settings"].items()})
@@ -460,7 +464,8 @@ def header(bin_dir: Path, st: Settings, info: dict | str) -> None:
     print(f"CPU flags: {' '.join(flags) or '(no avx512/amx)'}")
     if isinstance(info, dict):
         print(f"jitllmd kernels: {info['kernels']} (variants this CPU runs: {', '.join(info['variants'])}); "
-              f"bf16 units: {'yes' if info['bf16_units'] else 'no'}; torch {info['torch']}")
+              f"bf16 units: {'yes' if info['bf16_units'] else 'no'}; quantized prompt chunks multiply "
+              f"{'in bf16 on ' + info['prompt_units'] if info['prompt_units'] else 'in f32 (dequantized panels)'}; torch {info['torch']}")
     else:
         print(f"jitllmd info failed: {info}")
     print(f"llama.cpp: {bin_dir} ({short(version.stdout + version.stderr)}), --repack 0 / --no-repack; peak RSS of a llama.cpp "

@@ -167,8 +167,55 @@ def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: 
         assert torch.equal(kernels.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
 
 
+BF16_VARIANTS = {"avx512+bf16": "avx512_bf16", "avx512+amx": "amx"}  # variant -> the units bf16_rows runs on
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
+    """A prompt chunk's product on variants with bf16 units: x and the dequantized W rounded to bf16 (nearest even),
+    the products summed in f32 (only their order differs from an exact sum); each row's result the same alone and
+    among any number of others (1 .. 70 rows: partial tiles of 16 and 32), on one thread or two, and `add` added as
+    torch would. N = 37 rows: a whole panel of 32 and a ragged one."""
+    if variant not in BF16_VARIANTS:
+        assert kernels.bf16_units() is None
+        pytest.skip(f"{variant} has no bf16 units")
+    units = BF16_VARIANTS[variant]
+    if units == "amx" and kernels.bf16_units() != "amx":
+        pytest.skip("the OS does not grant this process AMX tile state")
+    assert kernels.bf16_units() == units
+    k = width(qtype)
+    wb = quantized(qtype, N, k, 600 + qtype)
+    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    runs = [(w, qtype, N)]
+    g = torch.Generator().manual_seed(700 + qtype)
+    x = torch.randn(70, k, generator=g) * torch.rand(70, 1, generator=g) * 3
+    x[5] = 0
+    exact = x.bfloat16().double() @ ref.bfloat16().double().T
+    sums = (x.bfloat16().double().abs() @ ref.bfloat16().double().abs().T) * 2**-20  # f32 sums of k <= 512 products: well within
+    whole = kernels.bf16_runs(x, runs, N)
+    assert whole.dtype == torch.float32 and whole.shape == (70, N)
+    assert ((whole - exact).abs() <= sums).all() and not whole[5].any()
+    assert not torch.equal(whole, (x.double() @ ref.double().T).float())  # it did round
+    for rows in (1, 3, 16, 17, 33):
+        assert torch.equal(kernels.bf16_runs(x[:rows], runs, N), whole[:rows])
+        assert torch.equal(kernels.bf16_runs(x[-rows:], runs, N), whole[-rows:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernels.bf16_runs(x, runs, N), whole)
+    finally:
+        torch.set_num_threads(threads)
+    split = [(w[:12], qtype, 12), (w[12:], qtype, N - 12)]  # two runs stacked along the output
+    for add in (torch.randn(70, N, generator=g) * 5, torch.randn(N, generator=g)):
+        assert torch.equal(kernels.bf16_runs(x, split, N, add=add).view(torch.int32), (add + whole).view(torch.int32))
+    # the norm or the gate made as the rows are rounded: the bits of the rows made first
+    nw, gate_up = torch.rand(k, generator=g) + 0.5, torch.randn(70, 2 * k, generator=g) * 4
+    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, kernels.silu_mul_rows(gate_up))):
+        assert torch.equal(kernels.bf16_runs(src, runs, N, **fold).view(torch.int32), kernels.bf16_runs(made, runs, N).view(torch.int32))
+
+
 def test_the_variants_agree_bit_for_bit() -> None:
-    """Integer sums are exact and the f32 steps the same on every variant: their results are identical."""
+    """Integer sums are exact and the f32 steps the same on every variant: their (decode rows') results are identical."""
     results = []
     for v in variants():
         use_variant(v)

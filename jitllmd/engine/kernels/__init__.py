@@ -4,8 +4,10 @@ rows.c: few-row projections, decode attention, RMSNorm. panels.c: f32 projection
 column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). quant.c: projections over GGUF-quantized
 rows kept in ggml's block layout, and their dequantization. Where they cannot be built (no compiler, not x86 with
 AVX2, FMA and F16C, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels make steps
-faster, never different in what they compute. The same sources build per CPU feature set (`variants`): the best this
-CPU runs is used unless `use_variant` forces one. `configure` says where builds are kept; `describe` names the variant
+faster, never different in what they compute, but for one rounding a CPU's bf16 units bring: on the variants built for
+them (`avx512+bf16`, `avx512+amx`) a quantized model's prompt chunks multiply in bf16 (`bf16_runs`), as a bf16 model's
+do. The same sources build per CPU feature set (`variants`): the best this CPU runs is used unless `use_variant`
+forces one. `configure` says where builds are kept; `describe` names the variant
 in use, or why there is none.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "KV_DTYPES", "MAX_ROWS", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
+    "BF16_UNITS", "KV_DTYPES", "MAX_ROWS", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
     "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
 ]
 
@@ -42,6 +44,10 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 _VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx2+fma": ([], ()),
     "avx512+vnni": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"], (*_AVX512, "avx512_vnni")),
+    # and bf16 units: a quantized model's prompt chunks multiply in bf16 (quant.c's bf16_rows), with vdpbf16ps or AMX
+    "avx512+bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"], (*_AVX512, "avx512_vnni", "avx512_bf16")),
+    "avx512+amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+                   (*_AVX512, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")),
 }
 _cache_dir: Path | None = None  # set by configure(); None: ~/.cache/jitllmd/kernels (the engine reads no environment)
 _forced: str | None = None  # set by use_variant(); None: the best of variants()
@@ -184,6 +190,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
+    lib.bf16_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                                                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.bf16_rows.restype = ctypes.c_int
+    lib.bf16_rows_kind.argtypes = []
+    lib.bf16_rows_kind.restype = ctypes.c_int
     lib.pool_test_sum.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]  # pool.c's, for tests
     lib.pool_test_sum.restype = ctypes.c_int64
     lib.pool_test_nested.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
@@ -411,6 +422,40 @@ def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: t
                           ld_add, threads):
             raise MemoryError("quant_rows: no memory for x's int8 codes")
         col += rows
+
+
+BF16_UNITS = {0: None, 1: "avx512_bf16", 2: "amx"}  # bf16_rows_kind's answers
+
+
+def bf16_units() -> str | None:
+    """The units `bf16_runs` multiplies on in the kernels in use: "amx" (AMX tiles, where the build has them and the
+    OS grants this process their state), "avx512_bf16" (vdpbf16ps), or None (a variant without bf16, or no kernels)."""
+    lib = rows_kernel()
+    return None if lib is None else BF16_UNITS[lib.bf16_rows_kind()]
+
+
+def bf16_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
+              gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's), the products summed in f32 (quant.c's
+    bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it). a is x [T, K] f32, or
+    with `norm` RMSNorm(x) * weight, with `gated` silu(gate) * up of x [T, 2K], made as the rows are rounded (the f32
+    values rms_norm_rows and silu_mul_rows make). -> [T, n]"""
+    lib = _lib()
+    x = x.float().contiguous()
+    T = x.shape[0]
+    mode, width, norm_w, eps = _input(x, norm, gated)
+    y = torch.empty((T, n), dtype=torch.float32)
+    add_at, ld_add = 0, 0
+    if add is not None:
+        assert add.dtype == torch.float32 and add.is_contiguous() and add.shape in ((T, n), (n,)), (add.dtype, tuple(add.shape))
+        add_at, ld_add = add.data_ptr(), (n if add.dim() == 2 else 0)
+    col = 0
+    for w, qtype, rows in runs:
+        if T and lib.bf16_rows(x.data_ptr(), w.data_ptr(), y.data_ptr() + 4 * col, T, width, rows, n, qtype, mode, norm_w, eps,
+                               add_at + 4 * col if add_at else None, ld_add, torch.get_num_threads()):
+            raise MemoryError("bf16_rows: no memory for its panels")
+        col += rows
+    return y
 
 
 def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:

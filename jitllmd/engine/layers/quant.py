@@ -9,8 +9,11 @@ Q4_K_M file mixes Q4_K and Q6_K rows): a projection is a list of segments, one p
 Where rounding happens: the tokens of a step's single-token rows (decode rows) are multiplied llama.cpp's way (kernels/quant.c), each x row quantized to int8 per 32 inputs and dotted in integers, so
 |y - x @ W.T| <= sum_k |W[o, k]| * d_k / 2 with d_k that block's amax / 127, nothing else rounding but f32 sums; the
 tokens of a longer row (a prompt chunk, whatever its size: a server's calibrated chunk must not change a prompt's
-numbers) are multiplied in f32 against the weights dequantized a panel at a time, exact up to f32 sums. A token's
-path depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU) dequantizes and multiplies in f32.
+numbers) are multiplied against the weights dequantized a panel at a time: where the kernels have bf16 units
+(kernels.bf16_units: AMX or AVX512_BF16) x and those weights are rounded to bf16 (to nearest even) and the products
+summed in f32, a bf16 model's rounding at 3-4x f32's speed; elsewhere in f32, exact up to f32 sums. A token's path
+depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU)
+dequantizes and multiplies in f32.
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels import QUANT_TYPES, check_quant_weight, dequant_rows, quant_runs, rms_norm_rows, rows_kernel, silu_mul_rows
+from ..kernels import (
+    QUANT_TYPES,
+    bf16_runs,
+    bf16_units,
+    check_quant_weight,
+    dequant_rows,
+    quant_runs,
+    rms_norm_rows,
+    rows_kernel,
+    silu_mul_rows,
+)
 from ..kv import RowSpan
 
 __all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for"]
@@ -280,11 +293,11 @@ class QuantLinear:
 
     On the CPU with the kernels: the integer kernel for short rows' tokens (each block read once for all of them),
     with the norm or the gate folded into its quantizing of x and the residual or bias into its sums, one call per
-    run of same-format rows; the exact f32 product over panels dequantized in turn for the tokens `chunk` marks
-    (prompt chunks: a prompt's logits are the dequantized weights'). Elsewhere (another device, no kernels): the
+    run of same-format rows; for the tokens `chunk` marks (prompt chunks), the bf16 product where the CPU has bf16
+    units, else the exact f32 product over panels dequantized in turn (a prompt's logits are the dequantized weights'). Elsewhere (another device, no kernels): the
     reference, each segment dequantized whole per call."""
 
-    __slots__ = ("bias", "folds", "kernel", "out_features", "runs", "segments", "views")
+    __slots__ = ("bf16_chunks", "bias", "folds", "kernel", "out_features", "runs", "segments", "views")
     panels = False  # the f32 panel kernel's: not this
 
     def __init__(self, weight: torch.Tensor, segments: list[Segment], bias: torch.Tensor | None):
@@ -306,6 +319,7 @@ class QuantLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = weight.device.type == "cpu" and rows_kernel() is not None and all(s.fmt.ggml in QUANT_TYPES for s in merged)
         self.folds = self.kernel and all(s.k % 8 == 0 for s in merged)  # a norm or the gate made as x rows are quantized
+        self.bf16_chunks = self.kernel and bf16_units() is not None  # prompt chunks multiply in bf16 (bf16_runs)
         self.runs = [(w, s.fmt.ggml, s.rows) for s, w in zip(merged, self.views)] if self.kernel else []
         for w, qtype, rows in self.runs:
             check_quant_weight(w, qtype, rows, merged[0].k)
@@ -313,14 +327,16 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                  gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where given. With `norm` (weight, eps) the product is of RMSNorm(x) *
-        weight, with `gated` of silu(gate) * up of x [T, 2 * in]: folded into the kernel's quantizing of x rows for
-        decode rows, made first (the same f32 values) for a prompt chunk's tokens."""
-        if (norm is not None or gated) and (chunk is not None or not self.folds):
+        weight, with `gated` of silu(gate) * up of x [T, 2 * in]: folded into the kernel's reading of x rows for decode
+        rows and for a prompt chunk's bf16 product, made first (the same f32 values) where the rows mix or the product
+        is f32."""
+        whole = chunk is None or (self.bf16_chunks and bool(chunk.all()))  # one kernel call for every row
+        if (norm is not None or gated) and not (self.folds and whole):
             x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else silu_mul_rows(x.float())
             norm, gated = None, False
-        if self.kernel and chunk is None and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
-            # decode rows: one kernel call per run, the bias or else the residual added in it (y = add + product)
-            y = self._run(x.float(), False, norm, gated, self.bias if self.bias is not None or residual is None else residual)
+        if self.kernel and whole and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
+            # decode rows, or a prompt chunk in bf16: one kernel call per run, the bias or else the residual added in it
+            y = self._run(x.float(), chunk is not None, norm, gated, self.bias if self.bias is not None or residual is None else residual)
             return y if residual is None or self.bias is None else residual + y
         y = self.project(x, chunk, norm=norm, gated=gated)
         return y if residual is None else residual + y.to(residual.dtype)
@@ -330,8 +346,8 @@ class QuantLinear:
         x = x.float()
         if chunk is None or not self.kernel:
             return self._run(x, False, norm, gated, self.bias)
-        if bool(chunk.all()):
-            return self._run(x, True, add=self.bias)
+        if bool(chunk.all()):  # norm or gated given only where the bf16 product folds them
+            return self._run(x, True, norm, gated, self.bias)
         long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
         y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
         y[long] = self._run(x[long], True, add=self.bias)
@@ -341,10 +357,13 @@ class QuantLinear:
     def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
              add: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the integer
-        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or exactly (dequantized f32 panels, or
-        the reference)."""
+        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or a prompt chunk's product (bf16
+        panels where the CPU has bf16 units, which fold them too; else exactly: dequantized f32 panels, or the
+        reference, given x made)."""
         if self.kernel and not exact:
             return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
+        if self.bf16_chunks:
+            return bf16_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
         T = x.shape[0]
         y = torch.empty((T, self.out_features), dtype=torch.float32, device=x.device)
         col = 0

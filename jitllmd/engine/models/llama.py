@@ -99,7 +99,9 @@ class DecoderBlock:
         self.gate_up = project("gate_up")
         self.down = project("down")
         self.rope = Rope(cfg.head_dim, act, device)
-        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window)
+        # quantized projections that multiply prompt chunks in bf16 (the CPU's bf16 units): their attention in bf16 too
+        bf16_chunks = all(isinstance(p, QuantLinear) and p.bf16_chunks for p in (self.qkv, self.o, self.gate_up, self.down))
+        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window, bf16_chunks)
         self.silu_mul = SiluMul(cfg.intermediate_size, device)
         # f32 panels and quantized rows: the norms and silu(gate) * up are made as the projections pack or quantize
         # their rows, not passes of their own
