@@ -159,13 +159,17 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("feed", ["at once", "token by token"])
+FEEDS = {"at once": [PROMPT], "in chunks": [PROMPT[:10], PROMPT[10:17], PROMPT[17:]], "token by token": [[t] for t in PROMPT]}
+
+
+@pytest.mark.parametrize("feed", FEEDS)
 def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     """Decode rows (short rows): the kernels quantize x to int8 per 32 inputs, and that is their only rounding beside
     f32 sums: every such product equals the reference's on the same input so rounded (checked call by call: a 1-ulp
     difference upstream may move a later rounding by one step, and a model amplifies it), and the logits stay near
     the f32 model's, greedy mostly the same. A prompt chunk (more than MAX_ROWS tokens) is multiplied exactly up to
-    its logits (the f32 model's), or, on variants with bf16 units, with x and W rounded to bf16 and nothing else. The
+    its logits (the f32 model's), or, on variants with bf16 units, with x and W rounded to bf16 and nothing else (and
+    its attention in bf16), fed whole or after earlier chunks (their keys masked in, the chunk's own causally). The
     reference path is the f32 model's sums throughout. K/V stay f32 here, as the f32 model's
     (test_an_f16_cache_rounds_kv_only: the one rounding more that a quantized model's own f16 cache makes)."""
     name, result, ref = case
@@ -189,12 +193,12 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         return y
 
     monkeypatch.setattr(q.QuantLinear, "_run", checked)
-    got = _run(load_model(result.path, max_seq=64, kv_dtype=torch.float32), [PROMPT] if feed == "at once" else [[t] for t in PROMPT])
+    got = _run(load_model(result.path, max_seq=64, kv_dtype=torch.float32), FEEDS[feed])
     if path == "reference":
         assert (got - want).abs().max() / scale < 1e-5
         return
-    if feed == "at once":  # a prompt chunk: exact up to its logits, or bf16's rounding (a bf16 model's)
-        assert len(calls[True]) == 4 * 2 + 1 and max(calls[True]) < 1e-5 and not calls[False]
+    if feed != "token by token":  # prompt chunks: exact up to their logits, or bf16's rounding (a bf16 model's)
+        assert len(calls[True]) == len(FEEDS[feed]) * (4 * 2 + 1) and max(calls[True]) < 1e-5 and not calls[False]
         assert (got - want).abs().max() / scale < (5e-2 if bf16 else 1e-5)  # bf16: 2-3% of a random model's logits here
     else:
         assert not calls[True] and len(calls[False]) == len(PROMPT) * (4 * 2 + 1) and max(calls[False]) < 1e-5

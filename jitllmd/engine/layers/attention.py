@@ -64,11 +64,21 @@ class Attention:
         if only is not None:
             return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, self.num_heads * self.head_dim))
         if self.bf16_chunks:
-            bf = torch.bfloat16
-            return self._sdpa(q.to(bf), kc[:, : p + n].to(bf), vc[:, : p + n].to(bf), row, ks).float()
+            return self._sdpa_bf16(q, kc, vc, row, ks)
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
             return attend_chunk(q, kc, vc, p, ks, self.window)
         return self._sdpa(q, kc, vc, row, ks)
+
+    def _sdpa_bf16(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: RowSpan, ks: int) -> torch.Tensor:
+        """A prompt chunk q [n, H, D] f32 in bf16 through SDPA's flash kernel, its K/V from the cache [Hkv, >= p + n, D]
+        cast, the query heads grouped by SDPA (no copy of K/V per head, and a mask [n, keys] for all heads): [n, H*D] f32."""
+        n, p, bf = row.num_tokens, row.kv.length, torch.bfloat16
+        qb, keys, values = q.transpose(0, 1)[None].to(bf), kc[None, :, ks : p + n].to(bf), vc[None, :, ks : p + n].to(bf)
+        if p == 0 and ks == 0 and (self.window is None or n <= self.window):  # a prompt's first chunk: causal, no mask
+            out = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=row.mask_on(kc.device, 1, self.window, bf), enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(n, -1).float()
 
     def _sdpa(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: RowSpan, ks: int) -> torch.Tensor:
         """torch's SDPA for a chunk q [n, H, D] whose K/V are in kc, vc [Hkv, >= p + n, D] -> [n, H*D] in q's dtype."""
