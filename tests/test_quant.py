@@ -174,6 +174,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     (test_an_f16_cache_rounds_kv_only: the one rounding more that a quantized model's own f16 cache makes)."""
     name, result, ref = case
     monkeypatch.setattr(llama, "QuantLayer", lambda *args: None)  # each projection a call of its own, to check (layer.c's: the same bits)
+    monkeypatch.setattr(llama, "MLP_COLUMNS", 64 if name == "gguf-mix" else 256)  # a bf16 chunk's MLP in 2 slices (96: 64 + 32; 512)
     want = _run(load_model(ref, max_seq=64), [PROMPT])
     scale = want.abs().max()
     run, calls = q.QuantLinear._run, {True: [], False: []}
@@ -182,7 +183,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
 
     def checked(self, x, exact, norm=None, gated=False, add=None):
         y = run(self, x, exact, norm, gated, add)
-        if path != "reference":
+        if path != "reference" and not (exact and bf16):  # bf16 products: checked in bf16_runs, below
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
                 x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x)
             xs, ws = (bf(x), bf) if exact else (_int8_rows(x), lambda t: t)
@@ -193,11 +194,27 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         return y
 
     monkeypatch.setattr(q.QuantLinear, "_run", checked)
+    bf16_runs, bf16_calls = q.bf16_runs, []
+
+    def checked_bf16(x, runs, n, *, norm=None, gated=False, add=None):
+        """Every bf16 product (whole projections, and the MLP's column slices) against its bf16-rounded inputs."""
+        y = bf16_runs(x, runs, n, norm=norm, gated=gated, add=add)
+        a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
+        fmts = {f.ggml: f for f in q.FORMATS.values()}
+        rounded = torch.cat([bf(a) @ bf(q.dequantize(w, fmts[t], rows, a.shape[1])).t() for w, t, rows in runs], 1)
+        if add is not None:
+            rounded = add + rounded
+        bf16_calls.append(((y - rounded).abs().max() / rounded.abs().max()).item())
+        return y
+
+    monkeypatch.setattr(q, "bf16_runs", checked_bf16)
     got = _run(load_model(result.path, max_seq=64, kv_dtype=torch.float32), FEEDS[feed])
     if path == "reference":
         assert (got - want).abs().max() / scale < 1e-5
         return
-    if feed != "token by token":  # prompt chunks: exact up to their logits, or bf16's rounding (a bf16 model's)
+    if feed != "token by token" and bf16:  # prompt chunks in bf16: qkv, o and the head whole, the MLP by column slices
+        assert len(bf16_calls) >= len(FEEDS[feed]) * (4 * 2 + 1) and max(bf16_calls) < 1e-5 and not calls[True] and not calls[False]
+    elif feed != "token by token":  # prompt chunks: exact up to their logits
         assert len(calls[True]) == len(FEEDS[feed]) * (4 * 2 + 1) and max(calls[True]) < 1e-5 and not calls[False]
         assert (got - want).abs().max() / scale < (5e-2 if bf16 else 1e-5)  # bf16: 2-3% of a random model's logits here
     else:

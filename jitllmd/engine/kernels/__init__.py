@@ -190,8 +190,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
-    lib.bf16_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
-                                                                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.bf16_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.bf16_rows.restype = ctypes.c_int
     lib.bf16_rows_kind.argtypes = []
     lib.bf16_rows_kind.restype = ctypes.c_int
@@ -439,7 +439,8 @@ def bf16_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int
     """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's), the products summed in f32 (quant.c's
     bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it). a is x [T, K] f32, or
     with `norm` RMSNorm(x) * weight, with `gated` silu(gate) * up of x [T, 2K], made as the rows are rounded (the f32
-    values rms_norm_rows and silu_mul_rows make). -> [T, n]"""
+    values rms_norm_rows and silu_mul_rows make). A run's w may be a column slice of wider rows ([rows, K's bytes],
+    rows w.stride(0) bytes apart: `quant_columns`). -> [T, n]"""
     lib = _lib()
     x = x.float().contiguous()
     T = x.shape[0]
@@ -451,7 +452,10 @@ def bf16_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int
         add_at, ld_add = add.data_ptr(), (n if add.dim() == 2 else 0)
     col = 0
     for w, qtype, rows in runs:
-        if T and lib.bf16_rows(x.data_ptr(), w.data_ptr(), y.data_ptr() + 4 * col, T, width, rows, n, qtype, mode, norm_w, eps,
+        elems, nbytes = _QUANT_BLOCKS[qtype]
+        assert width % elems == 0 and (w.dim() == 1 or w.shape == (rows, width // elems * nbytes)), (tuple(w.shape), rows, width)
+        if T and lib.bf16_rows(x.data_ptr(), w.data_ptr(), w.stride(0) if w.dim() == 2 else 0, y.data_ptr() + 4 * col, T, width, rows, n, qtype,
+                               mode, norm_w, eps,
                                add_at + 4 * col if add_at else None, ld_add, torch.get_num_threads()):
             raise MemoryError("bf16_rows: no memory for its panels")
         col += rows

@@ -948,17 +948,18 @@ static void bf16_panel_item(void *arg, int64_t item) {
     free(panel);
 }
 
-/* y[t * ldy + o] = (add[t * ld_add + o] +) bf16(a[t]) . bf16(W[o]) for W N rows of `type` (K a multiple of 32), a
- * x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED), as
- * quant_rows takes them; x f32 contiguous; add a residual [T, N] (ld_add N) or a bias (ld_add 0), or NULL. Returns
- * 0, -1 without memory, -2 for a type it does not know. */
-int bf16_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
-              float eps, const float *add, int64_t ld_add, int threads) {
-    if (!block_bytes(type) || K % 32) return -2;
+/* y[t * ldy + o] = (add[t * ld_add + o] +) bf16(a[t]) . bf16(W[o]) for W N rows of `type` (K a multiple of 32 and
+ * of its block), each w_stride bytes after the last (0: K's bytes; more: K columns of wider rows), a x [T, K] (input
+ * PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED), as quant_rows
+ * takes them; x f32 contiguous; add a residual [T, N] (ld_add N) or a bias (ld_add 0), or NULL. Returns 0, -1
+ * without memory, -2 for a type it does not know. */
+int bf16_rows(const float *x, const uint8_t *W, int64_t w_stride, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input,
+              const float *norm_w, float eps, const float *add, int64_t ld_add, int threads) {
+    if (!block_bytes(type) || K % 32 || K % block_elems(type)) return -2;
     const int64_t Tp = (T + 31) / 32 * 32;
     bf16_job job = {.W = W, .x = x, .add = add, .norm_w = norm_w, .y = y, .eps = eps, .T = T, .Tp = Tp, .K = K, .N = N, .ldy = ldy,
-                    .ld_add = ld_add, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .amx = bf16_rows_kind() == 2,
-                    .input = input};
+                    .ld_add = ld_add, .row_bytes = w_stride ? w_stride : K / block_elems(type) * block_bytes(type), .type = type,
+                    .amx = bf16_rows_kind() == 2, .input = input};
     job.xb = aligned_alloc(64, (size_t)(Tp * K * 2));
     if (job.xb == NULL) return -1;
     pool_for(Tp, Tp >= 8 ? threads : 1, bf16_x_item, &job);
@@ -969,9 +970,9 @@ int bf16_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, 
 #else
 int bf16_rows_kind(void) { return 0; }
 
-int bf16_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
-              float eps, const float *add, int64_t ld_add, int threads) {
-    (void)x, (void)W, (void)y, (void)T, (void)K, (void)N, (void)ldy, (void)type, (void)input, (void)norm_w, (void)eps, (void)add, (void)ld_add;
+int bf16_rows(const float *x, const uint8_t *W, int64_t w_stride, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input,
+              const float *norm_w, float eps, const float *add, int64_t ld_add, int threads) {
+    (void)x, (void)W, (void)w_stride, (void)y, (void)T, (void)K, (void)N, (void)ldy, (void)type, (void)input, (void)norm_w, (void)eps, (void)add, (void)ld_add;
     (void)threads;
     return -3;
 }

@@ -341,6 +341,27 @@ class QuantLinear:
         y = self.project(x, chunk, norm=norm, gated=gated)
         return y if residual is None else residual + y.to(residual.dtype)
 
+    def rows_bf16(self, x: torch.Tensor, spans: list[tuple[int, int]], *, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """A prompt chunk's bf16 product (`bf16_chunks`) with output rows [a, b) of each span only, side by side:
+        [T, sum of the spans' rows], each column the bits the whole product gives it."""
+        runs, at = [], 0
+        for w, qtype, rows in self.runs:
+            for a, b in spans:
+                lo, hi = max(a, at), min(b, at + rows)
+                if lo < hi:
+                    runs.append((w[lo - at : hi - at], qtype, hi - lo))
+            at += rows
+        return bf16_runs(x, runs, sum(b - a for a, b in spans), norm=norm)
+
+    def columns_bf16(self, x: torch.Tensor, k0: int, k1: int, *, gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+        """add + a prompt chunk's bf16 product over inputs [k0, k1) of every row (k0, k1 on its runs' block
+        boundaries): x [T, k1 - k0] (or [T, 2 (k1 - k0)] gated) -> [T, out]."""
+        runs = []
+        for (w, qtype, rows), s in zip(self.runs, self.segments):
+            assert k0 % s.fmt.block == 0 and k1 % s.fmt.block == 0
+            runs.append((w[:, k0 // s.fmt.block * s.fmt.nbytes : k1 // s.fmt.block * s.fmt.nbytes], qtype, rows))
+        return bf16_runs(x, runs, self.out_features, gated=gated, add=add)
+
     def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                 gated: bool = False) -> torch.Tensor:
         x = x.float()
