@@ -168,9 +168,8 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     f32 sums: every such product equals the reference's on the same input so rounded (checked call by call: a 1-ulp
     difference upstream may move a later rounding by one step, and a model amplifies it), and the logits stay near
     the f32 model's, greedy mostly the same. A prompt chunk (more than MAX_ROWS tokens) is multiplied exactly up to
-    its logits (the f32 model's), or, on variants with bf16 units, with x and W rounded to bf16 and nothing else (and
-    its attention in bf16), fed whole or after earlier chunks (their keys masked in, the chunk's own causally). The
-    reference path is the f32 model's sums throughout. K/V stay f32 here, as the f32 model's
+    its logits (the f32 model's), or, on variants with bf16 units, with x and W rounded to bf16 and nothing else, fed
+    whole or after earlier chunks. The reference path is the f32 model's sums throughout. K/V stay f32 here, as the f32 model's
     (test_an_f16_cache_rounds_kv_only: the one rounding more that a quantized model's own f16 cache makes)."""
     name, result, ref = case
     monkeypatch.setattr(llama, "QuantLayer", lambda *args: None)  # each projection a call of its own, to check (layer.c's: the same bits)
@@ -259,6 +258,21 @@ def test_packed_rows_equal_rows_alone(case, path) -> None:
         torch.testing.assert_close(packed, torch.stack(alone), rtol=1e-4, atol=1e-4)
     else:  # the kernels sum each (row, output) one way whatever the rows beside it
         assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1])
+
+
+def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) -> None:
+    """A prompt chunk's logits are the same bits whether its step holds it alone or beside another session's decode
+    row (a bf16 chunk's MLP by column slices either way, here two of them)."""
+    name, result, _ = case
+    if path == "reference":
+        pytest.skip("torch's GEMM may sum rows in another order beside others")
+    monkeypatch.setattr(llama, "MLP_COLUMNS", 64 if name == "gguf-mix" else 256)
+    loaded = load_model(result.path, max_seq=64)
+    alone = loaded.runner.forward(torch.tensor(PROMPT[:9]), torch.arange(9), [RowSpan(0, 9, loaded.new_kv())])
+    other = loaded.new_kv()
+    loaded.runner.forward(torch.tensor(PROMPT[10:14]), torch.arange(4), [RowSpan(0, 4, other)])
+    mixed = loaded.runner.forward(torch.tensor([PROMPT[20], *PROMPT[:9]]), torch.tensor([4, *range(9)]), [RowSpan(0, 1, other), RowSpan(1, 9, loaded.new_kv())])
+    assert torch.equal(mixed[1:].view(torch.int32), alone.view(torch.int32))
 
 
 def test_a_layer_in_one_call_is_the_layer_call_by_call(case, path) -> None:

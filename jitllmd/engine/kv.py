@@ -121,7 +121,7 @@ class RowSpan:
     num_tokens: int
     kv: SessionKV
     prompt: bool = False  # tokens of a prompt (even one): quantized projections multiply them exactly
-    _masks: dict[tuple[int, int | None, torch.dtype | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def begin(self) -> None:
         """Before a forward: the masks of the last one no longer apply."""
@@ -131,13 +131,12 @@ class RowSpan:
         """The first key any query of this chunk sees: with a sliding `window` a query at q sees keys in (q - window, q]."""
         return max(0, self.kv.length - window + 1) if window else 0
 
-    def mask_on(self, device: torch.device, group: int, window: int | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def mask_on(self, device: torch.device, group: int, window: int | None) -> torch.Tensor | None:
         """Causal mask for this chunk against its history from `key_start(window)` on `device`, tiled for the GQA query
-        layout [Hkv, group*n, D] (`group` query heads per kv head): [group*n, keys], bool, or with `dtype` added to the
-        scores (0 where a key is seen, -inf where not). None for a single token."""
+        layout [Hkv, group*n, D] (`group` query heads per kv head): [group*n, keys]. None for a single token."""
         if self.num_tokens == 1:
             return None
-        masks = self._masks.setdefault((group, window, dtype), {})
+        masks = self._masks.setdefault((group, window), {})
         if device not in masks:
             if masks:  # made for another place of this forward: copied
                 masks[device] = next(iter(masks.values())).to(device)
@@ -148,7 +147,5 @@ class RowSpan:
                 mask = keys[None, :] <= queries[:, None]  # [n, keys]
                 if window:
                     mask &= keys[None, :] > queries[:, None] - window
-                if dtype is not None:
-                    mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
                 masks[device] = mask.repeat(group, 1) if group > 1 else mask
         return masks[device]

@@ -16,7 +16,7 @@ class Attention:
     """Layer `layer`'s attention over packed rows: q [T, H, D], k and v [T, Hkv, D] -> [T, H*D] in `dtype`."""
 
     def __init__(self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 window: int | None = None, bf16_chunks: bool = False):
+                 window: int | None = None):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -26,9 +26,6 @@ class Attention:
         # the kernels take f32 rows and f32 or f16 caches (KV_DTYPES) on the CPU, for the head sizes they vectorise
         self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
         self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
-        # a prompt chunk's q, K and V rounded to bf16 for SDPA's flash kernel (softmax and sums in f32, P in bf16), the
-        # output back in f32: what a bf16 model does, where its quantized projections multiply prompt chunks in bf16
-        self.bf16_chunks = bf16_chunks and device.type == "cpu" and dtype == torch.float32
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """With `keep` (ascending token indices) only those tokens' outputs [len(keep), H*D]; every token's K/V is
@@ -57,33 +54,15 @@ class Attention:
         `only` (ascending indices into the chunk) just those queries' [len(only), H*D]."""
         kv = row.kv
         n, p = row.num_tokens, kv.length
+        H, Hkv, D, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [Hkv, cap, D], on this block's place
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         ks = row.key_start(self.window)
         if only is not None:
-            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, self.num_heads * self.head_dim))
-        if self.bf16_chunks:
-            return self._sdpa_bf16(q, kc, vc, row, ks)
+            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, H * D))
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
             return attend_chunk(q, kc, vc, p, ks, self.window)
-        return self._sdpa(q, kc, vc, row, ks)
-
-    def _sdpa_bf16(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: RowSpan, ks: int) -> torch.Tensor:
-        """A prompt chunk q [n, H, D] f32 in bf16 through SDPA's flash kernel, its K/V from the cache [Hkv, >= p + n, D]
-        cast, the query heads grouped by SDPA (no copy of K/V per head, and a mask [n, keys] for all heads): [n, H*D] f32."""
-        n, p, bf = row.num_tokens, row.kv.length, torch.bfloat16
-        qb, keys, values = q.transpose(0, 1)[None].to(bf), kc[None, :, ks : p + n].to(bf), vc[None, :, ks : p + n].to(bf)
-        if p == 0 and ks == 0 and (self.window is None or n <= self.window):  # a prompt's first chunk: causal, no mask
-            out = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=row.mask_on(kc.device, 1, self.window, bf), enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(n, -1).float()
-
-    def _sdpa(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: RowSpan, ks: int) -> torch.Tensor:
-        """torch's SDPA for a chunk q [n, H, D] whose K/V are in kc, vc [Hkv, >= p + n, D] -> [n, H*D] in q's dtype."""
-        n, p = row.num_tokens, row.kv.length
-        H, Hkv, D, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         if kc.dtype != q.dtype:  # a cache kept narrower than the rows (f16 beside f32): SDPA takes one dtype
             kc, vc = kc[:, : p + n].to(q.dtype), vc[:, : p + n].to(q.dtype)
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):
@@ -99,10 +78,9 @@ class Attention:
 
     def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
         """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
-        if self.chunk_kernel and not self.bf16_chunks and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
+        if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
             return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
         lo = max(key_start, pos - self.window + 1) if self.window else key_start
-        dtype = torch.bfloat16 if self.bf16_chunks else q.dtype
-        keys, values = kc[:, lo : pos + 1].to(dtype), vc[:, lo : pos + 1].to(dtype)  # a cast where the cache is narrower
-        out = F.scaled_dot_product_attention(q[:, None, :][None].to(dtype), keys[None], values[None], enable_gqa=True)
-        return out.reshape(1, -1).to(q.dtype)
+        keys, values = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)  # a cast where the cache is narrower
+        out = F.scaled_dot_product_attention(q[:, None, :][None], keys[None], values[None], enable_gqa=True)
+        return out.reshape(1, -1)

@@ -103,9 +103,9 @@ class DecoderBlock:
         self.gate_up = project("gate_up")
         self.down = project("down")
         self.rope = Rope(cfg.head_dim, act, device)
-        # quantized projections that multiply prompt chunks in bf16 (the CPU's bf16 units): their attention in bf16 too
-        bf16_chunks = all(isinstance(p, QuantLinear) and p.bf16_chunks for p in (self.qkv, self.o, self.gate_up, self.down))
-        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window, bf16_chunks)
+        # quantized projections that multiply prompt chunks in bf16 (the CPU's bf16 units): the MLP by column slices
+        self.bf16_chunks = all(isinstance(p, QuantLinear) and p.bf16_chunks for p in (self.qkv, self.o, self.gate_up, self.down))
+        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window)
         self.silu_mul = SiluMul(cfg.intermediate_size, device)
         # f32 panels and quantized rows: the norms and silu(gate) * up are made as the projections pack or quantize
         # their rows, not passes of their own
@@ -152,8 +152,14 @@ class DecoderBlock:
             x = x[keep]
             chunk = None if chunk is None else chunk[keep]
         x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
-        if self.attn.bf16_chunks and chunk is not None and bool(chunk.all()):
-            return self.mlp_columns(x)
+        if self.bf16_chunks and chunk is not None:  # a prompt row's MLP the same way whatever rows share its step
+            if bool(chunk.all()):
+                return self.mlp_columns(x)
+            long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
+            out = torch.empty_like(x)
+            out[long] = self.mlp_columns(x[long])
+            out[short] = self.mlp(x[short], None)  # decode rows: the integer kernel
+            return out
         if x.shape[0] > MLP_ROWS:  # each row's MLP is its own (a GEMM may round a tile's rows in another order)
             out = torch.empty_like(x)
             for t in range(0, x.shape[0], MLP_ROWS):
