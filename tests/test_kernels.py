@@ -15,6 +15,8 @@ from jitllmd.engine.kernels import (
     MAX_ROWS,
     attend_chunk,
     attend_rows,
+    bf16_attention,
+    bf16_units,
     describe,
     pack_panels,
     panel_linear,
@@ -141,6 +143,62 @@ def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, wi
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     wide = torch.cat((q.reshape(n, heads * dim), torch.randn(n, 2 * dim, generator=g)), dim=1)  # q as qkv's rows hold it
     assert torch.equal(attend_chunk(wide[:, : heads * dim].view(n, heads, dim), keys, values, start, key_start, window), out)
+
+
+@pytest.mark.parametrize(
+    ("n", "start", "key_start", "window", "heads", "kv_heads", "dim"),
+    [
+        (200, 0, 0, None, 9, 3, 64),  # a prompt's first chunk, GQA 3: 96-row items, key blocks of 32
+        (37, 0, 0, None, 4, 2, 64),  # partial blocks and tiles
+        (20, 50, 0, None, 6, 2, 128),  # a later chunk over history; a scale that is no power of two
+        (100, 30, 12, 19, 4, 1, 64),  # a sliding window, keys before key_start never read
+        (5, 0, 0, 3, 2, 2, 32),  # a window shorter than the chunk
+        (45, 3, 0, None, 14, 2, 64),  # GQA 7: 224-row items
+    ],
+)
+def test_attend_chunk_in_bf16_rounds_its_operands_only(n: int, start: int, key_start: int, window: int | None, heads: int, kv_heads: int,
+                                                        dim: int) -> None:
+    """Where AMX runs, a prompt chunk of a model whose projections multiply in bf16 attends in bf16 (attend_bf16.c):
+    q * scale and the keys rounded for the scores, the softmax's weights and the values for their product, sums in
+    f32. Against the exact attention of the rounded q, keys and values, only the weights' rounding remains (<= 2^-9
+    of each, so <= 2^-9 max |v| per output). A query's bits do not depend on the chunk it came in (cut anywhere, or
+    alone), the threads, or whether the cache holds the values as f16."""
+    g = torch.Generator().manual_seed(8)
+    cap = start + n + 40  # room past the chunk: keys there are never read (NaN here)
+    keys, values = torch.randn(kv_heads, cap, dim, generator=g), torch.randn(kv_heads, cap, dim, generator=g) * 3
+    keys[:, start + n :], values[:, start + n :] = float("nan"), float("nan")
+    q = torch.randn(n, heads, dim, generator=g) * 2
+    if not bf16_attention(dim):
+        assert bf16_units() != "amx"
+        with pytest.raises(ValueError, match="AMX"):
+            attend_chunk(q, keys, values, start, key_start, window, bf16=True)
+        pytest.skip(f"no AMX tiles here (bf16 units: {bf16_units()})")
+    out = attend_chunk(q, keys, values, start, key_start, window, bf16=True)
+    at, qpos = torch.arange(key_start, start + n), torch.arange(start, start + n)
+    mask = at[None] <= qpos[:, None]
+    if window:
+        mask &= at[None] > qpos[:, None] - window
+    r = lambda t: t.bfloat16().double()
+    kk = r(keys[:, key_start : start + n]).repeat_interleave(heads // kv_heads, 0)
+    vv = r(values[:, key_start : start + n]).repeat_interleave(heads // kv_heads, 0)
+    scores = (r(q * dim**-0.5).transpose(0, 1) @ kk.transpose(1, 2)).masked_fill(~mask, float("-inf"))
+    ref = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, heads * dim)
+    assert (out.double() - ref).abs().max() <= 2**-9 * values[:, : start + n].abs().max() * 1.01
+    assert not torch.equal(out, attend_chunk(q, keys, values, start, key_start, window))  # it did round
+    for cut in {1, n // 2, n - 1} - {0, n}:
+        parts = [attend_chunk(q[:cut], keys, values, start, key_start, window, bf16=True),
+                 attend_chunk(q[cut:], keys, values, start + cut, key_start, window, bf16=True)]
+        assert torch.equal(torch.cat(parts), out)
+    for i in {0, n // 3, n - 1}:
+        assert torch.equal(attend_chunk(q[i : i + 1], keys, values, start + i, key_start, window, bf16=True), out[i : i + 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(attend_chunk(q, keys, values, start, key_start, window, bf16=True), out)
+    finally:
+        torch.set_num_threads(threads)
+    k16, v16 = keys.half(), values.half()
+    assert torch.equal(attend_chunk(q, k16, v16, start, key_start, window, bf16=True), attend_chunk(q, k16.float(), v16.float(), start, key_start, window, bf16=True))
 
 
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, 300])

@@ -198,7 +198,10 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     def checked_bf16(x, runs, n, *, norm=None, gated=False, add=None):
         """Every bf16 product (whole projections, and the MLP's column slices) against its bf16-rounded inputs."""
         y = bf16_runs(x, runs, n, norm=norm, gated=gated, add=add)
-        a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
+        if isinstance(x, kernels.BF16Rows):  # rows rounded once for several products (checked in bf16_round, below)
+            a = x.data[: x.rows].float()
+        else:
+            a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
         fmts = {f.ggml: f for f in q.FORMATS.values()}
         rounded = torch.cat([bf(a) @ bf(q.dequantize(w, fmts[t], rows, a.shape[1])).t() for w, t, rows in runs], 1)
         if add is not None:
@@ -207,12 +210,23 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         return y
 
     monkeypatch.setattr(q, "bf16_runs", checked_bf16)
+    bf16_round, rounds = llama.bf16_round, []
+
+    def checked_round(x, *, norm=None, gated=False):
+        """Rows made and rounded once for the MLP's slices: the bits of bf16(the f32 rows made first), zero past them."""
+        xb = bf16_round(x, norm=norm, gated=gated)
+        made = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
+        rounds.append(torch.equal(xb.data[: xb.rows], made.bfloat16()) and not xb.data[xb.rows :].any())
+        return xb
+
+    monkeypatch.setattr(llama, "bf16_round", checked_round)
     got = _run(load_model(result.path, max_seq=64, kv_dtype=torch.float32), FEEDS[feed])
     if path == "reference":
         assert (got - want).abs().max() / scale < 1e-5
         return
     if feed != "token by token" and bf16:  # prompt chunks in bf16: qkv, o and the head whole, the MLP by column slices
         assert len(bf16_calls) >= len(FEEDS[feed]) * (4 * 2 + 1) and max(bf16_calls) < 1e-5 and not calls[True] and not calls[False]
+        assert len(rounds) == len(FEEDS[feed]) * 2 and all(rounds)  # once per layer's MLP
     elif feed != "token by token":  # prompt chunks: exact up to their logits
         assert len(calls[True]) == len(FEEDS[feed]) * (4 * 2 + 1) and max(calls[True]) < 1e-5 and not calls[False]
         assert (got - want).abs().max() / scale < (5e-2 if bf16 else 1e-5)  # bf16: 2-3% of a random model's logits here
@@ -262,12 +276,15 @@ def test_packed_rows_equal_rows_alone(case, path) -> None:
 
 def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) -> None:
     """A prompt chunk's logits are the same bits whether its step holds it alone or beside another session's decode
-    row (a bf16 chunk's MLP by column slices either way, here two of them)."""
+    row (a bf16 chunk's MLP by column slices either way, here two of them; its attention in bf16 where AMX runs and
+    the heads are 64 wide, while the decode row's stays f32)."""
     name, result, _ = case
     if path == "reference":
         pytest.skip("torch's GEMM may sum rows in another order beside others")
     monkeypatch.setattr(llama, "MLP_COLUMNS", 64 if name == "gguf-mix" else 256)
     loaded = load_model(result.path, max_seq=64)
+    blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]
+    assert all(b.attn.bf16 == (kernels.bf16_units() == "amx" and name != "gguf-mix") for b in blocks)  # gguf-mix: heads of 16
     alone = loaded.runner.forward(torch.tensor(PROMPT[:9]), torch.arange(9), [RowSpan(0, 9, loaded.new_kv())])
     other = loaded.new_kv()
     loaded.runner.forward(torch.tensor(PROMPT[10:14]), torch.arange(4), [RowSpan(0, 4, other)])

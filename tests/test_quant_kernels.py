@@ -212,6 +212,10 @@ def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
     nw, gate_up = torch.rand(k, generator=g) + 0.5, torch.randn(70, 2 * k, generator=g) * 4
     for src, fold, made in ((x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, kernels.silu_mul_rows(gate_up))):
         assert torch.equal(kernels.bf16_runs(src, runs, N, **fold).view(torch.int32), kernels.bf16_runs(made, runs, N).view(torch.int32))
+        # rounded once (bf16_round) for several products: 70 rows padded to 96 with zeros, the same products
+        xb = kernels.bf16_round(src, **fold)
+        assert xb.rows == 70 and xb.data.shape == (96, k) and torch.equal(xb.data[:70], made.bfloat16()) and not xb.data[70:].any()
+        assert torch.equal(kernels.bf16_runs(xb, split, N), kernels.bf16_runs(made, runs, N))
 
 
 def test_the_variants_agree_bit_for_bit() -> None:

@@ -2,11 +2,11 @@
 
 rows.c: few-row projections, decode attention, RMSNorm. panels.c: f32 projections over weights rewritten once into
 column panels, for any number of rows (a prompt's GEMMs and a step's GEMVs). quant.c: projections over GGUF-quantized
-rows kept in ggml's block layout, and their dequantization. Where they cannot be built (no compiler, not x86 with
+rows kept in ggml's block layout, and their dequantization. attend_bf16.c: a prompt chunk's attention on AMX tiles. Where they cannot be built (no compiler, not x86 with
 AVX2, FMA and F16C, a failed build), `rows_kernel` is None and the engine runs torch's own ops: the kernels make steps
 faster, never different in what they compute, but for one rounding a CPU's bf16 units bring: on the variants built for
 them (`avx512+bf16`, `avx512+amx`) a quantized model's prompt chunks multiply in bf16 (`bf16_runs`), as a bf16 model's
-do. The same sources build per CPU feature set (`variants`): the best this CPU runs is used unless `use_variant`
+do, and where AMX runs, attend in bf16 too (`attend_chunk(bf16=True)`). The same sources build per CPU feature set (`variants`): the best this CPU runs is used unless `use_variant`
 forces one. `configure` says where builds are kept; `describe` names the variant
 in use, or why there is none.
 """
@@ -24,18 +24,19 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
-    "BF16_UNITS", "KV_DTYPES", "MAX_ROWS", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
+    "BF16_UNITS", "BF16Rows", "KV_DTYPES", "MAX_ROWS", "bf16_attention", "bf16_round", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
     "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
 ]
 
 log = logging.getLogger("jitllmd.kernels")
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
-_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c", "layer.c", "pool.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c", "layer.c", "attend_bf16.c", "pool.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "pool.h")]  # included by the sources: part of a build's identity
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mprfchw", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
 _BASE_CPU = ("avx2", "fma", "f16c")  # what _FLAGS need
@@ -181,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope_rows.restype = None
     lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
+    lib.attend_chunk_bf16.argtypes = lib.attend_chunk.argtypes
+    lib.attend_chunk_bf16.restype = ctypes.c_int
     lib.pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
@@ -190,8 +193,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
-    lib.bf16_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.bf16_round.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+    lib.bf16_round.restype = ctypes.c_int
+    lib.bf16_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int]
     lib.bf16_rows.restype = ctypes.c_int
     lib.bf16_rows_kind.argtypes = []
     lib.bf16_rows_kind.restype = ctypes.c_int
@@ -312,22 +317,33 @@ def attend_rows(
     return out
 
 
-def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None) -> torch.Tensor:
+def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None,
+                 bf16: bool = False) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
     start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D] contiguous, f32 or f16, D a
-    multiple of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32."""
+    multiple of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32.
+    With `bf16` (where `bf16_attention()`; D a multiple of 32): a bf16 model's rounding on AMX tiles (attend_bf16.c:
+    q and the keys rounded for the scores, the softmax's weights and the values for their product, sums in f32)."""
     lib = _lib()
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # heads adjacent in a row; the rows may be wider ones (qkv's)
         q = q.contiguous()
     n, heads, dim = q.shape
     out = torch.empty((n, heads * dim), dtype=torch.float32)
-    failed = lib.attend_chunk(
+    failed = (lib.attend_chunk_bf16 if bf16 else lib.attend_chunk)(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
         start, key_start, window or 0, dim**-0.5, int(keys.dtype == torch.float16), torch.get_num_threads(),
     )
+    if failed == -2:
+        raise ValueError(f"attend_chunk: bf16 attention needs AMX tiles and a head size a multiple of 32 (here {dim}; units: {bf16_units()})")
     if failed:
         raise MemoryError("attend_chunk: no memory for its score buffers")
     return out
+
+
+def bf16_attention(head_dim: int) -> bool:
+    """Whether a prompt chunk's attention can run in bf16 here (`attend_chunk(bf16=True)`): AMX tiles in use, and a
+    head size the kernel tiles."""
+    return bf16_units() == "amx" and head_dim % 32 == 0
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -434,31 +450,54 @@ def bf16_units() -> str | None:
     return None if lib is None else BF16_UNITS[lib.bf16_rows_kind()]
 
 
-def bf16_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-              gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
-    """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's), the products summed in f32 (quant.c's
-    bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it). a is x [T, K] f32, or
-    with `norm` RMSNorm(x) * weight, with `gated` silu(gate) * up of x [T, 2K], made as the rows are rounded (the f32
-    values rms_norm_rows and silu_mul_rows make). A run's w may be a column slice of wider rows ([rows, K's bytes],
-    rows w.stride(0) bytes apart: `quant_columns`). -> [T, n]"""
+class BF16Rows(NamedTuple):
+    """A prompt chunk's rows rounded to bf16 for `bf16_runs` (`bf16_round`): data [Tp, K] bf16, Tp = `rows` rounded
+    up to 32, the rows past `rows` zero."""
+
+    data: torch.Tensor
+    rows: int
+
+
+def bf16_round(x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> BF16Rows:
+    """x [T, K] f32, or with `norm` RMSNorm(x) * weight, with `gated` silu(gate) * up of x [T, 2K] (the f32 values
+    rms_norm_rows and silu_mul_rows make), rounded to bf16 (nearest even): the input of `bf16_runs`, made once for
+    every product that reads the same rows."""
     lib = _lib()
     x = x.float().contiguous()
     T = x.shape[0]
     mode, width, norm_w, eps = _input(x, norm, gated)
+    data = torch.empty(((T + 31) // 32 * 32, width), dtype=torch.bfloat16)
+    if lib.bf16_round(x.data_ptr(), data.data_ptr(), T, width, mode, norm_w, eps, torch.get_num_threads()):
+        raise ValueError(f"bf16_round: {width} inputs per row is not a multiple of 32")
+    return BF16Rows(data, T)
+
+
+def bf16_runs(x: torch.Tensor | BF16Rows, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
+              gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's) side by side, the products summed in f32
+    (quant.c's bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it), one call for
+    every run. a is `bf16_round(x, norm=norm, gated=gated)`, or x itself where it is already that. A run's w may be a
+    column slice of wider rows ([rows, K's bytes], rows w.stride(0) bytes apart: `quant_columns`). -> [T, n]"""
+    lib = _lib()
+    xb = x if isinstance(x, BF16Rows) else bf16_round(x, norm=norm, gated=gated)
+    T, width = xb.rows, xb.data.shape[1]
     y = torch.empty((T, n), dtype=torch.float32)
-    add_at, ld_add = 0, 0
+    ld_add = 0
     if add is not None:
         assert add.dtype == torch.float32 and add.is_contiguous() and add.shape in ((T, n), (n,)), (add.dtype, tuple(add.shape))
-        add_at, ld_add = add.data_ptr(), (n if add.dim() == 2 else 0)
-    col = 0
+        ld_add = n if add.dim() == 2 else 0
+    assert 0 < len(runs) <= 8 and sum(rows for _, _, rows in runs) == n, (len(runs), n)
     for w, qtype, rows in runs:
         elems, nbytes = _QUANT_BLOCKS[qtype]
         assert width % elems == 0 and (w.dim() == 1 or w.shape == (rows, width // elems * nbytes)), (tuple(w.shape), rows, width)
-        if T and lib.bf16_rows(x.data_ptr(), w.data_ptr(), w.stride(0) if w.dim() == 2 else 0, y.data_ptr() + 4 * col, T, width, rows, n, qtype,
-                               mode, norm_w, eps,
-                               add_at + 4 * col if add_at else None, ld_add, torch.get_num_threads()):
+    if T:
+        k = len(runs)
+        code = lib.bf16_rows(xb.data.data_ptr(), T, width, k, (ctypes.c_void_p * k)(*(w.data_ptr() for w, _, _ in runs)),
+                             (ctypes.c_int64 * k)(*(w.stride(0) if w.dim() == 2 else 0 for w, _, _ in runs)),
+                             (ctypes.c_int64 * k)(*(rows for _, _, rows in runs)), (ctypes.c_int * k)(*(t for _, t, _ in runs)),
+                             y.data_ptr(), n, None if add is None else add.data_ptr(), ld_add, torch.get_num_threads())
+        if code:
             raise MemoryError("bf16_rows: no memory for its panels")
-        col += rows
     return y
 
 

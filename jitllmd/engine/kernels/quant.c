@@ -701,7 +701,8 @@ int dequant_rows(const uint8_t *W, void *out, int64_t N, int64_t K, int type, in
  * W goes by panels of NP = 32 rows (an item of the pool): dequantized to bf16, then packed in the pairs layout both
  * units read, panel[k / 32][half][pair][16 rows][2]: per 32 inputs and 16 rows, 16 vectors of 64 bytes, vector r
  * holding inputs 2r, 2r + 1 of each row (an AMX B tile). Every 32 (AMX) or MR (vdpbf16ps) rows of x then run
- * against the whole panel. x is rounded once per call into [Tp, K] bf16, Tp = T rounded up to 32, the rest zero. */
+ * against the whole panel. x comes rounded (bf16_round: [Tp, K] bf16, Tp = T rounded up to 32, the rest zero), once
+ * for every product that reads the same rows (a layer's MLP slices, a projection's runs). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_BF16 1
 #include <sys/syscall.h>
@@ -713,30 +714,6 @@ int dequant_rows(const uint8_t *W, void *out, int64_t N, int64_t K, int type, in
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 #endif
-
-/* 16 vectors of 16 dwords transposed: out[j] dword i = in[i] dword j */
-static inline void transpose16(const __m512i *in, __m512i *out) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-    }
-    /* u[4i + c]'s 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
-        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
-        out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-        out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
-        out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-        out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
-    }
-}
 
 #ifdef HAVE_AMX
 static int amx_granted = -1; /* the OS's answer to our request for AMX tile state: -1 not asked, 0 refused, 1 granted */
@@ -751,20 +728,19 @@ int bf16_rows_kind(void) {
     return 1;
 }
 
+/* x's rows made (as `input` says) and rounded to bf16: [Tp, K], the rows past T zero */
 typedef struct {
-    const uint8_t *W;
-    const float *x, *add, *norm_w;
+    const float *x, *norm_w;
     uint16_t *xb;
-    float *y, eps;
-    int64_t T, Tp, K, N, ldy, ld_add, row_bytes;
-    int type, amx, input;
-    _Atomic int failed;
-} bf16_job;
+    float eps;
+    int64_t T, K;
+    int input;
+} round_job;
 
 /* Input row t (zeros past T), made from x's row as `input` says (the f32 values rms_norm_rows and silu_mul_rows
  * make), rounded to bf16 into xb */
 static void bf16_x_item(void *arg, int64_t t) {
-    const bf16_job *j = arg;
+    const round_job *j = arg;
     const int64_t K = j->K;
     uint16_t *dst = j->xb + t * K;
     const float *x = j->x + t * (j->input == GATED ? 2 * K : K);
@@ -780,6 +756,24 @@ static void bf16_x_item(void *arg, int64_t t) {
         _mm512_storeu_si512(dst + k, v);
     }
 }
+
+/* A run of W's rows of one type: its panels are items first_item .. first_item + ceil(rows / NP) - 1 of the pool, its
+ * outputs y's columns col .. col + rows - 1 */
+typedef struct {
+    const uint8_t *W;
+    int64_t row_bytes, rows, col, first_item;
+    int type;
+} bf16_run;
+
+typedef struct {
+    const uint16_t *xb;
+    const float *add;
+    float *y;
+    const bf16_run *runs;
+    int64_t T, Tp, K, ldy, ld_add;
+    int nruns, amx;
+    _Atomic int failed;
+} bf16_job;
 
 /* rows t0 .. t0 + 15 of a 16-column block c ([16][16] f32, row-major, ld 16 floats) to y, add added, columns < n */
 static inline void bf16_store(const bf16_job *j, const float *c, int64_t t0, int64_t rows, int64_t o, int n) {
@@ -919,60 +913,81 @@ static inline __attribute__((always_inline)) void pack_panel(const int type, con
         }
 }
 
-/* W rows o .. o + NP - 1 (fewer at the end: zero rows), dequantized to bf16 and packed; then every row of x */
+/* A run's W rows o .. o + NP - 1 (fewer at the end: zero rows), dequantized to bf16 and packed; then every row of x */
 static void bf16_panel_item(void *arg, int64_t item) {
     bf16_job *j = arg;
-    const int64_t K = j->K, o = item * NP;
-    const int n = (int)(j->N - o < NP ? j->N - o : NP);
+    const bf16_run *run = j->runs;
+    while (run + 1 < j->runs + j->nruns && item >= run[1].first_item) run++;
+    const int64_t K = j->K, o = (item - run->first_item) * NP;
+    const int n = (int)(run->rows - o < NP ? run->rows - o : NP);
     uint8_t *panel = aligned_alloc(64, (size_t)(NP * K * 2));
     if (panel == NULL) {
         atomic_store_explicit(&j->failed, 1, memory_order_relaxed);
         return;
     }
-    const uint8_t *w = j->W + o * j->row_bytes;
-    switch (j->type) {
-    case Q4_0: pack_panel(Q4_0, w, j->row_bytes, n, K, panel); break;
-    case Q4_1: pack_panel(Q4_1, w, j->row_bytes, n, K, panel); break;
-    case Q5_0: pack_panel(Q5_0, w, j->row_bytes, n, K, panel); break;
-    case Q5_1: pack_panel(Q5_1, w, j->row_bytes, n, K, panel); break;
-    case Q8_0: pack_panel(Q8_0, w, j->row_bytes, n, K, panel); break;
-    case Q4_K: pack_panel(Q4_K, w, j->row_bytes, n, K, panel); break;
-    case Q5_K: pack_panel(Q5_K, w, j->row_bytes, n, K, panel); break;
-    default: pack_panel(Q6_K, w, j->row_bytes, n, K, panel); break;
+    const uint8_t *w = run->W + o * run->row_bytes;
+    switch (run->type) {
+    case Q4_0: pack_panel(Q4_0, w, run->row_bytes, n, K, panel); break;
+    case Q4_1: pack_panel(Q4_1, w, run->row_bytes, n, K, panel); break;
+    case Q5_0: pack_panel(Q5_0, w, run->row_bytes, n, K, panel); break;
+    case Q5_1: pack_panel(Q5_1, w, run->row_bytes, n, K, panel); break;
+    case Q8_0: pack_panel(Q8_0, w, run->row_bytes, n, K, panel); break;
+    case Q4_K: pack_panel(Q4_K, w, run->row_bytes, n, K, panel); break;
+    case Q5_K: pack_panel(Q5_K, w, run->row_bytes, n, K, panel); break;
+    default: pack_panel(Q6_K, w, run->row_bytes, n, K, panel); break;
     }
 #ifdef HAVE_AMX
-    if (j->amx) amx_panel(j, panel, o, n);
+    if (j->amx) amx_panel(j, panel, run->col + o, n);
     else
 #endif
-        dp_panel(j, panel, o, n);
+        dp_panel(j, panel, run->col + o, n);
     free(panel);
 }
 
-/* y[t * ldy + o] = (add[t * ld_add + o] +) bf16(a[t]) . bf16(W[o]) for W N rows of `type` (K a multiple of 32 and
- * of its block), each w_stride bytes after the last (0: K's bytes; more: K columns of wider rows), a x [T, K] (input
- * PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED), as quant_rows
- * takes them; x f32 contiguous; add a residual [T, N] (ld_add N) or a bias (ld_add 0), or NULL. Returns 0, -1
- * without memory, -2 for a type it does not know. */
-int bf16_rows(const float *x, const uint8_t *W, int64_t w_stride, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input,
-              const float *norm_w, float eps, const float *add, int64_t ld_add, int threads) {
-    if (!block_bytes(type) || K % 32 || K % block_elems(type)) return -2;
+/* x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED),
+ * as quant_rows takes them, f32 contiguous -> xb [Tp, K] bf16 (to nearest even), Tp = T rounded up to 32, the rows
+ * past T zero: bf16_rows's input. Returns 0, -2 for K not a multiple of 32. */
+int bf16_round(const float *x, uint16_t *xb, int64_t T, int64_t K, int input, const float *norm_w, float eps, int threads) {
+    if (K % 32) return -2;
     const int64_t Tp = (T + 31) / 32 * 32;
-    bf16_job job = {.W = W, .x = x, .add = add, .norm_w = norm_w, .y = y, .eps = eps, .T = T, .Tp = Tp, .K = K, .N = N, .ldy = ldy,
-                    .ld_add = ld_add, .row_bytes = w_stride ? w_stride : K / block_elems(type) * block_bytes(type), .type = type,
-                    .amx = bf16_rows_kind() == 2, .input = input};
-    job.xb = aligned_alloc(64, (size_t)(Tp * K * 2));
-    if (job.xb == NULL) return -1;
+    round_job job = {.x = x, .norm_w = norm_w, .xb = xb, .eps = eps, .T = T, .K = K, .input = input};
     pool_for(Tp, Tp >= 8 ? threads : 1, bf16_x_item, &job);
-    pool_for((N + NP - 1) / NP, threads, bf16_panel_item, &job);
-    free(job.xb);
+    return 0;
+}
+
+/* y[t * ldy + c] = (add[t * ld_add + c] +) xb[t] . bf16(W[o]) for the rows o of nruns runs of W side by side (run r:
+ * rows[r] rows of types[r] at W[r], each w_stride[r] bytes after the last (0: K's bytes; more: K columns of wider
+ * rows), its outputs the columns after the runs before it), xb bf16_round's [Tp, K] (T rows used); add a residual
+ * [T, columns] (ld_add the columns) or a bias (ld_add 0), or NULL. The panels of every run share one pool. Returns
+ * 0, -1 without memory, -2 for a type it does not know or K not a multiple of 32 and of its block. */
+int bf16_rows(const uint16_t *xb, int64_t T, int64_t K, int nruns, const uint8_t *const *W, const int64_t *w_stride, const int64_t *rows,
+              const int *types, float *y, int64_t ldy, const float *add, int64_t ld_add, int threads) {
+    bf16_run runs[8];
+    if (nruns < 1 || nruns > 8 || K % 32) return -2;
+    int64_t col = 0, items = 0;
+    for (int r = 0; r < nruns; r++) {
+        if (!block_bytes(types[r]) || K % block_elems(types[r])) return -2;
+        runs[r] = (bf16_run){.W = W[r], .row_bytes = w_stride[r] ? w_stride[r] : K / block_elems(types[r]) * block_bytes(types[r]), .rows = rows[r],
+                             .col = col, .first_item = items, .type = types[r]};
+        col += rows[r];
+        items += (rows[r] + NP - 1) / NP;
+    }
+    bf16_job job = {.xb = xb, .add = add, .y = y, .runs = runs, .T = T, .Tp = (T + 31) / 32 * 32, .K = K, .ldy = ldy, .ld_add = ld_add,
+                    .nruns = nruns, .amx = bf16_rows_kind() == 2};
+    pool_for(items, threads, bf16_panel_item, &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }
 #else
 int bf16_rows_kind(void) { return 0; }
 
-int bf16_rows(const float *x, const uint8_t *W, int64_t w_stride, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input,
-              const float *norm_w, float eps, const float *add, int64_t ld_add, int threads) {
-    (void)x, (void)W, (void)w_stride, (void)y, (void)T, (void)K, (void)N, (void)ldy, (void)type, (void)input, (void)norm_w, (void)eps, (void)add, (void)ld_add;
+int bf16_round(const float *x, uint16_t *xb, int64_t T, int64_t K, int input, const float *norm_w, float eps, int threads) {
+    (void)x, (void)xb, (void)T, (void)K, (void)input, (void)norm_w, (void)eps, (void)threads;
+    return -3;
+}
+
+int bf16_rows(const uint16_t *xb, int64_t T, int64_t K, int nruns, const uint8_t *const *W, const int64_t *w_stride, const int64_t *rows,
+              const int *types, float *y, int64_t ldy, const float *add, int64_t ld_add, int threads) {
+    (void)xb, (void)T, (void)K, (void)nruns, (void)W, (void)w_stride, (void)rows, (void)types, (void)y, (void)ldy, (void)add, (void)ld_add;
     (void)threads;
     return -3;
 }

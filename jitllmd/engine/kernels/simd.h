@@ -1,4 +1,5 @@
-/* Vector helpers the kernels share (rows.c, panels.c, quant.c): AVX2 + FMA, 8 floats to a vector. */
+/* Vector helpers the kernels share (rows.c, panels.c, quant.c, attend_bf16.c): AVX2 + FMA, 8 floats to a vector;
+ * AVX-512 ones where the build has it. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -63,3 +64,29 @@ static inline float inv_rms(const float *x, int64_t D, float eps) {
     }
     return 1.0f / sqrtf(hsum(acc) / (float)D + eps);
 }
+
+#ifdef __AVX512F__
+/* 16 vectors of 16 dwords transposed: out[j] dword i = in[i] dword j */
+static inline void transpose16(const __m512i *in, __m512i *out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    /* u[4i + c]'s 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+}
+#endif

@@ -1,12 +1,13 @@
 """Attention of one layer: writes a step's K/V into each row's session cache and attends every row against its own
-history, with the layer's own sliding window; the kernel (decode rows, prompt chunks) or SDPA is chosen at build."""
+history, with the layer's own sliding window; the kernel (decode rows, prompt chunks) or SDPA is chosen at build. A
+layer whose prompt chunks multiply in bf16 (`bf16`) attends them in bf16 too where AMX runs (`bf16_attention`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import KV_DTYPES, attend_chunk, attend_rows, rows_kernel
+from ..kernels import KV_DTYPES, attend_chunk, attend_rows, bf16_attention, rows_kernel
 from ..kv import RowSpan
 
 __all__ = ["Attention"]
@@ -16,7 +17,7 @@ class Attention:
     """Layer `layer`'s attention over packed rows: q [T, H, D], k and v [T, Hkv, D] -> [T, H*D] in `dtype`."""
 
     def __init__(self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 window: int | None = None):
+                 window: int | None = None, bf16: bool = False):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -26,6 +27,9 @@ class Attention:
         # the kernels take f32 rows and f32 or f16 caches (KV_DTYPES) on the CPU, for the head sizes they vectorise
         self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
         self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
+        # prompt rows (a chunk, or a prompt's last token alone) on AMX tiles in bf16, the rounding their projections
+        # make: decode rows stay f32 wherever they run
+        self.bf16 = self.chunk_kernel and bf16 and bf16_attention(head_dim)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """With `keep` (ascending token indices) only those tokens' outputs [len(keep), H*D]; every token's K/V is
@@ -59,10 +63,11 @@ class Attention:
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
         ks = row.key_start(self.window)
+        bf16 = self.bf16 and (n > 1 or row.prompt)
         if only is not None:
-            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks) for i in only]) if only else q.new_empty((0, H * D))
+            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks, bf16) for i in only]) if only else q.new_empty((0, H * D))
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
-            return attend_chunk(q, kc, vc, p, ks, self.window)
+            return attend_chunk(q, kc, vc, p, ks, self.window, bf16)
         if kc.dtype != q.dtype:  # a cache kept narrower than the rows (f16 beside f32): SDPA takes one dtype
             kc, vc = kc[:, : p + n].to(q.dtype), vc[:, : p + n].to(q.dtype)
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):
@@ -76,10 +81,11 @@ class Attention:
         out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=mask)
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
-    def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int) -> torch.Tensor:
-        """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees. -> [1, H*D]"""
+    def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int, bf16: bool = False) -> torch.Tensor:
+        """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees (a prompt row's in bf16
+        where `bf16`: the bits the whole chunk gives it). -> [1, H*D]"""
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
-            return attend_chunk(q[None], kc, vc, pos, key_start, self.window)
+            return attend_chunk(q[None], kc, vc, pos, key_start, self.window, bf16)
         lo = max(key_start, pos - self.window + 1) if self.window else key_start
         keys, values = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)  # a cast where the cache is narrower
         out = F.scaled_dot_product_attention(q[:, None, :][None], keys[None], values[None], enable_gqa=True)

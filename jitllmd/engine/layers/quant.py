@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..kernels import (
     QUANT_TYPES,
+    BF16Rows,
     bf16_runs,
     bf16_units,
     check_quant_weight,
@@ -341,9 +342,10 @@ class QuantLinear:
         y = self.project(x, chunk, norm=norm, gated=gated)
         return y if residual is None else residual + y.to(residual.dtype)
 
-    def rows_bf16(self, x: torch.Tensor, spans: list[tuple[int, int]], *, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """A prompt chunk's bf16 product (`bf16_chunks`) with output rows [a, b) of each span only, side by side:
-        [T, sum of the spans' rows], each column the bits the whole product gives it."""
+    def rows_bf16(self, x: BF16Rows, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """A prompt chunk's bf16 product (`bf16_chunks`) of rows made and rounded once (`bf16_round`) with output rows
+        [a, b) of each span only, side by side: [T, sum of the spans' rows], each column the bits the whole product
+        gives it."""
         runs, at = [], 0
         for w, qtype, rows in self.runs:
             for a, b in spans:
@@ -351,7 +353,7 @@ class QuantLinear:
                 if lo < hi:
                     runs.append((w[lo - at : hi - at], qtype, hi - lo))
             at += rows
-        return bf16_runs(x, runs, sum(b - a for a, b in spans), norm=norm)
+        return bf16_runs(x, runs, sum(b - a for a, b in spans))
 
     def columns_bf16(self, x: torch.Tensor, k0: int, k1: int, *, gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
         """add + a prompt chunk's bf16 product over inputs [k0, k1) of every row (k0, k1 on its runs' block

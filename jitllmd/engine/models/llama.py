@@ -10,7 +10,7 @@ import torch
 
 from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
-from ..kernels import QuantLayer, decode_layer
+from ..kernels import QuantLayer, bf16_round, decode_layer
 from ..kv import RowSpan, SessionKV
 from ..layers import (
     Attention,
@@ -105,7 +105,7 @@ class DecoderBlock:
         self.rope = Rope(cfg.head_dim, act, device)
         # quantized projections that multiply prompt chunks in bf16 (the CPU's bf16 units): the MLP by column slices
         self.bf16_chunks = all(isinstance(p, QuantLinear) and p.bf16_chunks for p in (self.qkv, self.o, self.gate_up, self.down))
-        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window)
+        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window, bf16=self.bf16_chunks)
         self.silu_mul = SiluMul(cfg.intermediate_size, device)
         # f32 panels and quantized rows: the norms and silu(gate) * up are made as the projections pack or quantize
         # their rows, not passes of their own
@@ -170,13 +170,15 @@ class DecoderBlock:
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
         """x + the MLP of a prompt chunk's rows [T, hidden] f32 in bf16, MLP_COLUMNS of the intermediate at a time: gate
         and up's columns [j, j + c) (the bits the whole product gives them), then down's inputs [j, j + c) added on.
-        Down's sums are f32 partial sums per slice, added in order."""
+        The normed rows are rounded to bf16 once for every slice. Down's sums are f32 partial sums per slice, added in
+        order."""
         assert isinstance(self.gate_up, QuantLinear) and isinstance(self.down, QuantLinear)
-        inter, norm = self.gate_up.out_features // 2, (self.post_norm.weight, self.post_norm.eps)
+        inter = self.gate_up.out_features // 2
+        xb = bf16_round(x, norm=(self.post_norm.weight, self.post_norm.eps))
         y = x
         for j in range(0, inter, MLP_COLUMNS):
             c = min(MLP_COLUMNS, inter - j)
-            gate_up = self.gate_up.rows_bf16(x, [(j, j + c), (inter + j, inter + j + c)], norm=norm)  # [T, 2c]: gate, up
+            gate_up = self.gate_up.rows_bf16(xb, [(j, j + c), (inter + j, inter + j + c)])  # [T, 2c]: gate, up
             y = self.down.columns_bf16(gate_up, j, j + c, gated=True, add=y)
         return y
 
