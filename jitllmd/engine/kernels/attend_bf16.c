@@ -37,10 +37,14 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* exp8_neg on 16 floats, a half at a time: the same bits lane by lane */
+/* exp8_neg on 16 floats: the same operations, so the same bits lane by lane */
 static inline __m512 exp16_neg(__m512 x) {
-    const __m256 lo = exp8_neg(_mm512_castps512_ps256(x)), hi = exp8_neg(_mm512_extractf32x8_ps(x, 1));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 p;
+    EXP_POLY(_mm512, __m512, x, n, p);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 typedef struct {
@@ -155,7 +159,8 @@ static void query_item(void *arg, int64_t item) {
             const __m512 s1 = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), see1, st + r * AB + 16);
             const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
             const float best = m[r] > top ? m[r] : top; /* finite: the row sees a key here */
-            const float corr = _mm_cvtss_f32(_mm512_castps512_ps128(exp16_neg(_mm512_set1_ps(m[r] - best))));
+            /* e^(m - best): exactly 1 where the maximum holds (so not computed) */
+            const float corr = best > m[r] ? _mm_cvtss_f32(_mm512_castps512_ps128(exp16_neg(_mm512_set1_ps(m[r] - best)))) : 1.0f;
             const __m512 p0 = _mm512_maskz_mov_ps(see0, exp16_neg(_mm512_sub_ps(s0, _mm512_set1_ps(best))));
             const __m512 p1 = _mm512_maskz_mov_ps(see1, exp16_neg(_mm512_sub_ps(s1, _mm512_set1_ps(best))));
             l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));

@@ -13,19 +13,27 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Cephes' expf on 8 floats already in [-87.3, 88.7]: e^x = p * 2^n, n = round(x / ln 2), p a degree-5 polynomial in
- * x - n ln 2 (reduced by ln 2 in two parts). Returns p; n goes to *n. */
+/* Cephes' expf core for either vector width (P: _mm256 or _mm512): x - n ln 2 (ln 2 in two parts), then a
+ * degree-5 polynomial p in it, so that e^x = p * 2^n; T the vector type. */
+#define EXP_POLY(P, T, x, n, p)                                                            \
+    do {                                                                                   \
+        T r_ = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                             \
+        r_ = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r_);                           \
+        T c_ = P##_set1_ps(1.9875691500e-4f);                                              \
+        c_ = P##_fmadd_ps(c_, r_, P##_set1_ps(1.3981999507e-3f));                          \
+        c_ = P##_fmadd_ps(c_, r_, P##_set1_ps(8.3334519073e-3f));                          \
+        c_ = P##_fmadd_ps(c_, r_, P##_set1_ps(4.1665795894e-2f));                          \
+        c_ = P##_fmadd_ps(c_, r_, P##_set1_ps(1.6666665459e-1f));                          \
+        c_ = P##_fmadd_ps(c_, r_, P##_set1_ps(5.0000001201e-1f));                          \
+        p = P##_fmadd_ps(c_, P##_mul_ps(r_, r_), P##_add_ps(r_, P##_set1_ps(1.0f)));       \
+    } while (0)
+
+/* Cephes' expf on 8 floats already in [-87.3, 88.7]: e^x = p * 2^n, n = round(x / ln 2). Returns p; n goes to *n. */
 static inline __m256 exp8_parts(__m256 x, __m256 *n) {
     *n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(*n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(*n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    return _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256 p;
+    EXP_POLY(_mm256, __m256, x, *n, p);
+    return p;
 }
 
 /* e^x for 8 floats, within 2 ulp of libm over [-87.3, 88.7], clamped beyond. */
