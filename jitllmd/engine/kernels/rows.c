@@ -116,7 +116,8 @@ static inline __m256 hsum8(const __m256 v[8]) {
 /* One (row, kv head) of attend_rows: for each of the kv head's `group` query heads, softmax(q K^T * scale) V over the
  * row's keys, for an f16 or f32 cache and a head size DC known at compile time (64, 128) or 0 (a->D, any multiple of
  * 8). The heads take each block of keys in turn while it is in L1, so K and V come from memory once for all of them.
- * Each score is hsum of its own lane-wise sums over D, eight keys reduced at once (hsum8); e^x is libm's expf; each
+ * Each score is hsum of its own lane-wise sums over D, eight keys reduced at once (hsum8); e^x is exp8_neg's (within
+ * 2 ulp of libm's expf, eight keys at a time: libm's one key at a time was most of a decode step's attention); each
  * head's weighted values are summed key by key in order (in registers within a block where DC is known): the same
  * bits as one head and one key at a time. */
 static inline __attribute__((always_inline)) void attend_group(attend_job *a, int64_t item, const int f16, const int64_t DC) {
@@ -173,10 +174,21 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
     }
     float *inv = best; /* each head's maximum, then 1 / its sum */
     for (int64_t jj = 0; jj < g; jj++) {
-        float *pj = p + jj * n, total = 0.0f;
-        for (int64_t k = 0; k < n; k++) {
-            pj[k] = expf(pj[k] - best[jj]);
-            total += pj[k];
+        float *pj = p + jj * n;
+        const __m256 shift = _mm256_set1_ps(best[jj]);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+            const __m256 e = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(pj + k), shift));
+            _mm256_storeu_ps(pj + k, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float total = hsum(sum);
+        if (k < n) { /* the last few keys: the same lanes' arithmetic, on a padded vector */
+            float tail[8] = {0};
+            memcpy(tail, pj + k, (size_t)(n - k) * sizeof(float));
+            _mm256_storeu_ps(tail, exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(tail), shift)));
+            for (int64_t t = 0; t < n - k; t++) total += pj[k + t] = tail[t];
         }
         inv[jj] = 1.0f / total;
     }
