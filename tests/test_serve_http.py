@@ -179,19 +179,19 @@ def test_second_request_queues_behind_the_first(tiny_server):
     before = idle(tiny_server)
     results: dict[str, dict] = {}
 
-    def first() -> None:
-        results["first"] = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 200, "ignore_eos": True}).json()
+    def first() -> None:  # long enough (~1 s of the tiny model's steps) that a poll finds it running: 200 could end first
+        results["first"] = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "ignore_eos": True}).json()
 
     t = threading.Thread(target=first)
     t.start()
     wait_for(lambda: running(tiny_server), "the first request to run")
     second = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "xyz", "max_tokens": 4, "ignore_eos": True}).json()
     t.join(300)
-    assert results["first"]["usage"]["completion_tokens"] == 200 and second["usage"]["completion_tokens"] == 4
+    assert results["first"]["usage"]["completion_tokens"] == 2000 and second["usage"]["completion_tokens"] == 4
     assert second["jitllm"]["queue_depth_on_entry"] == 1  # the first was in the engine when it arrived
     after = stats(tiny_server)
-    # a step per token of each (200 + 4): had the second joined the first in any step, there would be fewer
-    assert after["requests"] - before["requests"] == 2 and after["steps"] - before["steps"] == 204, (before, after)
+    # a step per token of each (2000 + 4): had the second joined the first in any step, there would be fewer
+    assert after["requests"] - before["requests"] == 2 and after["steps"] - before["steps"] == 2004, (before, after)
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(tiny_serve_jlm):
