@@ -479,6 +479,7 @@ def bf16_runs(x: torch.Tensor | BF16Rows, runs: list[tuple[torch.Tensor, int, in
     every run. a is `bf16_round(x, norm=norm, gated=gated)`, or x itself where it is already that. A run's w may be a
     column slice of wider rows ([rows, K's bytes], rows w.stride(0) bytes apart: `quant_columns`). -> [T, n]"""
     lib = _lib()
+    assert not (isinstance(x, BF16Rows) and (norm is not None or gated)), "rows already rounded were made then: no norm or gate to fold"
     xb = x if isinstance(x, BF16Rows) else bf16_round(x, norm=norm, gated=gated)
     T, width = xb.rows, xb.data.shape[1]
     y = torch.empty((T, n), dtype=torch.float32)

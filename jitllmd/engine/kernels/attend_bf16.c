@@ -30,13 +30,6 @@ int bf16_rows_kind(void); /* quant.c's: 2 where AMX tiles run */
 #define AB 32 /* keys per block */
 #define AQ 32 /* queries per item */
 
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
 /* exp8_neg on 16 floats: the same operations, so the same bits lane by lane */
 static inline __m512 exp16_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
@@ -123,9 +116,7 @@ static void query_item(void *arg, int64_t item) {
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * (size_t)(Rp * D));
-    amx_config cfg = {.palette = 1};
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
+    amx_tiles_16x64();
     const int64_t bfirst = lo / AB, blast = (j->p + i1 - 1) / AB;
     for (int64_t b = bfirst; b <= blast; b++) {
         const uint8_t *kt = (const uint8_t *)(j->kt + (h * j->nb + b - j->b0) * AB * D), *vt = (const uint8_t *)(j->vt + (h * j->nb + b - j->b0) * AB * D);

@@ -786,18 +786,9 @@ static inline void bf16_store(const bf16_job *j, const float *c, int64_t t0, int
 }
 
 #ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* tiles 0-3: C (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: x's rows; 6, 7: W's */
 static void amx_panel(const bf16_job *j, const uint8_t *panel, int64_t o, int n) {
-    tile_config cfg = {.palette = 1};
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
+    amx_tiles_16x64();
     const int64_t K = j->K, steps = K / 32, lda = 2 * K;
     float c[4][256];
     for (int64_t t0 = 0; t0 < j->Tp; t0 += 32) {

@@ -98,3 +98,18 @@ static inline void transpose16(const __m512i *in, __m512i *out) {
     }
 }
 #endif
+
+#if defined(__AMX_TILE__)
+/* AMX palette 1 with all eight tiles 16 rows of 64 bytes (bf16: 16 x 32; f32: 16 x 16), loaded for this thread: the
+ * one shape quant.c's and attend_bf16.c's tiles take */
+static inline void amx_tiles_16x64(void) {
+    struct {
+        uint8_t palette, start;
+        uint8_t reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+#endif
