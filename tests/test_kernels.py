@@ -18,13 +18,13 @@ from jitllmd.engine.kernels import (
     bf16_attention,
     bf16_units,
     describe,
+    gated_rows,
     pack_panels,
     panel_linear,
     rms_norm_rows,
     rope_rows,
     rows_kernel,
     rows_linear,
-    silu_mul_rows,
     use_variant,
     variants,
 )
@@ -208,14 +208,18 @@ def test_rms_norm_rows_matches_torch(rows: int) -> None:
     torch.testing.assert_close(rms_norm_rows(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gate", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_silu_mul_rows_matches_torch(rows: int) -> None:
-    """Ordinary values, and gates where e^-g under- or overflows (silu(g) is then g, or 0)."""
+def test_gated_rows_match_torch(rows: int, gate: str) -> None:
+    """Ordinary values, and gates where e^-g (silu) or e^-2z (gelu) under- or overflows (act(g) is then g, or 0)."""
     g = torch.Generator().manual_seed(6)
     gate_up = torch.randn(rows, 2 * 40, generator=g) * 4
-    gate_up[0, :8] = torch.tensor([-200.0, -88.5, -87.0, -20.0, 0.0, 20.0, 88.5, 200.0])
-    gate, up = gate_up[:, :40], gate_up[:, 40:]
-    torch.testing.assert_close(silu_mul_rows(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    gate_up[0, :16] = torch.tensor([-200.0, -88.5, -87.0, -20.0, 0.0, 20.0, 88.5, 200.0, -1e20, -9.0, -5.0, -0.5, 0.5, 5.0, 9.0, 1e20])
+    gate_up[0, 40:56] = torch.tensor([1.0] * 8 + [1e-10, 1, 1, 1, 1, 1, 1, 1e-10])  # an up that keeps act(+-1e20) * up finite
+    up = gate_up[:, 40:]
+    act = F.silu(gate_up[:, :40]) if gate == "silu" else F.gelu(gate_up[:, :40], approximate="tanh")
+    # GELU's tail: torch's tanh reaches -1 (a zero) where e^-2z still gives a few 1e-7 (torch's is the less exact)
+    torch.testing.assert_close(gated_rows(gate_up, gate), act * up, rtol=2e-6, atol=1e-6 if gate == "silu" else 3e-6)
 
 
 @pytest.mark.parametrize(("out", "width"), [(48, 64), (200, 300), (7, 5), (24, 520)])
@@ -234,7 +238,7 @@ def test_panel_linear_matches_torch_for_any_rows(out: int, width: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 300])
 def test_panel_linear_folds_the_norm_and_the_gate_bit_for_bit(rows: int) -> None:
-    """RMSNorm and silu(gate) * up made while packing give exactly the separate kernels' product (K = 264: two
+    """RMSNorm and act(gate) * up (silu, gelu) made while packing give exactly the separate kernels' product (K = 264: two
     256-wide blocks; rows 1-5 split the panels, 300 the rows; a residual beside), and match torch."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(50, 264, generator=g)
@@ -244,9 +248,11 @@ def test_panel_linear_folds_the_norm_and_the_gate_bit_for_bit(rows: int) -> None
     assert torch.equal(folded, panel_linear(rms_norm_rows(x, nw, 1e-6), packed, res))
     torch.testing.assert_close(folded, res + F.linear(F.rms_norm(x, (264,), nw, 1e-6), ref_w), rtol=1e-5, atol=1e-4)
     gate_up = torch.randn(rows, 2 * 264, generator=g) * 3
-    folded = panel_linear(gate_up, packed, gated=True)
-    assert torch.equal(folded, panel_linear(silu_mul_rows(gate_up), packed))
-    torch.testing.assert_close(folded, F.linear(F.silu(gate_up[:, :264]) * gate_up[:, 264:], ref_w), rtol=1e-5, atol=1e-4)
+    for gate, act in (("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))):
+        folded = panel_linear(gate_up, packed, gated=gate)
+        assert torch.equal(folded, panel_linear(gated_rows(gate_up, gate), packed))
+        torch.testing.assert_close(folded, F.linear(act(gate_up[:, :264]) * gate_up[:, 264:], ref_w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(panel_linear(gate_up, packed, gated=True), panel_linear(gate_up, packed, gated="silu"))
 
 
 def test_a_rows_panel_result_does_not_depend_on_its_step() -> None:

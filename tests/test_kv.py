@@ -46,3 +46,36 @@ def test_moves_carry_the_filled_positions() -> None:
     _fill(back, 0, 20)
     back.move(0, torch.device("cpu"))  # same place: nothing to do
     assert back.k[0][0, 19, 0].item() == 19
+
+
+def test_a_window_layer_keeps_about_its_window() -> None:
+    """Layer 0 slides (window 100), layer 1 keeps everything: 1000 positions written a few at a time leave layer 0
+    with storage of its window and growth step, the positions a next query sees still there (moved to the front),
+    and the arithmetic (`bytes_at`, `nbytes`) counting that."""
+    kv = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=4000, dtype=torch.float32, windows=[100, None])
+    for start in range(0, 1000, 5):
+        kv.reserve(start + 5)
+        for i in range(2):
+            for t in range(start, start + 5):
+                kv.k[i][:, kv.slot(i, t)] = t
+                kv.v[i][:, kv.slot(i, t)] = -t
+        kv.length = start + 5
+    off = kv.offsets[0]
+    assert 0 < off <= 1000 - 100 and off % 64 == 0 and kv.offsets[1] == 0
+    assert kv.k[0].shape[1] == 100 + 64 + 64 + 256 and kv.k[1].shape[1] == 4000
+    seen = kv.k[0][0, kv.slot(0, 1000 - 100) : kv.slot(0, 1000), 0]
+    assert torch.equal(seen, torch.arange(900, 1000, dtype=torch.float32))  # what a query at 1000 attends
+    assert kv.layer_nbytes(0) == 484 * 32 and kv.layer_nbytes(1) == kv._allocated * 32
+    assert kv.bytes_at(1000) == (100 + 1000) * 32 and kv.bytes_at(50) == 100 * 32
+    assert kv.reusable(1000) == 1000 and kv.reusable(off + 98) == 0
+    kv.move(0, torch.device("meta"))  # the window layer's storage goes as it is
+    assert kv.k[0].shape == (1, 484, 4)
+    kv.truncate(0)
+    assert kv.offsets == [0, 0]
+
+
+def test_a_window_longer_than_the_session_is_no_window() -> None:
+    kv = SessionKV(num_layers=1, num_kv_heads=1, head_dim=4, capacity=64, dtype=torch.float32, windows=[512])
+    assert kv.windows == [None]
+    kv.reserve(10)
+    assert kv.k[0].shape[1] == 64

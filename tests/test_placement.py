@@ -65,10 +65,12 @@ def _turn(engine: Engine, session, new_ids: list[int], n: int = 24) -> list[int]
 TURNS = [[5, 17, 23, 42, 7], [9, 9, 31], [60, 2, 14, 27], [11, 70]]
 
 
-@pytest.fixture(scope="module", params=["f32", "q8_0"])
-def model(request, tiny_serve_jlm, tiny_serve_q8_jlm):
-    """The tiny serving llama as floats and kept quantized: moves and paging carry either kind of block."""
-    return tiny_serve_jlm if request.param == "f32" else tiny_serve_q8_jlm
+@pytest.fixture(scope="module", params=["f32", "q8_0", "gemma3", "gemma3-q8_0"])
+def model(request):
+    """The tiny serving llama and a tiny Gemma 3 (its sliding layer's KV dropping what no query sees), as floats and
+    kept quantized: moves and paging carry either kind of block and of KV."""
+    fixture = {"f32": "tiny_serve_jlm", "q8_0": "tiny_serve_q8_jlm", "gemma3": "tiny_gemma_jlm", "gemma3-q8_0": "tiny_gemma_q8_jlm"}[request.param]
+    return request.getfixturevalue(fixture)
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         y = run(self, x, exact, norm, gated, add)
         if path != "reference" and not (exact and bf16):  # bf16 products: checked in bf16_runs, below
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
-                x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x)
+                x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated)
             xs, ws = (bf(x), bf) if exact else (_int8_rows(x), lambda t: t)
             rounded = torch.cat([xs @ ws(q.dequantize(w, s.fmt, s.rows, s.k)).t() for s, w in zip(self.segments, self.views)], 1)
             if add is not None:  # the residual (or bias) the kernel adds in its sums
@@ -201,7 +201,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
         if isinstance(x, kernels.BF16Rows):  # rows rounded once for several products (checked in bf16_round, below)
             a = x.data[: x.rows].float()
         else:
-            a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
+            a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated) if gated else x
         fmts = {f.ggml: f for f in q.FORMATS.values()}
         rounded = torch.cat([bf(a) @ bf(q.dequantize(w, fmts[t], rows, a.shape[1])).t() for w, t, rows in runs], 1)
         if add is not None:
@@ -215,7 +215,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     def checked_round(x, *, norm=None, gated=False):
         """Rows made and rounded once for the MLP's slices: the bits of bf16(the f32 rows made first), zero past them."""
         xb = bf16_round(x, norm=norm, gated=gated)
-        made = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.silu_mul_rows(x) if gated else x
+        made = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated) if gated else x
         rounds.append(torch.equal(xb.data[: xb.rows], made.bfloat16()) and not xb.data[xb.rows :].any())
         return xb
 

@@ -120,7 +120,7 @@ def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: in
 
 @pytest.mark.parametrize("qtype", [8, 12, 6, 14])  # Q8_0, Q4_K, Q5_0, Q6_K
 def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) -> None:
-    """With `norm` the rows quantized are rms_norm_rows's, with `gated` silu_mul_rows's, to the bit: the fused call
+    """With `norm` the rows quantized are rms_norm_rows's, with `gated` gated_rows's (silu, gelu), to the bit: the fused call
     equals the two-call composition, for any number of rows and into a column slice of a wider output."""
     k = width(qtype)
     w = torch.from_numpy(quantized(qtype, N, k, 200 + qtype))
@@ -132,7 +132,8 @@ def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) ->
         x[-1], gate_up[-1] = 0, 0  # a zero row: scale 1 / sqrt(eps), and silu(0) = 0
         cases = [
             (x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)),
-            (gate_up, {"gated": True}, kernels.silu_mul_rows(gate_up)),
+            (gate_up, {"gated": True}, kernels.gated_rows(gate_up)),
+            (gate_up, {"gated": "gelu_tanh"}, kernels.gated_rows(gate_up, "gelu_tanh")),
         ]
         for src, fold, made in cases:
             want = quant_rows(made, w, qtype, N)
@@ -210,7 +211,8 @@ def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
         assert torch.equal(kernels.bf16_runs(x, split, N, add=add).view(torch.int32), (add + whole).view(torch.int32))
     # the norm or the gate made as the rows are rounded: the bits of the rows made first
     nw, gate_up = torch.rand(k, generator=g) + 0.5, torch.randn(70, 2 * k, generator=g) * 4
-    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, kernels.silu_mul_rows(gate_up))):
+    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, kernels.gated_rows(gate_up)),
+                            (gate_up, {"gated": "gelu_tanh"}, kernels.gated_rows(gate_up, "gelu_tanh"))):
         assert torch.equal(kernels.bf16_runs(src, runs, N, **fold).view(torch.int32), kernels.bf16_runs(made, runs, N).view(torch.int32))
         # rounded once (bf16_round) for several products: 70 rows padded to 96 with zeros, the same products
         xb = kernels.bf16_round(src, **fold)
@@ -231,6 +233,7 @@ def test_the_variants_agree_bit_for_bit() -> None:
                 out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N))
                 out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N, norm=(torch.rand(width(qtype), generator=g), 1e-6)))
                 out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated=True))
+                out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated="gelu_tanh"))
             results.append(out)
         finally:
             use_variant(None)

@@ -9,6 +9,12 @@ import torch
 __all__ = ["RoomError", "RowSpan", "SessionKV"]
 
 _GROW = 256  # positions added at least per growth: few reallocations, little waste
+# A sliding-window layer drops the positions no query can see any more in steps of this many (a multiple of the bf16
+# attention's key blocks of 32, so a key's block is where it was: the same bits whatever was dropped before it)
+_ALIGN = 64
+# ... and keeps this many positions more than its window needs, so a session rewound a little (a regenerated reply,
+# prefix reuse) still finds the keys its next query sees
+_REWIND = 64
 
 
 class RoomError(ValueError):
@@ -16,13 +22,17 @@ class RoomError(ValueError):
 
 
 class SessionKV:
-    """K and V for every attention block of one session: [num_kv_heads, capacity, head_dim] per block.
+    """K and V for every attention block of one session: [num_kv_heads, slots, head_dim] per block.
 
-    A session costs what it uses, up to `capacity` (the session's -max-seq): on the CPU a layer's storage is its whole
-    capacity from the first reservation, whose pages the OS maps only as positions are written (so it never grows by
-    copying, which held the old and the new copy at once: ~150 MB of a 4k-token SmolLM2 session's peak); on another
-    device it grows on demand, doubling. `nbytes` counts the positions reserved either way. Each layer's K/V live on
-    its block's place (`devices`, one per layer); `move` carries the filled positions across.
+    A session costs what it uses, up to `capacity` (the session's -max-seq): on the CPU a full-attention layer's
+    storage is its whole capacity from the first reservation, whose pages the OS maps only as positions are written (so
+    it never grows by copying, which held the old and the new copy at once: ~150 MB of a 4k-token SmolLM2 session's
+    peak); on another device it grows on demand, doubling. A sliding-window layer (`windows`, one per layer: its
+    window, or None for full attention) keeps only what its queries can still see: positions `offsets[i]` on, slot 0
+    holding position `offsets[i]`; when its storage is full it drops the positions older than its window (moving the
+    rest to the front), so a long generation does not grow it past about its window. `nbytes` counts the positions
+    reserved either way. Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries the
+    filled positions across.
     """
 
     def __init__(
@@ -33,6 +43,7 @@ class SessionKV:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str | list[torch.device] = "cpu",
+        windows: list[int | None] | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -42,43 +53,78 @@ class SessionKV:
         self.capacity = capacity
         self.dtype = dtype
         self.devices = list(device) if isinstance(device, list) else [torch.device(device)] * num_layers
+        # a window at least as long as the session is no window for its storage
+        self.windows = [w if w is not None and w < capacity else None for w in (windows or [None] * num_layers)]
+        if len(self.windows) != num_layers or len(self.devices) != num_layers:
+            raise ValueError(f"windows and devices name {num_layers} layers")
+        self.offsets = [0] * num_layers  # the position each layer's slot 0 holds
         self.length = 0  # positions filled
-        self._bytes_per_position = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self._allocated = 0
+        self._layer_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # one position of one layer
+        self._allocated = 0  # positions reserved in every full-attention layer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
     def bytes_per_position(self) -> int:
-        return self._bytes_per_position
+        """One position's K/V in every layer."""
+        return self._layer_bytes * self.num_layers
+
+    def bytes_at(self, length: int) -> int:
+        """The K/V bytes `length` positions hold (and a step at that length reads): a window layer's at most its
+        window's."""
+        return self._layer_bytes * sum(length if w is None else min(length, w) for w in self.windows)
 
     def nbytes(self) -> int:
-        return self._allocated * self.bytes_per_position()
+        return sum(self.layer_nbytes(i) for i in range(self.num_layers))
+
+    def layer_nbytes(self, layer: int) -> int:
+        """Bytes of one layer's K/V storage now."""
+        if self.windows[layer] is None or layer >= len(self.k):
+            return self._allocated * self._layer_bytes if self.windows[layer] is None else 0
+        return self.k[layer].shape[1] * self._layer_bytes
 
     def reserve(self, total: int) -> None:
-        """Make room for `total` positions (grows storage; never past capacity)."""
+        """Make room for positions up to `total` (grows storage, never past capacity; a window layer first drops what
+        its queries from position `length` on cannot see)."""
         if total > self.capacity:
             raise RoomError(f"{total} positions do not fit in the session's {self.capacity}")
-        if total <= self._allocated:
-            return
-        new = min(self.capacity, max(total, self._allocated * 2, _GROW))
+        if total > self._allocated:
+            self._allocated = min(self.capacity, max(total, self._allocated * 2, _GROW))
         for i in range(self.num_layers):
-            if i < len(self.k) and self.k[i].shape[1] >= new:
-                continue  # a CPU layer's storage: already whole
-            k, v = self._storage(self.devices[i], new)
+            window = self.windows[i]
+            have = self.k[i].shape[1] if i < len(self.k) else 0
+            if window is not None and total - self.offsets[i] > have:
+                self._slide(i, window)
+            need = total - self.offsets[i]
+            if need <= have and i < len(self.k):
+                continue
+            if window is None:
+                size = self.capacity if self.devices[i].type == "cpu" else self._allocated
+            else:
+                size = min(self.capacity, max(need, window + _REWIND + _ALIGN + _GROW))  # a longer chunk than ever: what it needs
+            k, v = self._storage(self.devices[i], size)
             if i < len(self.k):
-                k[:, : self.length] = self.k[i][:, : self.length]
-                v[:, : self.length] = self.v[i][:, : self.length]
+                filled = self.length - self.offsets[i]
+                k[:, :filled] = self.k[i][:, :filled]
+                v[:, :filled] = self.v[i][:, :filled]
                 self.k[i], self.v[i] = k, v
             else:
                 self.k.append(k)
                 self.v.append(v)
-        self._allocated = new
 
-    def _storage(self, device: torch.device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty K and V for one layer holding `positions` on `device`: the whole capacity on the CPU (unwritten
-        pages cost nothing there), just `positions` elsewhere."""
-        room = self.capacity if device.type == "cpu" else positions
-        shape = (self.num_kv_heads, room, self.head_dim)
+    def _slide(self, layer: int, window: int) -> None:
+        """Drop layer's positions before what a query at `length` sees (less _REWIND, in steps of _ALIGN)."""
+        keep = max(0, self.length - window + 1 - _REWIND) // _ALIGN * _ALIGN
+        drop = keep - self.offsets[layer]
+        if drop <= 0:
+            return
+        n = self.length - keep
+        for cache in (self.k[layer], self.v[layer]):
+            src = cache[:, drop : drop + n]
+            cache[:, :n] = src.clone() if drop < n else src  # overlapping slices: copied out first
+        self.offsets[layer] = keep
+
+    def _storage(self, device: torch.device, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_kv_heads, slots, self.head_dim)
         return torch.empty(shape, dtype=self.dtype, device=device), torch.empty(shape, dtype=self.dtype, device=device)
 
     @property
@@ -87,26 +133,40 @@ class SessionKV:
         return self.devices[0]
 
     def move(self, layer: int, device: torch.device) -> None:
-        """Carry one layer's K/V (the positions filled) to `device`, where its block now runs."""
+        """Carry one layer's K/V (the positions filled) to `device`, where its block now runs: a full-attention
+        layer's storage there for the positions reserved, a window layer's as it was."""
         if self.devices[layer] == device:
             return
         self.devices[layer] = device
-        if self._allocated:
-            k, v = self._storage(device, self._allocated)
-            k[:, : self.length] = self.k[layer][:, : self.length]
-            v[:, : self.length] = self.v[layer][:, : self.length]
+        if layer < len(self.k):
+            slots = self.k[layer].shape[1] if self.windows[layer] is not None else self._allocated
+            k, v = self._storage(device, slots)
+            filled = self.length - self.offsets[layer]
+            k[:, :filled] = self.k[layer][:, :filled]
+            v[:, :filled] = self.v[layer][:, :filled]
             self.k[layer], self.v[layer] = k, v
 
-    def layer_nbytes(self) -> int:
-        """Bytes of one layer's K/V storage now."""
-        return self.nbytes() // max(1, self.num_layers)
+    def reusable(self, length: int) -> int:
+        """How much of a prefix of `length` positions the cache can go on from: all of it where every window layer
+        still holds the keys a query at `length` sees, else none (a shorter prefix needs older keys still)."""
+        ok = all(w is None or off == 0 or length - w + 1 >= off for w, off in zip(self.windows, self.offsets))
+        return length if ok else 0
 
     def truncate(self, length: int) -> None:
-        """Forget positions from `length` on (prefix reuse, reset)."""
-        self.length = max(0, min(self.length, length))
+        """Forget positions from `length` on (prefix reuse, reset); a window layer must still hold what a query at
+        `length` sees (`reusable`)."""
+        length = max(0, min(self.length, length))
+        assert self.reusable(length) == length, "a window layer dropped keys the truncated session needs"
+        self.length = length
+        if length == 0:
+            self.offsets = [0] * self.num_layers
 
     def reset(self) -> None:
-        self.length = 0
+        self.truncate(0)
+
+    def slot(self, layer: int, position: int) -> int:
+        """Where `position` is in layer's storage."""
+        return position - self.offsets[layer]
 
 
 @dataclass

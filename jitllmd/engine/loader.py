@@ -154,7 +154,9 @@ def load_model(
     first = torch.device(devices[0] if devices else "cpu")
     quantized = meta.get("quantization") or {}
     # a quantized model computes in f32 around its projections (its float tensors, norms and biases, are f32)
-    stored = next((jlm.tensor(n).dtype for n in jlm.names if n.startswith("blocks.") and n not in quantized), torch.float32)
+    # the blocks' weights' dtype (a family may keep its norms in f32 beside bf16 weights: Gemma's 1 + w)
+    weights = [jlm.locate(n) for n in jlm.names if n.startswith("blocks.") and n not in quantized]
+    stored = next((dtype for dtype, shape, *_ in weights if len(shape) == 2), torch.float32)
     dtype = compute_dtype(stored, first)
     special = meta.get("special_tokens", {})
     tokenizer = Tokenizer(
@@ -174,9 +176,9 @@ def load_model(
     else:
         if kv_dtype is not None:
             model.kv_dtype = kv_dtype
-        per_position = model.new_kv(1).bytes_per_position()
-        cap = min(max_seq, context) if max_seq else default_max_seq(context, per_position)
-        placement = _place(model, jlm, devices, gpu_layers, sessions * cap * per_position // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
+        sizing = model.new_kv(context)  # storage only as it is reserved: its arithmetic, with the windows it keeps
+        cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
+        placement = _place(model, jlm, devices, gpu_layers, sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
         runner = ModelRunner(model, placement)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(

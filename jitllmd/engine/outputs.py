@@ -39,7 +39,7 @@ class Outputs:
                 continue  # more prompt to feed next step
             if req.state is RequestState.DECODE:
                 req.decode_steps += 1
-                req.decode_bytes += weight_bytes / num_rows + req.session.kv.length * req.session.kv.bytes_per_position()
+                req.decode_bytes += weight_bytes / num_rows + req.session.kv.bytes_at(req.session.kv.length)
             token = req.sampler.sample(logits[j])
             j += 1
             if req.t_first_token is None:

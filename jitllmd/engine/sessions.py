@@ -16,10 +16,15 @@ __all__ = ["Session", "SessionRegistry", "SlotPool", "common_prefix", "default_m
 _seq = itertools.count(1)
 
 
-def default_max_seq(context_length: int, bytes_per_position: int, fraction: float = 0.25) -> int:
-    """The model's context, capped so one session's full KV takes at most `fraction` of available memory."""
-    fits = int(host_memory()[1] * fraction) // max(1, bytes_per_position)
-    return max(1, min(context_length, fits))
+def default_max_seq(context_length: int, bytes_at: Callable[[int], int], fraction: float = 0.25) -> int:
+    """The model's context, capped so one session's full KV (`bytes_at(positions)`, growing with them) takes at most
+    `fraction` of available memory."""
+    budget = int(host_memory()[1] * fraction)
+    lo, hi = 1, context_length  # the most positions that fit: bytes_at only grows
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if bytes_at(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -62,7 +67,7 @@ class Session:
         """Keep the longest cached prefix of `prompt_ids` (leaving at least one token to feed); return its length."""
         if len(prompt_ids) > self.kv.capacity:
             raise RoomError(f"prompt has {len(prompt_ids)} tokens; the session has room for {self.kv.capacity}")
-        n = common_prefix(self.token_ids, prompt_ids[:-1])
+        n = self.kv.reusable(common_prefix(self.token_ids, prompt_ids[:-1]))
         self.kv.truncate(n)
         del self.token_ids[n:]
         return n

@@ -29,7 +29,6 @@ def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     loaded = served.engine.loaded
     placement = loaded.placement
     names = loaded.jlm.block_names
-    kv_layer = session.kv.layer_nbytes() if session is not None else 0
     if placement is None:  # an encoder: whole on its device, or the host
         place = loaded.device_ids[0] if loaded.device_ids else HOST
         residency = plc.RESIDENCY_DEVICE if loaded.device_ids else plc.RESIDENCY_RESIDENT
@@ -40,7 +39,7 @@ def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     blocks = [
         plc.BlockPlacement(
             index=i, name=name, place=places[i], bytes=placement.block_bytes[i],
-            kv_bytes=kv_layer if layer_of(name) is not None else 0, residency=_RESIDENCY[placement.residency(i)],
+            kv_bytes=session.kv.layer_nbytes(layer) if session is not None and (layer := layer_of(name)) is not None else 0, residency=_RESIDENCY[placement.residency(i)],
         )
         for i, name in enumerate(placement.names)
     ]

@@ -12,6 +12,7 @@ import torch
 
 from ..jlm import TensorSpec
 from ..models import Family, family_for_hf
+from ..models.family import TensorFix
 from .source import ConvertError, Source, block_order, naming
 
 __all__ = ["is_hf_dir", "read_hf"]
@@ -47,7 +48,11 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
     assert family.hf is not None
     hf_source = family.hf
     config = _config(path, family, hf)
-    specs = _tensor_specs(path, dtype, lambda n: hf_source.tensor_name(n, config))
+
+    def fix(name: str) -> TensorFix | None:
+        return hf_source.fix(name, config) if hf_source.fix is not None else None
+
+    specs = _tensor_specs(path, dtype, lambda n: hf_source.tensor_name(n, config), fix)
     if hf_source.required is not None:
         have = {s.name for s in specs}
         missing = [n for n in hf_source.required(config) if n not in have]
@@ -120,8 +125,9 @@ def _config(path: Path, family: Family, hf: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _tensor_specs(path: Path, dtype: torch.dtype, rename: Callable[[str], str | None]) -> list[TensorSpec]:
-    """Every tensor of the directory's safetensors files that `rename` maps to a .jlm name, in block order."""
+def _tensor_specs(path: Path, dtype: torch.dtype, rename: Callable[[str], str | None], fix: Callable[[str], TensorFix | None]) -> list[TensorSpec]:
+    """Every tensor of the directory's safetensors files that `rename` maps to a .jlm name, in block order; one the
+    family fixes (`fix`) is fixed in f32 and kept in f32."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -139,7 +145,11 @@ def _tensor_specs(path: Path, dtype: torch.dtype, rename: Callable[[str], str | 
             if target is None:
                 continue
             shape = tuple(handle.get_slice(name).get_shape())
-            specs.append(TensorSpec(target, dtype, shape, functools.partial(_read, handle, name, dtype)))
+            change = fix(target)
+            if change is None:
+                specs.append(TensorSpec(target, dtype, shape, functools.partial(_read, handle, name, dtype)))
+            else:
+                specs.append(TensorSpec(target, torch.float32, shape, functools.partial(_read_fixed, handle, name, change)))
     specs.sort(key=block_order)
     return specs
 
@@ -222,3 +232,7 @@ def _vocab(tokenizer_json: str) -> dict[str, int]:
 
 def _read(handle, name: str, dtype: torch.dtype) -> torch.Tensor:
     return handle.get_tensor(name).to(dtype)
+
+
+def _read_fixed(handle, name: str, fix: TensorFix) -> torch.Tensor:
+    return fix(handle.get_tensor(name).float())

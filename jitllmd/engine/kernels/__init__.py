@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "KV_DTYPES", "MAX_ROWS", "bf16_attention", "bf16_round", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
-    "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "silu_mul_rows", "use_variant", "variants",
+    "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "gated_rows", "use_variant", "variants",
 ]
 
 log = logging.getLogger("jitllmd.kernels")
@@ -176,8 +176,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attend_rows.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rms_norm_rows.restype = None
-    lib.silu_mul_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    lib.silu_mul_rows.restype = None
+    lib.gated_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.gated_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rope_rows.restype = None
     lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -242,10 +242,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-_PLAIN, _NORMED, _GATED = 0, 1, 2  # panels.c's and quant.c's inputs
+_PLAIN, _NORMED = 0, 1  # simd.h's inputs
+GATES = {"silu": 2, "gelu_tanh": 3}  # the gated MLP's activations the kernels make (simd.h's GATED, GATED_GELU)
+Gate = bool | str  # a projection's `gated`: False, or the activation of the gate (True: "silu")
 
 
-def _input(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: bool) -> tuple[int, int, int, float]:
+def _gate_mode(gated: Gate) -> int:
+    """simd.h's input for a gated MLP's activation."""
+    name = "silu" if gated is True else gated
+    assert name in GATES, f"gated {gated!r}: one of {sorted(GATES)}"
+    return GATES[str(name)]
+
+
+def _input(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: Gate) -> tuple[int, int, int, float]:
     """What a kernel makes of x's rows [M, width]: (mode, the product's K, norm weight's address or 0, eps)."""
     width = x.shape[1]
     assert norm is None or not gated, "norm or gated, not both"
@@ -255,16 +264,16 @@ def _input(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: bool
         return _NORMED, width, weight.data_ptr(), float(eps)
     if gated:
         assert width % 16 == 0
-        return _GATED, width // 2, 0, 0.0
+        return _gate_mode(gated), width // 2, 0, 0.0
     return _PLAIN, width, 0, 0.0
 
 
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-    gated: bool = False,
+    gated: Gate = False,
 ) -> torch.Tensor:
     """a [M, K] @ W.T (+ residual [M, N] f32) -> [M, N] f32, W [N, K] f32 as `pack_panels` left it; any M. a is x, or
-    with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` silu(gate) * up of x [M, 2K]: made as the
+    with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` act(gate) * up of x [M, 2K]: made as the
     rows are packed, so no separate pass writes it (K a multiple of 8 for both)."""
     lib = _lib()
     x, y = _operands(x, panels.shape[0])
@@ -365,13 +374,14 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     lib.rope_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, torch.get_num_threads())
 
 
-def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for f32 rows gate_up [T, 2I] (I a multiple of 8) -> [T, I], in one pass."""
+def gated_rows(gate_up: torch.Tensor, gate: Gate = "silu") -> torch.Tensor:
+    """act(gate) * up for f32 rows gate_up [T, 2I] (I a multiple of 8) -> [T, I], in one pass; act silu or gelu's tanh
+    form (`GATES`)."""
     lib = _lib()
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=torch.float32)
-    lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    lib.gated_rows(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _gate_mode(gate), torch.get_num_threads())
     return out
 
 
@@ -393,12 +403,12 @@ def check_quant_weight(w: torch.Tensor, qtype: int, n: int, k: int) -> None:
 
 def quant_rows(
     x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, out: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-    gated: bool = False, add: torch.Tensor | None = None,
+    gated: Gate = False, add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a [T, K] @ W.T -> [T, n] f32 for W n rows of ggml type `qtype` (uint8 bytes, K a multiple of its block),
     llama.cpp's way: a rounded per 32 inputs to int8, integer dot products scaled in f32 (quant.c's header bounds the
-    error). a is x (as f32), or with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` silu(gate) * up
-    of x [T, 2K]: made as a's rows are quantized, bit for bit what rms_norm_rows / silu_mul_rows give. `add`: a
+    error). a is x (as f32), or with `norm` (weight [K] f32, eps) RMSNorm(x) * weight, or when `gated` act(gate) * up
+    of x [T, 2K]: made as a's rows are quantized, bit for bit what rms_norm_rows / gated_rows give. `add`: a
     residual [T, n] or a bias [n] (f32, contiguous) added to the product, as `add + product` would. `out`: an f32
     [T, n] with unit column stride (a column slice of a wider output), written."""
     x = x.float().contiguous()
@@ -413,7 +423,7 @@ def quant_rows(
 
 
 def quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-               gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+               gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
     """`quant_rows` over runs of quantized rows stacked along the output, (w, qtype, rows) each, checked once by their
     owner (`check_quant_weight`): a decode step's projection in one kernel call per run, with no other op. -> [T, n] f32"""
     x = x.float().contiguous()
@@ -424,7 +434,7 @@ def quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: in
 
 
 def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
-                gated: bool, add: torch.Tensor | None) -> None:
+                gated: Gate, add: torch.Tensor | None) -> None:
     lib = _lib()
     T, n = y.shape
     mode, width, norm_w, eps = _input(x, norm, gated)
@@ -458,9 +468,9 @@ class BF16Rows(NamedTuple):
     rows: int
 
 
-def bf16_round(x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> BF16Rows:
-    """x [T, K] f32, or with `norm` RMSNorm(x) * weight, with `gated` silu(gate) * up of x [T, 2K] (the f32 values
-    rms_norm_rows and silu_mul_rows make), rounded to bf16 (nearest even): the input of `bf16_runs`, made once for
+def bf16_round(x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, gated: Gate = False) -> BF16Rows:
+    """x [T, K] f32, or with `norm` RMSNorm(x) * weight, with `gated` act(gate) * up of x [T, 2K] (the f32 values
+    rms_norm_rows and gated_rows make), rounded to bf16 (nearest even): the input of `bf16_runs`, made once for
     every product that reads the same rows."""
     lib = _lib()
     x = x.float().contiguous()
@@ -473,7 +483,7 @@ def bf16_round(x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = Non
 
 
 def bf16_runs(x: torch.Tensor | BF16Rows, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-              gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+              gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
     """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's) side by side, the products summed in f32
     (quant.c's bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it), one call for
     every run. a is `bf16_round(x, norm=norm, gated=gated)`, or x itself where it is already that. A run's w may be a

@@ -15,7 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { PLAIN, NORMED, GATED }; /* quant.c's inputs */
+#include "simd.h" /* its inputs (PLAIN, NORMED, GATED) */
+
 #define MAX_RUNS 4
 
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,

@@ -109,10 +109,8 @@ static void tile_narrow(int64_t kc, const float *a, const float *b, int64_t w, f
         }
 }
 
-/* What the product's rows are, made from x as they are packed (the pass a separate kernel would make, saved). */
-enum { PLAIN = 0, /* x itself: [M, K] */
-       NORMED = 1, /* RMSNorm(x) * norm_w: x [M, K], inv[m] its rows' 1 / rms */
-       GATED = 2 /* silu(gate) * up: x [M, 2K], gate then up in each row */ };
+/* What the product's rows are, made from x as they are packed (simd.h's inputs: the pass a separate kernel would make,
+ * saved; NORMED with inv[m] its rows' 1 / rms). */
 
 /* Rows [0, rows) of the product's input, columns pc .. pc + kc, into groups of four: [rows/4][kc][4], zero padded.
  * NORMED and GATED need kc a multiple of 8. */
@@ -137,7 +135,7 @@ static void pack_rows(const float *x, float *ap, int64_t rows, int64_t K, int64_
                     v[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr), _mm256_set1_ps(inv[g + r])), _mm256_loadu_ps(norm_w + pc + k));
                 } else {
                     const float *xr = x + (g + r) * 2 * K + pc + k;
-                    v[r] = silu_mul8(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + K));
+                    v[r] = gate_mul8(input, _mm256_loadu_ps(xr), _mm256_loadu_ps(xr + K));
                 }
             }
             const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
@@ -203,7 +201,7 @@ static void row_item(void *arg, int64_t i) {
         for (int64_t m = m0; m < m0 + mc; m++) j->inv[m] = inv_rms(j->x + m * K, K, j->eps);
     for (int64_t pc = 0; pc < K; pc += KC) {
         const int64_t kc = min64(KC, K - pc);
-        pack_rows(j->x + m0 * (j->input == GATED ? 2 * K : K), ap, mc, K, pc, kc, j->input, j->norm_w, j->inv ? j->inv + m0 : NULL);
+        pack_rows(j->x + m0 * (IS_GATED(j->input) ? 2 * K : K), ap, mc, K, pc, kc, j->input, j->norm_w, j->inv ? j->inv + m0 : NULL);
         tiles(ap, j->P, j->res, j->y, m0, mc, 0, j->panels, j->N, K, pc, kc);
     }
     free(ap);
@@ -218,7 +216,7 @@ static void panel_item(void *arg, int64_t i) {
 
 /* y [M, N] = a [M, K] @ W.T (+ res [M, N], a residual stream, where res is not NULL; it may be y itself) with W in
  * the panel layout, where a is x (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED; K a multiple of 8) or
- * silu(gate) * up of x [M, 2K] (GATED; K a multiple of 8). On pool.c's threads. Many rows: items of up to MC rows,
+ * act(gate) * up of x [M, 2K] (GATED: silu, GATED_GELU: gelu; K a multiple of 8). On pool.c's threads. Many rows: items of up to MC rows,
  * each packing its own; few rows (a decode step): the rows are packed once and each panel is an item, so each reads
  * its share of the weights once. Returns 0, -1 without memory. */
 int panel_linear(const float *x, const float *P, const float *res, float *y, int64_t M, int64_t N, int64_t K, int input,

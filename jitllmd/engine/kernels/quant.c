@@ -3,7 +3,7 @@
  *
  * quant_rows: y[t, o] = sum_k x[t, k] * W[o, k], llama.cpp's way. Each x row is quantized once per call, per 32
  * inputs, to int8 (d = amax / 127, q = round-to-nearest-even(x / d), d = 0 -> q = 0), d and d * sum(q) kept in f32;
- * where asked, x is RMSNorm(x) * w or silu(gate) * up, made from the given rows as they are quantized (as panels.c does).
+ * where asked, x is RMSNorm(x) * w or act(gate) * up, made from the given rows as they are quantized (as panels.c does).
  * A row's weights go by groups of 8 x-blocks (eight 32-format blocks, or one K-format superblock), each unpacked
  * once for up to GROUP (WIDE_GROUP) x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
  * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd) add up in int32 lanes that each belong to
@@ -199,18 +199,15 @@ static inline int x_biased(int type) {
 
 /* ---- x: quantized per 32 inputs ---- */
 
-/* What x's rows are, made as they are quantized (panels.c's inputs: the pass a separate kernel would make, saved). */
-enum { PLAIN = 0,  /* x itself: [T, K] */
-       NORMED = 1, /* RMSNorm(x) * norm_w: x [T, K] */
-       GATED = 2   /* silu(gate) * up: x [T, 2K], gate then up in each row */ };
+/* What x's rows are, made as they are quantized (simd.h's inputs: the pass a separate kernel would make, saved). */
 
-/* An input row's 32 values from element `at` into v: x's own, or made as rows.c's rms_norm_rows and silu_mul_rows
+/* An input row's 32 values from element `at` into v: x's own, or made as rows.c's rms_norm_rows and gated_rows
  * make them (the same f32 operations in the same order, so the same bits). x: the row; scale: its 1 / rms (NORMED). */
 static inline void input_block(int input, const float *x, int64_t K, int64_t at, const float *norm_w, __m256 scale, __m256 *v) {
     for (int i = 0; i < 4; i++) {
         const int64_t k = at + 8 * i;
         if (input == NORMED) v[i] = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), scale), _mm256_loadu_ps(norm_w + k));
-        else if (input == GATED) v[i] = silu_mul8(_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + K + k));
+        else if (IS_GATED(input)) v[i] = gate_mul8(input, _mm256_loadu_ps(x + k), _mm256_loadu_ps(x + K + k));
         else v[i] = _mm256_loadu_ps(x + k);
     }
 }
@@ -545,7 +542,7 @@ static row_fn row_kernel(int type) {
 
 /* y[t * ldy + o] = (r[t * ldr + o] +) a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy
  * floats apart, r (a residual, or with ldr 0 a bias) added where given, where a
- * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED);
+ * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or act(gate) * up of x [T, 2K] (GATED: silu, GATED_GELU: gelu);
  * x f32 contiguous. Returns 0, -1 without memory for x's codes, -2 for a type it does not know. */
 typedef struct {
     row_fn fn;
@@ -563,7 +560,7 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, j->input, j->x + t * (j->input == GATED ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, j->xq + t * j->ng * GB,
+    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, j->xq + t * j->ng * GB,
                  j->xd + t * j->ng * 16, j->xs + t * j->ng * 8);
 }
 
@@ -576,7 +573,7 @@ static void rows_item(void *arg, int64_t i) {
 
 /* y[t * ldy + o] = (r[t * ldr + o] +) a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy
  * floats apart, r (a residual, or with ldr 0 a bias) added where given, where a
- * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED);
+ * is x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or act(gate) * up of x [T, 2K] (GATED: silu, GATED_GELU: gelu);
  * x f32 contiguous. On pool.c's threads (x's rows, then W's rows by ROWS_PER_ITEM). Returns 0, -1 without memory
  * for x's codes, -2 for a type it does not know. */
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
@@ -737,13 +734,13 @@ typedef struct {
     int input;
 } round_job;
 
-/* Input row t (zeros past T), made from x's row as `input` says (the f32 values rms_norm_rows and silu_mul_rows
+/* Input row t (zeros past T), made from x's row as `input` says (the f32 values rms_norm_rows and gated_rows
  * make), rounded to bf16 into xb */
 static void bf16_x_item(void *arg, int64_t t) {
     const round_job *j = arg;
     const int64_t K = j->K;
     uint16_t *dst = j->xb + t * K;
-    const float *x = j->x + t * (j->input == GATED ? 2 * K : K);
+    const float *x = j->x + t * (IS_GATED(j->input) ? 2 * K : K);
     const __m256 scale = _mm256_set1_ps(t < j->T && j->input == NORMED ? inv_rms(x, K, j->eps) : 0.0f);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i v = _mm512_setzero_si512();
@@ -935,7 +932,7 @@ static void bf16_panel_item(void *arg, int64_t item) {
     free(panel);
 }
 
-/* x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or silu(gate) * up of x [T, 2K] (GATED),
+/* x [T, K] (input PLAIN), RMSNorm(x) * norm_w with epsilon eps (NORMED) or act(gate) * up of x [T, 2K] (GATED: silu, GATED_GELU: gelu),
  * as quant_rows takes them, f32 contiguous -> xb [Tp, K] bf16 (to nearest even), Tp = T rounded up to 32, the rows
  * past T zero: bf16_rows's input. Returns 0, -2 for K not a multiple of 32. */
 int bf16_round(const float *x, uint16_t *xb, int64_t T, int64_t K, int input, const float *norm_w, float eps, int threads) {

@@ -267,12 +267,13 @@ int attend_rows(const float *q, const float *k_new, const float *v_new, float *o
 
 #define ROWS_PER_ITEM 8 /* x rows per pool item of the row-wise kernels below: about a microsecond of work */
 
-/* What rms_norm_rows, rope_rows and silu_mul_rows pass their items; each uses the fields it names. */
+/* What rms_norm_rows, rope_rows and gated_rows pass their items; each uses the fields it names. */
 typedef struct {
     const float *x, *w, *cos, *sin;
     float *y;
     int64_t T, D, stride, heads;
     float eps;
+    int input;
 } rows_job;
 
 /* The x rows of pool item i. */
@@ -322,21 +323,22 @@ void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int
     pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, rope_item, &job);
 }
 
-static void silu_mul_item(void *arg, int64_t i) {
+static void gated_item(void *arg, int64_t i) {
     const rows_job *j = arg;
     const int64_t I = j->D;
     for (int64_t t = i * ROWS_PER_ITEM, end = item_end(i, j->T); t < end; t++) {
         const float *g = j->x + t * 2 * I, *u = g + I;
         float *o = j->y + t * I;
-        for (int64_t k = 0; k < I; k += 8) _mm256_storeu_ps(o + k, silu_mul8(_mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
+        for (int64_t k = 0; k < I; k += 8) _mm256_storeu_ps(o + k, gate_mul8(j->input, _mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
     }
 }
 
-/* The gated MLP's activation: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + e^-g); one pass over a
- * [T, 2I] gate_up product instead of three. I is a multiple of 8. A prompt's rows split between pool.c's threads. */
-void silu_mul_rows(const float *gu, float *out, int64_t T, int64_t I, int threads) {
-    rows_job job = {.x = gu, .y = out, .T = T, .D = I};
-    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, silu_mul_item, &job);
+/* The gated MLP's activation: out[t, i] = act(gu[t, i]) * gu[t, I + i], act silu (input GATED) or gelu's tanh form
+ * (GATED_GELU), as simd.h makes them; one pass over a [T, 2I] gate_up product instead of three. I is a multiple of 8. A
+ * prompt's rows split between pool.c's threads. */
+void gated_rows(const float *gu, float *out, int64_t T, int64_t I, int input, int threads) {
+    rows_job job = {.x = gu, .y = out, .T = T, .D = I, .input = input};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, gated_item, &job);
 }
 
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix

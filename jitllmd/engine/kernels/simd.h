@@ -58,9 +58,29 @@ static inline __m256 exp8_neg(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* silu(g) * u = g / (1 + e^-g) * u, the gated MLP's activation. */
+/* silu(g) * u = g / (1 + e^-g) * u, the gated MLP's activation (Llama's). */
 static inline __m256 silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))), u);
+}
+
+/* gelu(g) * u with GELU's tanh form (Gemma's): 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), which is
+ * g / (1 + e^-2z), silu's shape. */
+static inline __m256 gelu_mul8(__m256 g, __m256 u) {
+    const __m256 minus_2z = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(-0.0713548162726f), _mm256_set1_ps(-1.5957691216057308f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(minus_2z))), u);
+}
+
+/* What the kernels make of their input rows (panels.c's and quant.c's `input`, rows.c's gated_rows): x itself, RMSNorm(x) * w, or
+ * the gated MLP's activation of x [T, 2K] (gate then up in each row), silu's or gelu's. */
+enum { PLAIN = 0, NORMED = 1, GATED = 2, GATED_GELU = 3 };
+#define IS_GATED(input) ((input) >= GATED)
+
+/* act(g) * u for a gated input (GATED: silu, GATED_GELU: gelu), subnormal results flushed to zero (as the bf16
+ * conversion reads them: the f32 rows and their bf16 rounding agree; a far negative gate makes them, gelu's often) */
+static inline __m256 gate_mul8(int input, __m256 g, __m256 u) {
+    const __m256 r = input == GATED_GELU ? gelu_mul8(g, u) : silu_mul8(g, u);
+    const __m256 normal = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), r), _mm256_set1_ps(1.17549435e-38f), _CMP_GE_OQ);
+    return _mm256_and_ps(r, normal);
 }
 
 /* 1 / sqrt(mean(x^2) + eps) over a row of D floats (D a multiple of 8): RMSNorm's scale, as Hugging Face computes it in f32. */

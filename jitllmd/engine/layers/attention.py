@@ -17,13 +17,14 @@ class Attention:
     """Layer `layer`'s attention over packed rows: q [T, H, D], k and v [T, Hkv, D] -> [T, H*D] in `dtype`."""
 
     def __init__(self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 window: int | None = None, bf16: bool = False):
+                 window: int | None = None, bf16: bool = False, softcap: float | None = None):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.dtype = dtype
         self.window = window  # a key at position k is seen from q when q - window < k <= q; None: every earlier key
-        kernels = device.type == "cpu" and rows_kernel() is not None
+        self.softcap = softcap  # scores -> tanh(scores / cap) * cap before the softmax: torch's ops, no kernel
+        kernels = device.type == "cpu" and rows_kernel() is not None and softcap is None
         # the kernels take f32 rows and f32 or f16 caches (KV_DTYPES) on the CPU, for the head sizes they vectorise
         self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
         self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
@@ -43,8 +44,8 @@ class Attention:
             ])
         if T == len(rows) and self.decode_kernel and rows[0].kv.dtype in KV_DTYPES:  # every row feeds one token: one call writes and attends them all
             i = self.layer
-            return attend_rows(q, k, v, [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows], [r.kv.length + 1 for r in rows],
-                               [r.key_start(self.window) for r in rows])
+            return attend_rows(q, k, v, [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows], [r.kv.slot(i, r.kv.length) + 1 for r in rows],
+                               [r.kv.slot(i, r.key_start(self.window)) for r in rows])
         if len(rows) == 1:
             return self.attend(q, k, v, rows[0])
         out = torch.empty((T, self.num_heads * self.head_dim), dtype=self.dtype, device=q.device)
@@ -55,15 +56,19 @@ class Attention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
-        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]."""
+        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]. Positions here are slots of
+        the layer's storage (a window layer's slot 0 holds a later position): attention only compares them."""
         kv = row.kv
-        n, p = row.num_tokens, kv.length
+        n, p = row.num_tokens, kv.slot(self.layer, kv.length)
         H, Hkv, D, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [Hkv, cap, D], on this block's place
+        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [Hkv, slots, D], on this block's place
         kc[:, p : p + n] = k.transpose(0, 1)
         vc[:, p : p + n] = v.transpose(0, 1)
-        ks = row.key_start(self.window)
+        ks = kv.slot(self.layer, row.key_start(self.window))
         bf16 = self.bf16 and (n > 1 or row.prompt)
+        if self.softcap is not None:
+            out = self.capped(q, kc[:, ks : p + n], vc[:, ks : p + n], row.mask_on(kc.device, 1, self.window))
+            return out if only is None else out[only]
         if only is not None:
             return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks, bf16) for i in only]) if only else q.new_empty((0, H * D))
         if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
@@ -90,3 +95,17 @@ class Attention:
         keys, values = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)  # a cast where the cache is narrower
         out = F.scaled_dot_product_attention(q[:, None, :][None], keys[None], values[None], enable_gqa=True)
         return out.reshape(1, -1)
+
+    def capped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention with soft-capped scores, as eager attention computes it: q [n, H, D] against keys and values
+        [Hkv, L, D] (the chunk's queries the last n of L, `mask` [n, L] or None for one query) -> [n, H*D]."""
+        n, H, D = q.shape
+        keys, values = keys.to(q.dtype).repeat_interleave(self.group, 0), values.to(q.dtype).repeat_interleave(self.group, 0)  # [H, L, D]
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * D**-0.5  # [H, n, L]
+        cap = self.softcap
+        assert cap is not None
+        scores = torch.tanh(scores / cap) * cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(weights, values).transpose(0, 1).reshape(n, H * D)

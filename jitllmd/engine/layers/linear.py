@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import bf16_matmul_native
-from ..kernels import MAX_ROWS, pack_panels, panel_linear, rows_kernel, rows_linear
+from ..kernels import MAX_ROWS, Gate, pack_panels, panel_linear, rows_kernel, rows_linear
 from .quant import QuantLinear, Segment
 
 __all__ = ["ROW_BLOCK_MAX_TOKENS", "Linear", "Projection", "make_linear"]
@@ -30,7 +30,7 @@ class Projection(Protocol):
     folds: bool  # takes `norm` and `gated`
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor: ...
+                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, panels: bool = False, segments: list[Segment] | None = None) -> Projection:
@@ -79,7 +79,7 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass). Panels
         only: with `norm` (weight, eps) the product is of RMSNorm(x) * weight, with `gated` of silu(gate) * up of x
         [T, 2 * in], made as the kernel packs its rows. Every token is multiplied alike: `chunk` changes nothing."""

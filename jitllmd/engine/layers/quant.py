@@ -27,14 +27,15 @@ import torch.nn.functional as F
 from ..kernels import (
     QUANT_TYPES,
     BF16Rows,
+    Gate,
     bf16_runs,
     bf16_units,
     check_quant_weight,
     dequant_rows,
+    gated_rows,
     quant_runs,
     rms_norm_rows,
     rows_kernel,
-    silu_mul_rows,
 )
 from ..kv import RowSpan
 
@@ -326,14 +327,14 @@ class QuantLinear:
             check_quant_weight(w, qtype, rows, merged[0].k)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where given. With `norm` (weight, eps) the product is of RMSNorm(x) *
-        weight, with `gated` of silu(gate) * up of x [T, 2 * in]: folded into the kernel's reading of x rows for decode
+        weight, with `gated` of act(gate) * up (silu, or `gated` names it) of x [T, 2 * in]: folded into the kernel's reading of x rows for decode
         rows and for a prompt chunk's bf16 product, made first (the same f32 values) where the rows mix or the product
         is f32."""
         whole = chunk is None or (self.bf16_chunks and bool(chunk.all()))  # one kernel call for every row
         if (norm is not None or gated) and not (self.folds and whole):
-            x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else silu_mul_rows(x.float())
+            x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else gated_rows(x.float(), gated)
             norm, gated = None, False
         if self.kernel and whole and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
             # decode rows, or a prompt chunk in bf16: one kernel call per run, the bias or else the residual added in it
@@ -355,7 +356,7 @@ class QuantLinear:
             at += rows
         return bf16_runs(x, runs, sum(b - a for a, b in spans))
 
-    def columns_bf16(self, x: torch.Tensor, k0: int, k1: int, *, gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    def columns_bf16(self, x: torch.Tensor, k0: int, k1: int, *, gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
         """add + a prompt chunk's bf16 product over inputs [k0, k1) of every row (k0, k1 on its runs' block
         boundaries): x [T, k1 - k0] (or [T, 2 (k1 - k0)] gated) -> [T, out]."""
         runs = []
@@ -365,7 +366,7 @@ class QuantLinear:
         return bf16_runs(x, runs, self.out_features, gated=gated, add=add)
 
     def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                gated: bool = False) -> torch.Tensor:
+                gated: Gate = False) -> torch.Tensor:
         x = x.float()
         if chunk is None or not self.kernel:
             return self._run(x, False, norm, gated, self.bias)
@@ -377,7 +378,7 @@ class QuantLinear:
         y[short] = self._run(x[short], False, add=self.bias)
         return y
 
-    def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+    def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: Gate = False,
              add: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the integer
         kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or a prompt chunk's product (bf16

@@ -9,7 +9,7 @@ import torch
 
 from ..jlm import JLMFile
 from ..kv import SessionKV
-from . import bert, llama
+from . import bert, gemma3, llama
 from .family import Family
 
 __all__ = ["FAMILIES", "DecoderModel", "EncoderModel", "Family", "build_model", "family_for", "family_for_gguf", "family_for_hf"]
@@ -44,7 +44,7 @@ class EncoderModel(Protocol):
 
 
 # Every family, one line each: a new family is a new file in this folder and its FAMILY here.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, bert.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma3.FAMILY, bert.FAMILY)
 
 
 def family_for(arch: str) -> Family:

@@ -52,6 +52,8 @@ class HFSource:
     config: Callable[[dict[str, Any]], Config]  # config.json -> the .jlm config
     tensor_name: Callable[[str, Config], str | None]  # (checkpoint name, .jlm config) -> .jlm name; None: not used
     required: Callable[[Config], list[str]] | None = None  # .jlm tensor names a complete checkpoint has
+    # (.jlm name, config) -> the change a tensor needs, made in f32 and kept in f32 (a norm's 1 + w stays exact)
+    fix: Callable[[str, Config], TensorFix | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from ..kernels import QuantLayer, bf16_round, decode_layer
 from ..kv import RowSpan, SessionKV
 from ..layers import (
     Attention,
+    GatedAct,
     QuantLinear,
     QuantTable,
     RMSNorm,
     Rope,
     RopeTables,
     Segment,
-    SiluMul,
     chunk_tokens,
     make_linear,
     rope_inv_freq,
@@ -65,6 +65,19 @@ class LlamaConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # what a family's config may set otherwise (models/gemma3.py's does): the gated MLP's activation (kernels.GATES),
+    # attention's and the head's logit caps (tanh(x / cap) * cap)
+    hidden_activation: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Layer's sliding window: a query at q sees keys in (q - window, q]; None: every earlier key."""
+        return self.sliding_window
+
+    def rope_index(self, layer: int) -> int:
+        """Which of a forward's RoPE tables (`LlamaModel.begin`) layer reads."""
+        return 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -86,7 +99,9 @@ class LlamaConfig:
 class DecoderBlock:
     """One transformer layer: attention with its session KV, then the gated MLP. Built from the parts
     `layouts` names (q, k and v stacked into qkv; gate and up into gate_up: fewer, wider GEMVs). `quant`: the
-    parts stored quantized, as segments."""
+    parts stored quantized, as segments. What a family varies is in its config (`LlamaConfig`'s hooks: a layer's
+    window, RoPE table, activation, logit caps) and in optional parts: q/k norms, and norms of attention's and the
+    MLP's outputs before they join the stream (`attn_out_norm`, `mlp_out_norm`: Gemma's "sandwich")."""
 
     def __init__(self, cfg: LlamaConfig, index: int, t: dict[str, torch.Tensor], dtype: torch.dtype, act: torch.dtype, device: torch.device,
                  panels: bool, quant: dict[str, list[Segment]]):
@@ -95,28 +110,33 @@ class DecoderBlock:
         eps = cfg.rms_norm_eps
         cast = lambda w: w if w.dtype == dtype else w.to(dtype)
         project = lambda part, bias=None: make_linear(t[part] if part in quant else cast(t[part]), bias, panels=panels, segments=quant.get(part))
-        self.input_norm = RMSNorm(t["input_norm"], eps, STREAM)  # the norms read the f32 stream
-        self.post_norm = RMSNorm(t["post_norm"], eps, STREAM)
+        norm = lambda part, dt=STREAM: RMSNorm(t[part], eps, dt) if part in t else None  # the norms read the f32 stream
+        self.input_norm, self.post_norm = RMSNorm(t["input_norm"], eps, STREAM), RMSNorm(t["post_norm"], eps, STREAM)
+        self.attn_out_norm, self.mlp_out_norm = norm("attn_out_norm"), norm("mlp_out_norm")
         bias = cast(t["qkv_bias"]) if "qkv_bias" in t else None
         self.qkv = project("qkv", bias)
         self.o = project("o")
-        self.q_norm = RMSNorm(t["q_norm"], eps, act) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(t["k_norm"], eps, act) if cfg.qk_norm else None
+        self.q_norm, self.k_norm = norm("q_norm", act), norm("k_norm", act)
         self.gate_up = project("gate_up")
         self.down = project("down")
         self.rope = Rope(cfg.head_dim, act, device)
+        self.rope_index = cfg.rope_index(index)  # which of the forward's RoPE tables this layer reads
         # quantized projections that multiply prompt chunks in bf16 (the CPU's bf16 units): the MLP by column slices
         self.bf16_chunks = all(isinstance(p, QuantLinear) and p.bf16_chunks for p in (self.qkv, self.o, self.gate_up, self.down))
-        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.sliding_window, bf16=self.bf16_chunks)
-        self.silu_mul = SiluMul(cfg.intermediate_size, device)
-        # f32 panels and quantized rows: the norms and silu(gate) * up are made as the projections pack or quantize
+        self.attn = Attention(index, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, act, device, cfg.window(index), bf16=self.bf16_chunks,
+                              softcap=cfg.attn_logit_softcapping)
+        self.gate = cfg.hidden_activation
+        self.gated = GatedAct(cfg.intermediate_size, device, self.gate)
+        # f32 panels and quantized rows: the norms and act(gate) * up are made as the projections pack or quantize
         # their rows, not passes of their own
         self.fold = (
             self.qkv.folds and self.gate_up.folds and self.down.folds and act == torch.float32 and cfg.hidden_size % 8 == 0
             and cfg.intermediate_size % 8 == 0
         )
         # quantized on the CPU with the kernels: a step's single-token rows go through the whole layer in one call
-        self.fused = self._fused(cfg) if self.fold and self.q_norm is None and self.rope.kernel and self.attn.decode_kernel else None
+        # (layer.c's layer: Llama's, with silu)
+        plain = self.q_norm is None and self.attn_out_norm is None and self.mlp_out_norm is None and self.gate == "silu"
+        self.fused = self._fused(cfg) if self.fold and plain and self.rope.kernel and self.attn.decode_kernel else None
 
     def _fused(self, cfg: LlamaConfig) -> QuantLayer | None:
         """layer.c's view of this layer, where every projection is quantized rows the kernels multiply (no bias but
@@ -129,15 +149,17 @@ class DecoderBlock:
         return QuantLayer(qkv, o, gate_up, down, quant[0].bias, self.input_norm.weight, self.post_norm.weight, cfg.rms_norm_eps, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim)
 
-    def __call__(self, x: torch.Tensor, rope: RopeTables, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple[RopeTables, ...], rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """x [T, hidden] f32 -> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those
         tokens' [len(keep), hidden]: every token's K/V still goes to its session, but attention and the MLP run for the
-        kept ones only (the last block of a prompt step, whose other tokens' outputs nothing reads)."""
+        kept ones only (the last block of a prompt step, whose other tokens' outputs nothing reads). `rope`: the
+        forward's RoPE tables (`LlamaModel.begin`)."""
         T = x.shape[0]
+        tables = rope[self.rope_index]
         if self.fused is not None and keep is None and T == len(rows) and not any(r.prompt for r in rows):  # single-token rows: the layer in one kernel call
             i, window = self.attn.layer, self.attn.window
-            return decode_layer(self.fused, x.contiguous(), *rope.on(x.device), [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows],
-                                [r.kv.length + 1 for r in rows], [r.key_start(window) for r in rows])
+            return decode_layer(self.fused, x.contiguous(), *tables.on(x.device), [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows],
+                                [r.kv.slot(i, r.kv.length) + 1 for r in rows], [r.kv.slot(i, r.key_start(window)) for r in rows])
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
         if self.fold:
@@ -148,12 +170,15 @@ class DecoderBlock:
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
-        qk = self.rope(qk, *rope.on(x.device))  # q and k rotated in one pass (in qkv's own rows where it can)
+        qk = self.rope(qk, *tables.on(x.device))  # q and k rotated in one pass (in qkv's own rows where it can)
         attn = self.attn(qk[:, :H], qk[:, H:], v, rows, keep)  # [T or len(keep), H*D]
         if keep is not None:
             x = x[keep]
             chunk = None if chunk is None else chunk[keep]
-        x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
+        if self.attn_out_norm is None:
+            x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
+        else:
+            x = x + self.attn_out_norm(self.o(attn, chunk=chunk).float())
         if self.bf16_chunks and chunk is not None:  # a prompt row's MLP the same way whatever rows share its step
             if bool(chunk.all()):
                 return self.mlp_columns(x)
@@ -173,55 +198,67 @@ class DecoderBlock:
         """x + the MLP of a prompt chunk's rows [T, hidden] f32 in bf16, MLP_COLUMNS of the intermediate at a time: gate
         and up's columns [j, j + c) (the bits the whole product gives them), then down's inputs [j, j + c) added on.
         The normed rows are rounded to bf16 once for every slice. Down's sums are f32 partial sums per slice, added in
-        order."""
+        order (onto x, or onto zeros where the MLP's output is normed before it joins x)."""
         assert isinstance(self.gate_up, QuantLinear) and isinstance(self.down, QuantLinear)
         inter = self.gate_up.out_features // 2
         xb = bf16_round(x, norm=(self.post_norm.weight, self.post_norm.eps))
-        y = x
+        y = x if self.mlp_out_norm is None else torch.zeros_like(x)
         for j in range(0, inter, MLP_COLUMNS):
             c = min(MLP_COLUMNS, inter - j)
             gate_up = self.gate_up.rows_bf16(xb, [(j, j + c), (inter + j, inter + j + c)])  # [T, 2c]: gate, up
-            y = self.down.columns_bf16(gate_up, j, j + c, gated=True, add=y)
-        return y
+            y = self.down.columns_bf16(gate_up, j, j + c, gated=self.gate, add=y)
+        return y if self.mlp_out_norm is None else x + self.mlp_out_norm(y)
 
     def mlp(self, x: torch.Tensor, chunk: torch.Tensor | None) -> torch.Tensor:
         """x + the MLP of x's rows [T, hidden] f32 (`chunk`: which rows are a prompt's, multiplied exactly)."""
+        residual = x if self.mlp_out_norm is None else None
         if self.fold:
             gate_up = self.gate_up(x, norm=(self.post_norm.weight, self.post_norm.eps), chunk=chunk)
-            return self.down(gate_up, residual=x, gated=True, chunk=chunk)
-        return self.down(self.silu_mul(self.gate_up(self.post_norm(x), chunk=chunk)), residual=x, chunk=chunk)
+            y = self.down(gate_up, residual=residual, gated=self.gate, chunk=chunk)
+        else:
+            y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk)
+        return y if self.mlp_out_norm is None else x + self.mlp_out_norm(y.float())
 
 
 class Embed:
     """The token embedding: a table on its place, or a paged one that reads only a step's rows from the file; a
     quantized one (`quant`) dequantizes the rows it reads."""
 
-    def __init__(self, table: Any, dtype: torch.dtype, quant: Segment | None = None):
+    def __init__(self, table: Any, dtype: torch.dtype, quant: Segment | None = None, scale: float | None = None):
         self.paged = hasattr(table, "rows")
         self.quant = None if quant is None else QuantTable(table, quant.fmt, quant.k)
         self.table = table if self.paged or quant is not None or table.dtype == dtype else table.to(dtype)  # [V, hidden]
         self.dtype = dtype
+        # rows times `scale` (Gemma's sqrt(hidden)), in the weights' dtype as transformers multiplies them
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32 if quant is not None else dtype)
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            return self.quant.rows(token_ids).to(STREAM)  # [T, hidden], exact
-        rows = self.table.rows(token_ids) if self.paged else torch.nn.functional.embedding(token_ids, self.table)  # [T, hidden]
-        return rows.to(self.dtype).to(STREAM)  # the stored dtype, as resident rows go, then the f32 stream
+            rows = self.quant.rows(token_ids)  # [T, hidden] f32, exact
+        else:
+            rows = (self.table.rows(token_ids) if self.paged else torch.nn.functional.embedding(token_ids, self.table)).to(self.dtype)  # [T, hidden]
+        if self.scale is not None:
+            rows = rows * self.scale.to(rows.device)
+        return rows.to(STREAM)  # the stored dtype, as resident rows go, then the f32 stream
 
 
 class Head:
     """Final norm and LM head: hidden states -> f32 logits."""
 
-    def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype, quant: list[Segment] | None = None):
+    def __init__(self, norm: torch.Tensor, lm: torch.Tensor, eps: float, dtype: torch.dtype, quant: list[Segment] | None = None,
+                 softcap: float | None = None):
         self.norm = RMSNorm(norm, eps, STREAM)
         lm = lm if quant is not None or lm.dtype == dtype else lm.to(dtype)
         self.lm = make_linear(lm, None, segments=quant)  # a tied table's bytes are shared: no panels
+        self.softcap = softcap  # logits -> tanh(logits / cap) * cap, where the config caps them
 
     def __call__(self, x: torch.Tensor, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> f32 logits [T, V]; `chunk` marks the tokens of prompt chunks (see DecoderBlock)."""
         if self.lm.folds and x.dtype == torch.float32:  # quantized rows: the norm made as the kernel quantizes x
-            return self.lm(x, norm=(self.norm.weight, self.norm.eps), chunk=chunk)
-        return self.lm(self.norm(x), chunk=chunk).float()  # [T, V]
+            logits = self.lm(x, norm=(self.norm.weight, self.norm.eps), chunk=chunk)
+        else:
+            logits = self.lm(self.norm(x), chunk=chunk).float()  # [T, V]
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap).mul_(self.softcap)
 
 
 def layouts(cfg: LlamaConfig, names: set[str]) -> dict[str, dict[str, list[str]]]:
@@ -251,6 +288,8 @@ class LlamaModel:
     """embed -> blocks -> head, computing in `dtype`: builds each block from its parts on the device it is given
     (engine/runner.py runs them where the placement holds them)."""
 
+    block_layouts = staticmethod(layouts)  # (config, the .jlm's tensor names) -> each block's parts
+
     def __init__(self, cfg: LlamaConfig, jlm: JLMFile, dtype: torch.dtype):
         self.cfg = cfg
         self.dtype = dtype
@@ -258,16 +297,25 @@ class LlamaModel:
         # f32 (K/V included): fewer conversions, faster there, never less exact. Elsewhere attention and KV follow the
         # weights, and the residual stream stays f32 whatever the weights (STREAM).
         self.act = torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_native("cpu") else dtype
-        self.layouts = layouts(cfg, set(jlm.names))
+        self.layouts = self.block_layouts(cfg, set(jlm.names))
         quantization = jlm.meta.get("quantization") or {}
         self.quant = {  # block -> part -> its segments, for the parts stored quantized
             block: {part: seg for part, names in parts.items() if (seg := segments_for(names, quantization)) is not None}
             for block, parts in self.layouts.items()
         }
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freqs = self.rope_freqs(cfg)
         # A kept-quantized model keeps K/V in f16, as llama.cpp does: half an f32 cache's bytes to hold and to read
         # at every step; each value rounds to f16's 11 significant bits once, as it is written, and is read exactly.
         self.kv_dtype = torch.float16 if quantization and self.act == torch.float32 else self.act
+
+    @staticmethod
+    def rope_freqs(cfg: LlamaConfig) -> list[torch.Tensor]:
+        """The inverse frequencies of each RoPE table a forward makes (`cfg.rope_index` picks a layer's)."""
+        return [rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)]
+
+    def embed_scale(self) -> float | None:
+        """What the token embedding's rows are multiplied by (None: nothing)."""
+        return None
 
     def build(self, name: str, parts: dict[str, Any], device: torch.device, once: bool = False) -> Any:
         """The runnable block `name` from its parts, already on `device`. `once`: built for one turn from a paged
@@ -275,20 +323,22 @@ class LlamaModel:
         a block that stays takes its f32 projections as panels (`Linear`), its parts rewritten in place."""
         quant = self.quant[name]
         if name == "embed":
-            return Embed(parts["table"], self.dtype, quant["table"][0] if "table" in quant else None)
+            return Embed(parts["table"], self.dtype, quant["table"][0] if "table" in quant else None, self.embed_scale())
         if name == "head":
-            return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype, quant.get("lm"))
+            return Head(parts["norm"], parts["lm"], self.cfg.rms_norm_eps, self.dtype, quant.get("lm"), self.cfg.final_logit_softcapping)
         index = int(name.split(".", 1)[1])
         return DecoderBlock(self.cfg, index, parts, self.dtype, self.act, device, panels=not once, quant=quant)
 
-    def begin(self, positions: torch.Tensor) -> RopeTables:
-        """What every block of a forward over `positions` [T] reads: the RoPE tables."""
-        return RopeTables(positions, self.inv_freq, self.act)
+    def begin(self, positions: torch.Tensor) -> tuple[RopeTables, ...]:
+        """What every block of a forward over `positions` [T] reads: the RoPE tables, one per `rope_freqs`."""
+        return tuple(RopeTables(positions, inv, self.act) for inv in self.inv_freqs)
 
     def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV:
-        """A session's KV, each layer's on its block's device (`devices`, one per layer; default the CPU)."""
+        """A session's KV, each layer's on its block's place (`devices`, one per layer; default the CPU); a sliding
+        window layer's holds about its window."""
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers)
+        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers,
+                         [c.window(i) for i in range(c.num_layers)])
 
 
 # -- sources: Hugging Face and GGUF --
