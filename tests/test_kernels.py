@@ -21,6 +21,8 @@ from jitllmd.engine.kernels import (
     gated_rows,
     pack_panels,
     panel_linear,
+    rms_norm_add_rows,
+    rms_norm_heads,
     rms_norm_rows,
     rope_rows,
     rows_kernel,
@@ -206,6 +208,25 @@ def test_rms_norm_rows_matches_torch(rows: int) -> None:
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(rows, 72, generator=g), torch.randn(72, generator=g)
     torch.testing.assert_close(rms_norm_rows(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_norms_in_place_and_onto_a_residual_are_rms_norm_rows_bits(rows: int) -> None:
+    """q/k norms in place in a qkv product's rows (rms_norm_heads), and residual + norm in one pass
+    (rms_norm_add_rows): the bits rms_norm_rows gives, nothing outside the heads touched."""
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(rows, 7 * 32, generator=g) * 3  # 4 q heads, 1 k head, 2 v heads of 32
+    wq, wk = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    want_q = rms_norm_rows(qkv[:, :128].reshape(-1, 32), wq, 1e-6).view(rows, 128)
+    want_k = rms_norm_rows(qkv[:, 128:160].contiguous(), wk, 1e-6)
+    rest = qkv[:, 160:].clone()
+    qk = qkv[:, :160].view(rows, 5, 32)
+    rms_norm_heads(qk[:, :4], wq, 1e-6)
+    rms_norm_heads(qk[:, 4:], wk, 1e-6)
+    assert torch.equal(qkv[:, :128], want_q) and torch.equal(qkv[:, 128:160], want_k) and torch.equal(qkv[:, 160:], rest)
+    x, res, w = torch.randn(rows, 72, generator=g), torch.randn(rows, 72, generator=g), torch.randn(72, generator=g)
+    want = res + rms_norm_rows(x, w, 1e-5)
+    assert torch.equal(rms_norm_add_rows(x, w, 1e-5, res), want) and torch.equal(x, want)  # written over x
 
 
 @pytest.mark.parametrize("gate", ["silu", "gelu_tanh"])

@@ -274,19 +274,20 @@ def test_temperature_sharpens() -> None:
 
 # -- device -----------------------------------------------------------------------------------------------------------
 
-# Recorded from the sampler as it was when it sampled on a CPU generator with CPU tensors: on the CPU the same seed
-# and logits must keep giving exactly these tokens. (settings, prompt ids, vocabulary) -> 16 tokens, each accepted.
+# Recorded from the sampler as it samples now (on the CPU generator with CPU tensors; re-recorded when top-p stopped
+# sorting the whole vocabulary and the draw became one uniform number through the candidates' cumulative mass): on
+# the CPU the same seed and logits must keep giving exactly these tokens. (settings, prompt ids, vocabulary) -> 16 tokens, each accepted.
 RECORDED: list[tuple[dict[str, Any], list[int], int, list[int]]] = [
-    ({"temperature": 1.0, "seed": 1234}, [], 50, [17, 24, 31, 34, 31, 31, 40, 24, 8, 1, 35, 37, 23, 9, 1, 17]),
-    ({"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "seed": 7}, [], 50, [3, 48, 27, 28, 26, 28, 18, 28, 28, 11, 3, 3, 18, 43, 3, 48]),
-    ({"temperature": 1.3, "top_p": 0.8, "seed": 99}, [], 1000, [543, 360, 627, 35, 33, 557, 128, 458, 872, 270, 366, 444, 825, 326, 329, 924]),
-    ({"temperature": 0.9, "min_p": 0.1, "seed": (1 << 63) + 5}, [], 50, [14, 14, 37, 14, 46, 18, 37, 14, 33, 46, 14, 5, 19, 46, 46, 19]),
-    ({"temperature": 1.0, "top_k": 5, "seed": -3}, [], 1000, [710, 244, 244, 710, 710, 687, 547, 547, 710, 687, 687, 687, 687, 889, 687, 547]),
+    ({"temperature": 1.0, "seed": 1234}, [], 50, [1, 24, 14, 20, 1, 31, 1, 28, 31, 17, 35, 31, 35, 38, 17, 31]),
+    ({"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "seed": 7}, [], 50, [18, 3, 11, 11, 28, 28, 3, 11, 28, 7, 7, 18, 28, 3, 20, 28]),
+    ({"temperature": 1.3, "top_p": 0.8, "seed": 99}, [], 1000, [370, 83, 17, 161, 29, 831, 30, 400, 666, 458, 266, 715, 66, 736, 649, 21]),
+    ({"temperature": 0.9, "min_p": 0.1, "seed": (1 << 63) + 5}, [], 50, [46, 9, 46, 46, 46, 9, 14, 46, 5, 46, 37, 33, 8, 44, 46, 33]),
+    ({"temperature": 1.0, "top_k": 5, "seed": -3}, [], 1000, [244, 710, 687, 889, 710, 710, 687, 244, 244, 244, 889, 687, 687, 889, 889, 244]),
     (
         {"temperature": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3, "seed": 2024},
         [3, 5, 8],
         50,
-        [4, 41, 49, 14, 38, 13, 34, 39, 46, 33, 4, 32, 9, 28, 49, 29],
+        [18, 40, 48, 4, 5, 14, 8, 31, 24, 38, 4, 29, 6, 37, 46, 18],
     ),
     ({"temperature": 0.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2}, [0, 1], 50, [11, 47, 38, 37, 7, 9, 13, 31, 23, 11, 47, 41, 27, 38, 40, 21]),
 ]
@@ -330,7 +331,7 @@ def test_sampling_names_the_logits_device() -> None:
     logits = _logits(11).to(device)
     with _DeviceLog() as log:
         s.sample(logits)
-    assert [name for name, _ in log.devices] == ["tensor", "tensor", "tensor", "multinomial"]
+    assert [name for name, _ in log.devices] == ["tensor", "tensor", "tensor", "rand"]
     assert all(d == device for _, d in log.devices), log.devices
 
 
@@ -346,3 +347,20 @@ def test_generator_per_device_seeded_with_the_row_seed() -> None:
 @pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
 def test_synchronize_accepts_the_cpu(device: torch.device | str) -> None:
     synchronize(device)  # the CPU has nothing queued: a no-op
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked: the nucleus inside the first candidates; flat: beyond them
+def test_top_p_over_a_large_vocabulary_keeps_the_exact_nucleus(scale: float) -> None:
+    """A 262k vocabulary: top-p sorts only the likeliest NUCLEUS_CANDIDATES where they hold the mass, the whole
+    vocabulary where they do not; either way every draw is in the nucleus a full sort gives, and a peaked one's
+    draws cover more than one token."""
+    from jitllmd.engine.sampler import NUCLEUS_CANDIDATES
+
+    logits = torch.randn(262_144, generator=torch.Generator().manual_seed(5)) * scale
+    values, ids = torch.sort(logits, descending=True)
+    probs = torch.softmax(values, -1)
+    nucleus = set(ids[(torch.cumsum(probs, -1) - probs) < 0.9].tolist())
+    assert (len(nucleus) < NUCLEUS_CANDIDATES) == (scale > 1)
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=11), [])
+    drawn = {s.sample(logits) for _ in range(200)}
+    assert drawn <= nucleus and len(drawn) > 1

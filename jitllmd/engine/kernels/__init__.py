@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "KV_DTYPES", "MAX_ROWS", "bf16_attention", "bf16_round", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
-    "panel_linear", "quant_rows", "quant_runs", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "gated_rows", "use_variant", "variants",
+    "panel_linear", "quant_rows", "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "gated_rows", "use_variant", "variants",
 ]
 
 log = logging.getLogger("jitllmd.kernels")
@@ -176,6 +176,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attend_rows.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rms_norm_rows.restype = None
+    lib.rms_norm_add_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.rms_norm_add_rows.restype = None
+    lib.rms_norm_heads.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.rms_norm_heads.restype = None
     lib.gated_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.gated_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
@@ -362,6 +366,23 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     y = torch.empty_like(x)
     lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return y
+
+
+def rms_norm_add_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    """residual + RMSNorm(x) * weight for f32 rows x and residual [T, D] (D a multiple of 8), written over x (a
+    sublayer's output, no longer needed) and returned: the bits of residual + rms_norm_rows(x, weight, eps)."""
+    lib = _lib()
+    assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape and x.dtype == residual.dtype == torch.float32
+    lib.rms_norm_add_rows(x.data_ptr(), weight.data_ptr(), residual.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return x
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm in place of each head of f32 x [T, heads, D] (heads adjacent in a row, which may be a view into a wider
+    row: q's or k's heads in a qkv product), by weight [D] (D a multiple of 8): rms_norm_rows's values."""
+    lib = _lib()
+    assert x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    lib.rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], x.shape[2], eps, torch.get_num_threads())
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

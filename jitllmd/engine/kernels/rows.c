@@ -269,7 +269,7 @@ int attend_rows(const float *q, const float *k_new, const float *v_new, float *o
 
 /* What rms_norm_rows, rope_rows and gated_rows pass their items; each uses the fields it names. */
 typedef struct {
-    const float *x, *w, *cos, *sin;
+    const float *x, *w, *cos, *sin, *r;
     float *y;
     int64_t T, D, stride, heads;
     float eps;
@@ -279,15 +279,23 @@ typedef struct {
 /* The x rows of pool item i. */
 static inline int64_t item_end(int64_t i, int64_t T) { return (i + 1) * ROWS_PER_ITEM < T ? (i + 1) * ROWS_PER_ITEM : T; }
 
+/* y = (r +) x * rsqrt(mean(x^2) + eps) * w for the D-float rows (t, h) at t * stride + h * D of x, y and r alike
+ * (h < heads); y may be x. */
 static void rms_norm_item(void *arg, int64_t i) {
     const rows_job *j = arg;
     const int64_t D = j->D;
     for (int64_t t = i * ROWS_PER_ITEM, end = item_end(i, j->T); t < end; t++) {
-        const float *xt = j->x + t * D;
-        float *yt = j->y + t * D;
-        const __m256 scale = _mm256_set1_ps(inv_rms(xt, D, j->eps));
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + d), scale), _mm256_loadu_ps(j->w + d)));
+        for (int64_t h = 0; h < j->heads; h++) {
+            const int64_t at = t * j->stride + h * D;
+            const float *xt = j->x + at;
+            float *yt = j->y + at;
+            const __m256 scale = _mm256_set1_ps(inv_rms(xt, D, j->eps));
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + d), scale), _mm256_loadu_ps(j->w + d));
+                if (j->r) v = _mm256_add_ps(_mm256_loadu_ps(j->r + at + d), v);
+                _mm256_storeu_ps(yt + d, v);
+            }
+        }
     }
 }
 
@@ -295,8 +303,22 @@ static void rms_norm_item(void *arg, int64_t i) {
  * A step's few rows in one call where torch's fused norm costs tens of microseconds per call; a prompt's rows split
  * between pool.c's threads. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps, int threads) {
-    rows_job job = {.x = x, .w = w, .y = y, .T = T, .D = D, .eps = eps};
+    rows_job job = {.x = x, .w = w, .y = y, .T = T, .D = D, .stride = D, .heads = 1, .eps = eps};
     pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 64 ? threads : 1, rms_norm_item, &job);
+}
+
+/* y = r + RMSNorm(x) * w, rows_norm_rows's values added to a residual stream r [T, D] (y may be x or r): a norm of
+ * a sublayer's output before it joins the stream (Gemma's), one pass. */
+void rms_norm_add_rows(const float *x, const float *w, const float *r, float *y, int64_t T, int64_t D, float eps, int threads) {
+    rows_job job = {.x = x, .w = w, .r = r, .y = y, .T = T, .D = D, .stride = D, .heads = 1, .eps = eps};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 64 ? threads : 1, rms_norm_item, &job);
+}
+
+/* RMSNorm in place of each head of x [T, heads, D] (rows `stride` floats apart, heads adjacent: q's or k's heads in
+ * a qkv product's rows), by one weight [D]: q/k norms, with rms_norm_rows's values. */
+void rms_norm_heads(float *x, int64_t stride, const float *w, int64_t T, int64_t heads, int64_t D, float eps, int threads) {
+    rows_job job = {.x = x, .w = w, .y = x, .T = T, .D = D, .stride = stride, .heads = heads, .eps = eps};
+    pool_for((T + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T >= 16 ? threads : 1, rms_norm_item, &job);
 }
 
 static void rope_item(void *arg, int64_t i) {

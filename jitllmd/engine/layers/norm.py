@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import rms_norm_rows, rows_kernel
+from ..kernels import rms_norm_add_rows, rms_norm_heads, rms_norm_rows, rows_kernel
 
 __all__ = ["RMSNorm"]
 
@@ -29,3 +29,16 @@ class RMSNorm:
                 return rms_norm_rows(x, self.weight, self.eps)  # a step's few rows or a prompt's
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
+
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Each head of x [T, heads, D] normed in place (a view into a qkv product's rows: q/k norms); x."""
+        if self.kernel and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            rms_norm_heads(x, self.weight, self.eps)
+            return x
+        return x.copy_(self(x))
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + RMSNorm(x) * weight, x [T, D] a sublayer's output (written over where the kernel runs)."""
+        if self.kernel and x.dtype == residual.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+            return rms_norm_add_rows(x, self.weight, self.eps, residual)
+        return residual + self(x.to(residual.dtype))

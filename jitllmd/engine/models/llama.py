@@ -168,8 +168,9 @@ class DecoderBlock:
             qkv = self.qkv(self.input_norm(x), chunk=chunk).to(self.act)
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        if self.q_norm is not None and self.k_norm is not None:  # in place, in qkv's own rows where the kernel runs
+            self.q_norm.heads_(qk[:, :H])
+            self.k_norm.heads_(qk[:, H:])
         qk = self.rope(qk, *tables.on(x.device))  # q and k rotated in one pass (in qkv's own rows where it can)
         attn = self.attn(qk[:, :H], qk[:, H:], v, rows, keep)  # [T or len(keep), H*D]
         if keep is not None:
@@ -178,7 +179,7 @@ class DecoderBlock:
         if self.attn_out_norm is None:
             x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
         else:
-            x = x + self.attn_out_norm(self.o(attn, chunk=chunk).float())
+            x = self.attn_out_norm.add_to(x, self.o(attn, chunk=chunk).float())
         if self.bf16_chunks and chunk is not None:  # a prompt row's MLP the same way whatever rows share its step
             if bool(chunk.all()):
                 return self.mlp_columns(x)
@@ -207,7 +208,7 @@ class DecoderBlock:
             c = min(MLP_COLUMNS, inter - j)
             gate_up = self.gate_up.rows_bf16(xb, [(j, j + c), (inter + j, inter + j + c)])  # [T, 2c]: gate, up
             y = self.down.columns_bf16(gate_up, j, j + c, gated=self.gate, add=y)
-        return y if self.mlp_out_norm is None else x + self.mlp_out_norm(y)
+        return y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y)
 
     def mlp(self, x: torch.Tensor, chunk: torch.Tensor | None) -> torch.Tensor:
         """x + the MLP of x's rows [T, hidden] f32 (`chunk`: which rows are a prompt's, multiplied exactly)."""
@@ -217,7 +218,7 @@ class DecoderBlock:
             y = self.down(gate_up, residual=residual, gated=self.gate, chunk=chunk)
         else:
             y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk)
-        return y if self.mlp_out_norm is None else x + self.mlp_out_norm(y.float())
+        return y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float())
 
 
 class Embed:
