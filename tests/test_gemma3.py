@@ -276,3 +276,22 @@ def test_a_session_goes_on_past_its_window_and_rewinds_where_it_can(tiny_gemma_j
             assert turn(engine, engine.new_session(), prompt)[0] == want
     finally:
         engine.stop()
+
+
+def test_soft_capped_attention_matches_eager_attention_with_its_cap(tmp_path, monkeypatch):
+    """A config that caps attention's scores (attn_logit_softcapping, as Gemma 2's do): ours against transformers'
+    eager attention told the cap (its Gemma 3 module does not pass it on), whole prompt and token by token."""
+    import functools
+
+    import transformers.models.gemma3.modeling_gemma3 as modeling
+
+    hf_dir, hf = write_tiny_hf(tmp_path / "hf", "gemma3", **BASE | {"attn_logit_softcapping": 0.5})
+    loaded = load_model(convert(hf_dir, tmp_path / "capped.jlm", "f32").path, max_seq=64)
+    assert loaded.model.cfg.attn_logit_softcapping == 0.5
+    hf.config._attn_implementation = "eager"
+    monkeypatch.setattr(modeling, "eager_attention_forward", functools.partial(modeling.eager_attention_forward, softcap=0.5))
+    ref = _reference(hf, PROMPT)
+    monkeypatch.undo()
+    assert (ref - _reference(hf, PROMPT)).abs().max().item() > 10 * TOL  # the cap matters here
+    assert (_run(loaded, [PROMPT]) - ref).abs().max().item() <= TOL
+    assert (_run(loaded, [PROMPT[:5]] + [[t] for t in PROMPT[5:]]) - ref).abs().max().item() <= TOL
