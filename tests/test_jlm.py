@@ -241,3 +241,45 @@ def test_duplicate_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(JLMError, match="x"):
         write_jlm(tmp_path / "dup.jlm", specs, META)
     assert _leftovers(tmp_path) == []
+
+
+_WRITER = """
+import sys, time, torch
+from jitllmd.engine.jlm import TensorSpec, write_jlm
+
+def slow():
+    print("writing", flush=True)
+    time.sleep(600)
+    return torch.zeros(4)
+
+write_jlm(sys.argv[1], [TensorSpec("a", torch.float32, (4,), slow)], {"arch": "x"})
+"""
+
+
+def test_a_killed_writers_part_is_removed_by_the_next_write_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """`kill -9` mid-write leaves `.NAME.jlm.XXXX.part`: the next write of NAME.jlm removes it; a part whose writer
+    still runs (it holds its lock) stays; neither is ever a .jlm to list."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.jlm"
+    dead = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    assert dead.stdout is not None and dead.stdout.readline() == "writing\n"
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    dead.stdout.close()
+    stale = list(tmp_path.glob(".model.jlm.*.part"))
+    assert len(stale) == 1 and not out.exists()
+    live = tmp_path / ".model.jlm.live.part"  # as a running writer holds its own
+    fd = os.open(live, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert list(tmp_path.glob("*.jlm")) == []
+        write_jlm(out, [TensorSpec("a", torch.float32, (2,), lambda: torch.ones(2))], {"arch": "x"})
+        assert not stale[0].exists() and live.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".model.jlm.live.part", "model.jlm"]
+    finally:
+        os.close(fd)

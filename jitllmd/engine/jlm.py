@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -19,6 +20,7 @@ __all__ = [
     "JLMError",
     "JLMFile",
     "TensorSpec",
+    "remove_stale_parts",
     "write_jlm",
 ]
 
@@ -89,7 +91,9 @@ def write_jlm(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_parts(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held while this writer lives: a part no one holds is a dead writer's
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -109,6 +113,28 @@ def write_jlm(
         Path(tmp).unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+def remove_stale_parts(path: str | Path) -> list[Path]:
+    """Remove the temp files (`.NAME.jlm.*.part`) that writers of `path` killed mid-write left behind (a live
+    writer holds a lock on its own, so its part stays); returns those removed."""
+    path = Path(path)
+    removed = []
+    for part in path.parent.glob(f".{path.name}.*.part"):
+        try:
+            fd = os.open(part, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer's
+        else:
+            part.unlink(missing_ok=True)
+            removed.append(part)
+        finally:
+            os.close(fd)
+    return removed
 
 
 class JLMFile:
