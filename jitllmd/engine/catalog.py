@@ -105,12 +105,14 @@ class Catalog:
             return list(self._models.values())
 
     def entries(self) -> list[ModelEntry]:
-        """Loaded models first, then the .jlm files of -models that none of them came from."""
+        """Loaded models first, then the .jlm files of -models that none of them came from; a link that resolves
+        outside -models is not one of them (as a client cannot load it, none sees it)."""
         out = [ModelEntry(m.id, m.created, True, m.engine.loaded.path, m.aliases) for m in self.loaded()]
         taken = {e.path.resolve() for e in out} | {name for e in out for name in (e.id, *e.aliases)}
         if self.models_dir is not None and self.models_dir.is_dir():
             for p in sorted(self.models_dir.glob("*.jlm")):
-                if p.is_file() and p.resolve() not in taken and p.stem not in taken:
+                inside = p.resolve().is_relative_to(self.models_dir)
+                if inside and p.is_file() and p.resolve() not in taken and p.stem not in taken:
                     out.append(ModelEntry(p.stem, int(p.stat().st_mtime), False, p))
         return out
 

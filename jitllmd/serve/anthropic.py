@@ -21,7 +21,8 @@ from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 __all__ = ["Anthropic", "error_response"]
 
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error", "too_large": "request_too_large", "server": "api_error"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error", "too_large": "request_too_large", "media_type": "invalid_request_error",
+                "server": "api_error"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -149,7 +150,7 @@ class Anthropic:
             top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,
             top_k=f.integer("top_k", 0, low=0) or 0,
         )
-        stop = f.strings("stop_sequences", most=64)
+        stop = f.strings("stop_sequences", most=64, single=False)  # Anthropic's is an array, never a string
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
         outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session)

@@ -19,15 +19,17 @@ log = logging.getLogger("jitllmd.serve")
 Handler = Callable[[Any, Request], Awaitable[Response]]
 
 MAX_BODY = 32 << 20  # bytes
+_EXACT_INTEGERS = 1 << 53  # a JSON number written as a float stands for an integer only up to here
 
 
 class APIError(Exception):
     """A client error: each dialect renders it in its own error shape.
 
-    kind: "invalid_request" (400), "not_found" (404), "too_large" (413); "server" (500) is only for bugs.
+    kind: "invalid_request" (400), "not_found" (404), "too_large" (413), "media_type" (415); "server" (500) is only
+    for bugs.
     """
 
-    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413, "server": 500}
+    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413, "media_type": 415, "server": 500}
 
     def __init__(self, message: str, *, param: str | None = None, kind: str = "invalid_request", code: str | None = None):
         super().__init__(message)
@@ -66,7 +68,12 @@ def _no_constant(name: str) -> float:
 
 
 async def read_json(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
-    """The body as a JSON object. Refuses bodies over `limit` bytes before reading them whole."""
+    """The body as a JSON object. Refuses a Content-Type other than JSON's (415: what a web page can post without
+    asking first, text/plain or a form, never reaches a model) and bodies over `limit` bytes before reading them
+    whole."""
+    media = request.headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(f"Content-Type {media or '(empty)'!r} is not JSON: send application/json", kind="media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(f"the request body is {int(declared)} bytes; the limit is {limit}", kind="too_large")
@@ -157,8 +164,8 @@ class Fields:
         value = self.required(key) if required else self.obj.get(key)
         if value is None:
             return default
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INTEGERS:
+            value = int(value)  # 3.0; not 1e308, a float no integer field means
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(key, f"expected an integer, got {_kind(value)}")
         self._range(key, value, low, high)
@@ -168,8 +175,10 @@ class Fields:
         value = self.obj.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.error(key, f"expected a number, got {_kind(value)}")
+        if not math.isfinite(value):
+            raise self.error(key, f"expected a finite number, got {value}")  # 1e999 parses as infinity
         self._range(key, value, low, high)
         return float(value)
 
@@ -199,13 +208,15 @@ class Fields:
             texts.append(t.string("text", required=True) or "")
         return "".join(texts)
 
-    def strings(self, key: str, *, most: int = 16) -> list[str]:
-        """A string or an array of strings (stop sequences)."""
+    def strings(self, key: str, *, most: int = 16, single: bool = True) -> list[str]:
+        """A string (where `single`) or an array of strings (stop sequences)."""
         value = self.obj.get(key)
         if value is None:
             return []
-        if isinstance(value, str):
+        if isinstance(value, str) and single:
             return [value]
+        if not single and not isinstance(value, list):
+            raise self.error(key, f"expected an array of strings, got {_kind(value)}")
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.error(key, "expected a string or an array of strings")
         if len(value) > most:

@@ -209,7 +209,7 @@ class Models(ModelService):
 
     async def detokenize(self, request: mdl.DetokenizeRequest, ctx: Any) -> mdl.DetokenizeResponse:
         tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
-        if any(i >= tok.vocab_size for i in request.token_ids):
+        if any(not 0 <= i < tok.vocab_size for i in request.token_ids):
             raise ConnectError(Code.INVALID_ARGUMENT, f"token_ids must be in [0, {tok.vocab_size})")
         return mdl.DetokenizeResponse(text=tok.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
 

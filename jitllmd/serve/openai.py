@@ -26,7 +26,8 @@ from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 __all__ = ["OpenAI", "error_response"]
 
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error", "server": "server_error"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error",
+                "media_type": "invalid_request_error", "server": "server_error"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -99,6 +100,8 @@ def _parse_common(
         repetition_penalty=f.number("repetition_penalty", 1.0, low=0.0),
     )
     options = f.object("stream_options")
+    if options is not None and not f.boolean("stream"):  # as OpenAI answers it
+        raise f.error("stream_options", "only allowed when stream is true")
     return _Generation(
         served=served,
         model=model,
