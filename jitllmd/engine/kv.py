@@ -57,6 +57,8 @@ class SessionKV:
         self.windows = [w if w is not None and w < capacity else None for w in (windows or [None] * num_layers)]
         if len(self.windows) != num_layers or len(self.devices) != num_layers:
             raise ValueError(f"windows and devices name {num_layers} layers")
+        self._full = self.windows.count(None)  # bytes_at's terms, once: it runs for every decode row of every step
+        self._sliding = [w for w in self.windows if w is not None]
         self.offsets = [0] * num_layers  # the position each layer's slot 0 holds
         self.length = 0  # positions filled
         self._layer_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # one position of one layer
@@ -71,16 +73,16 @@ class SessionKV:
     def bytes_at(self, length: int) -> int:
         """The K/V bytes `length` positions hold (and a step at that length reads): a window layer's at most its
         window's."""
-        return self._layer_bytes * sum(length if w is None else min(length, w) for w in self.windows)
+        return self._layer_bytes * (self._full * length + sum(min(length, w) for w in self._sliding))
 
     def nbytes(self) -> int:
         return sum(self.layer_nbytes(i) for i in range(self.num_layers))
 
     def layer_nbytes(self, layer: int) -> int:
         """Bytes of one layer's K/V storage now."""
-        if self.windows[layer] is None or layer >= len(self.k):
-            return self._allocated * self._layer_bytes if self.windows[layer] is None else 0
-        return self.k[layer].shape[1] * self._layer_bytes
+        if self.windows[layer] is None:
+            return self._allocated * self._layer_bytes  # the positions reserved (a CPU layer maps only those it writes)
+        return self.k[layer].shape[1] * self._layer_bytes if layer < len(self.k) else 0
 
     def reserve(self, total: int) -> None:
         """Make room for positions up to `total` (grows storage, never past capacity; a window layer first drops what

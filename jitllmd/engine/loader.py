@@ -155,8 +155,8 @@ def load_model(
     quantized = meta.get("quantization") or {}
     # a quantized model computes in f32 around its projections (its float tensors, norms and biases, are f32)
     # the blocks' weights' dtype (a family may keep its norms in f32 beside bf16 weights: Gemma's 1 + w)
-    weights = [jlm.locate(n) for n in jlm.names if n.startswith("blocks.") and n not in quantized]
-    stored = next((dtype for dtype, shape, *_ in weights if len(shape) == 2), torch.float32)
+    weights = (jlm.locate(n) for n in jlm.names if n.startswith("blocks.") and n not in quantized)
+    stored = next((dtype for dtype, shape, *_ in weights if len(shape) == 2), torch.float32)  # the first is enough
     dtype = compute_dtype(stored, first)
     special = meta.get("special_tokens", {})
     tokenizer = Tokenizer(
