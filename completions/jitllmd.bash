@@ -20,19 +20,19 @@ _jitllmd() {
   esac
   case "$verb" in
     serve)
-      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -api-key -api-key-file -allow-host -h" -- "$cur")) ;;
     models)
-      COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -unload -addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -unload -addr -api-key -json -h" -- "$cur")) ;;
     devices)
-      COMPREPLY=($(compgen -W "-addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -api-key -json -h" -- "$cur")) ;;
     stats)
-      COMPREPLY=($(compgen -W "-watch -interval -addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-watch -interval -addr -api-key -json -h" -- "$cur")) ;;
     sessions)
-      COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -addr -api-key -json -h" -- "$cur")) ;;
     place)
-      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -addr -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -addr -api-key -json -h" -- "$cur")) ;;
     run)
-      COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -api-key -h" -- "$cur")) ;;
     convert)
       COMPREPLY=($(compgen -W "-o -dtype -force -json -h" -- "$cur")) ;;
   esac

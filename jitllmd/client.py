@@ -36,10 +36,23 @@ def to_dict(msg: Message) -> dict[str, Any]:
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-class Client:
-    """The six sync service clients of one server; build it from -addr."""
+class _Key:
+    """A metadata interceptor: every call carries the server's API key."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR) -> None:
+    def __init__(self, key: str) -> None:
+        self.header = f"Bearer {key}"
+
+    def on_start_sync(self, ctx: Any) -> None:
+        ctx.request_headers["authorization"] = self.header
+
+    def on_end_sync(self, token: None, ctx: Any, error: Exception | None) -> None:
+        return
+
+
+class Client:
+    """The six sync service clients of one server; build it from -addr (and its API key, if it asks for one)."""
+
+    def __init__(self, addr: str = DEFAULT_ADDR, api_key: str | None = None) -> None:
         from pyqwest import SyncClient
 
         from .gen.jitllm.v1 import (
@@ -53,8 +66,9 @@ class Client:
 
         self.url = base_url(addr)
         self.where = self.url.removeprefix("http://")
+        self.has_key = bool(api_key)
         http = SyncClient()  # one connection pool for all six
-        opts: dict[str, Any] = {"send_compression": None, "http_client": http}
+        opts: dict[str, Any] = {"send_compression": None, "http_client": http, "interceptors": [_Key(api_key)] if api_key else []}
         self.models = model_connect.ModelServiceClientSync(self.url, **opts)
         self.devices = device_connect.DeviceServiceClientSync(self.url, **opts)
         self.sessions = session_connect.SessionServiceClientSync(self.url, **opts)
@@ -73,6 +87,10 @@ class Client:
         message = (exc.message or "").strip()
         if cause is not None and exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
             return f"{self.where}: {message or exc.code.name.lower()}"
+        if exc.code == Code.UNAUTHENTICATED:
+            if self.has_key:
+                return f"{self.where} refused the API key (-api-key or JITLLMD_API_KEY): {message}"
+            return f"{self.where} asks for an API key: pass -api-key KEY or set JITLLMD_API_KEY"
         if exc.code == Code.UNIMPLEMENTED and not message:
             return f"{self.where} does not implement this call (is it a jitllmd server?)"
         return message or exc.code.name.lower()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,7 +15,7 @@ from rich.table import Column
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["connect", "console", "err_console", "fail", "progress_bar"]
+__all__ = ["ApiKey", "connect", "console", "err_console", "fail", "progress_bar"]
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -27,12 +27,16 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def connect(addr: str | None) -> Client:
+ApiKey = Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False,
+                                           help="The server's API key, if it was started with one.")]
+
+
+def connect(addr: str | None, api_key: str | None = None) -> Client:
     """The client of the server at -addr (default 127.0.0.1:8080); a malformed address is a usage error (exit 2)."""
     from .client import DEFAULT_ADDR, Client
 
     try:
-        return Client(addr or DEFAULT_ADDR)
+        return Client(addr or DEFAULT_ADDR, api_key)
     except ValueError as exc:
         raise fail(str(exc), 2) from None
 

@@ -27,10 +27,11 @@ def _die_with_parent() -> None:
 
 
 class Server:
-    """`python -m jitllmd serve ARGS -addr 127.0.0.1:0`; `url` once it listens; `log` is its stderr so far."""
+    """`python -m jitllmd serve ARGS -addr 127.0.0.1:0`; `url` once it listens; `log` is its stderr so far.
+    `launcher` replaces `python -m jitllmd` (a test's wrapper of the CLI)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0, cwd: Path | None = None):
-        cmd = [sys.executable, "-m", "jitllmd", "serve", "-addr", "127.0.0.1:0", *args]
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0, cwd: Path | None = None, launcher: list[str] | None = None):
+        cmd = [*(launcher or [sys.executable, "-m", "jitllmd"]), "serve", "-addr", "127.0.0.1:0", *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,

@@ -245,6 +245,9 @@ def test_second_signal_cancels_in_flight_requests(tiny_serve_jlm):
         (["-devices", "cuda:7"], "cuda:7"),
         (["-models", "/no/such/dir"], "not a directory"),
         (["-load", "/no/such/model.jlm"], "no such model file"),
+        (["-api-key-file", "/no/such/secret"], "-api-key-file"),
+        (["-api-key", "two words"], "-api-key"),
+        (["-api-key", "k", "-api-key-file", "/etc/hostname"], "pass one"),
     ],
 )
 def test_start_up_errors_are_one_line(args, words):

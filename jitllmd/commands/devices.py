@@ -8,17 +8,18 @@ from typing import Annotated
 import typer
 
 from ..client import DEFAULT_ADDR, to_dict
-from ..console import connect, console, fail
+from ..console import ApiKey, connect, console, fail
 
 __all__ = ["devices"]
 
 
 def devices(
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """List the devices a running server can place blocks on, with total, free and spendable memory, and the host's memory."""
-    client = connect(addr)
+    client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
     from rich.table import Table

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..client import DEFAULT_ADDR, to_dict
-from ..console import connect, console, fail
+from ..console import ApiKey, connect, console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.model_pb2 import Model
@@ -25,6 +25,7 @@ def models(
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="With -load: default KV capacity of its sessions. Default: the server's -max-seq.", show_default=False)] = None,
     unload: Annotated[str | None, typer.Option("-unload", "--unload", help="Unload this model: its requests end as cancelled, its sessions close.", show_default=False)] = None,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """List a running server's models (loaded ones first, then the model directory's other .jlm files), or load or unload one."""
@@ -34,7 +35,7 @@ def models(
         raise fail("-id, -devices, -gpu-layers and -max-seq go with -load", 2)
     if max_seq is not None and max_seq <= 0:
         raise fail("-max-seq must be positive", 2)
-    client = connect(addr)
+    client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..client import DEFAULT_ADDR, to_dict
-from ..console import connect, console, fail
+from ..console import ApiKey, connect, console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.placement_pb2 import GetResidencyResponse, Placement
@@ -37,6 +37,7 @@ def place(
     maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units).", show_default=False)] = None,
     tune: Annotated[bool, typer.Option("-tune", "--tune", help="Time decode for device-block counts that fit and move the seam to the fastest (TuneSeam).")] = False,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """Show where each block is (host or a device), or move blocks: -devices re-places them all, -move A:B -to moves a range.
@@ -66,7 +67,7 @@ def place(
         budget = parse_size(maxmem) if maxmem is not None else 0
     except ValueError as exc:
         raise fail(str(exc), 2) from None
-    client = connect(addr)
+    client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..console import connect, console, err_console, fail, progress_bar
+from ..console import ApiKey, connect, console, err_console, fail, progress_bar
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -37,6 +37,7 @@ def run(
     addr: Annotated[str | None, typer.Option("-addr", "--addr", help="A running server (HOST:PORT). Implied, as 127.0.0.1:8080, by a -model that is not a file and by -session.", show_default=False)] = None,
     session: Annotated[str | None, typer.Option("-session", "--session", help="Run on a server session (the id `sessions -new` printed): its history is kept.", show_default=False)] = None,
     continue_: Annotated[bool, typer.Option("-continue", "--continue", help="With -session: continue from the session's position with the raw prompt, no template.")] = False,
+    api_key: ApiKey = None,
 ) -> None:
     """Run a model: in this process from a .jlm or .gguf file, or on a running server by model name or session.
 
@@ -67,7 +68,7 @@ def run(
 
     if remote:
         sampling = {"temperature": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed}
-        _remote(addr, model, session, prompt, chat=chat, continue_=continue_, n=n, sampling=sampling, system=system, as_json=as_json)
+        _remote(addr, model, session, prompt, chat=chat, continue_=continue_, n=n, sampling=sampling, system=system, as_json=as_json, api_key=api_key)
         return
 
     from ..engine.sampler import SamplingParams
@@ -244,14 +245,14 @@ def _interactive(engine: Engine, params: SamplingParams, n: int | None, system: 
 
 def _remote(
     addr: str | None, model: str | None, session: str | None, prompt: str | None, *,
-    chat: bool, continue_: bool, n: int | None, sampling: dict[str, Any], system: str | None, as_json: bool,
+    chat: bool, continue_: bool, n: int | None, sampling: dict[str, Any], system: str | None, as_json: bool, api_key: str | None,
 ) -> None:
     """The same run through the server's InferenceService: one answer, or an interactive chat until Ctrl-D."""
     from connectrpc.errors import ConnectError
 
     from ..gen.jitllm.v1 import common_pb2, inference_pb2
 
-    client = connect(addr)
+    client = connect(addr, api_key)
     params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
 
     def request(messages: list[dict[str, str]] | None, text: str | None) -> Any:

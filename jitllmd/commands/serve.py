@@ -29,6 +29,9 @@ def serve(
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 measures the widest step worth running at load, 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 measures a device model's chunk at load (a host model takes 512).")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.")] = "auto",
+    api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 
@@ -37,7 +40,7 @@ def serve(
     """
     from ..embedded import DEFAULT_ALIASES, DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine.config import EngineConfig, find_model_file, parse_size
-    from ..serve.server import bind, is_loopback, parse_addr, run_server
+    from ..serve.server import STOP_SECONDS, bind, is_loopback, parse_addr, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -59,6 +62,8 @@ def serve(
         raise fail(_flag_names(str(exc))) from None
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
+    key = _api_key(api_key, api_key_file)
+    hosts = _allowed_hosts(host, allow_host or [])
     # What can be checked without torch is checked before it is imported and a model loaded (seconds, or minutes).
     gguf = default_gguf() if load is None else None
     if load is None and gguf is None:
@@ -117,15 +122,45 @@ def serve(
         err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
     err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
     err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
-    if not is_loopback(host):
-        err_console.print(f"[yellow]warning:[/] listening on every interface ({addr}): anyone who can reach this machine can use the API; -addr 127.0.0.1:{bound_port} keeps it local")
+    if key is not None:
+        err_console.print("  API key required of every route but /healthz", style="dim")
+    elif not is_loopback(host):
+        where = "every interface" if host in ("0.0.0.0", "::") else host
+        err_console.print(f"[yellow]warning:[/] listening on {where} ({addr}) with no API key: anyone who can reach this machine can generate, "
+                          f"load and unload models and read its sessions; set -api-key (or JITLLMD_API_KEY), or -addr 127.0.0.1:{bound_port} to keep it local")
     try:
         info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
-        run_server(build_app(catalog, info), sock, cancel_all=catalog.cancel_all)
+        run_server(build_app(catalog, info, api_key=key, allowed_hosts=hosts), sock, cancel_all=catalog.cancel_all)
     finally:
-        catalog.stop()
+        catalog.stop(timeout=STOP_SECONDS)
         sock.close()
     err_console.print("stopped", style="dim")
+
+
+def _api_key(key: str | None, path: Path | None) -> str | None:
+    """The key of -api-key (or JITLLMD_API_KEY), or the first line of -api-key-file."""
+    if key is not None and path is not None:
+        raise fail("-api-key and -api-key-file both give a key: pass one")
+    if path is not None:
+        try:
+            key = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise fail(f"-api-key-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not key:
+            raise fail(f"-api-key-file {path}: the file is empty")
+    if key is not None and (not key.strip() or any(c.isspace() or not c.isprintable() for c in key)):
+        raise fail("-api-key: the key must be printable characters with no spaces")
+    return key
+
+
+def _allowed_hosts(host: str, allowed: list[str]) -> frozenset[str] | None:
+    """The Host names accepted: checked on a loopback server (a DNS-rebinding page's target) or where -allow-host
+    names some; * (or a server on every interface with none named) accepts any."""
+    from ..serve.server import host_name, is_loopback
+
+    if "*" in allowed or not (is_loopback(host) or allowed):
+        return None
+    return frozenset({"localhost", host_name(host), *(host_name(a) for a in allowed)})
 
 
 def _where(loaded) -> str:

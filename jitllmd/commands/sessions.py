@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..client import DEFAULT_ADDR, to_dict
-from ..console import connect, console, err_console, fail
+from ..console import ApiKey, connect, console, err_console, fail
 
 if TYPE_CHECKING:
     from ..gen.jitllm.v1.session_pb2 import GetDeviceQueueResponse, ListSessionsResponse
@@ -25,6 +25,7 @@ def sessions(
     close: Annotated[str | None, typer.Option("-close", "--close", help="Close this session and free its KV cache.", show_default=False)] = None,
     queue: Annotated[bool, typer.Option("-queue", "--queue", help="Show what runs and what waits on each model's engine.")] = False,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
     """List a running server's sessions, or create, reset or close one, or show the request queues (-queue).
@@ -42,7 +43,7 @@ def sessions(
         raise fail("-model does not go with -reset or -close", 2)
     if max_seq is not None and max_seq <= 0:
         raise fail("-max-seq must be positive", 2)
-    client = connect(addr)
+    client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
 

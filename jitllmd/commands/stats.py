@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ..client import DEFAULT_ADDR, to_dict
-from ..console import connect, console, fail
+from ..console import ApiKey, connect, console, fail
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -22,6 +22,7 @@ def stats(
     watch: Annotated[bool, typer.Option("-watch", "--watch", help="Stream the counters and redraw them in place until Ctrl-C.")] = False,
     interval: Annotated[int | None, typer.Option("-interval", "--interval", help="With -watch: milliseconds between updates, at least 100. Default: 1000.", show_default=False)] = None,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
+    api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object (with -watch, one per line).")] = False,
 ) -> None:
     """Show a running server's counters per model: requests, tokens, speed, rows per step, queue, sessions and memory."""
@@ -29,7 +30,7 @@ def stats(
         raise fail("-interval goes with -watch", 2)
     if interval is not None and interval < 100:
         raise fail("-interval must be at least 100 (milliseconds)", 2)
-    client = connect(addr)
+    client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
 

@@ -178,12 +178,12 @@ class Catalog:
             self._models[model_id] = served
         return served
 
-    def unload(self, name: str) -> None:
-        """Stop a model's engine (its requests end as cancelled) and forget it."""
+    def unload(self, name: str, timeout: float | None = None) -> None:
+        """Stop a model's engine (its requests end as cancelled) and forget it. `timeout`: see Engine.stop."""
         served = self.get(name)
         with self._lock:
             self._models.pop(served.id, None)
-        served.engine.stop()
+        served.engine.stop(timeout)
         weakref.finalize(served.engine, trim_heap)  # requests still streaming hold it a moment longer
         del served
         release_host_memory()
@@ -193,9 +193,10 @@ class Catalog:
         for m in self.loaded():
             m.engine.cancel_all()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Unload every model; an engine still inside a step after `timeout` seconds is left to a process on its way out."""
         for m in self.loaded():
-            self.unload(m.id)
+            self.unload(m.id, timeout)
 
 
 def _is_gguf(path: Path) -> bool:

@@ -118,12 +118,16 @@ class Engine:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Cancel everything and end the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel everything and end the thread. With a timeout, a thread still inside a step after it is left to
+        itself (a process on its way out): it keeps the model's weights, which it may be reading."""
         self._stopping = True
         self._inbox.put(Wake())
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: the engine is still inside a step after %gs; leaving it", self.loaded.name, timeout)
+                return
             self._thread = None
         if self._owns_model:
             self.loaded.close()
@@ -350,6 +354,10 @@ class Engine:
         for s in sessions:
             seen[id(s.kv)] = s.kv
         return list(seen.values())
+
+    def kv_bytes(self) -> int:
+        """Bytes of every KV cache of this model (see _kvs); read from any thread, as a figure."""
+        return sum(kv.nbytes() for kv in self._kvs())
 
     def _placed(self) -> None:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""

@@ -42,11 +42,18 @@ class Outputs:
                 req.decode_bytes += weight_bytes / num_rows + req.session.kv.bytes_at(req.session.kv.length)
             token = req.sampler.sample(logits[j])
             j += 1
-            if req.t_first_token is None:
-                req.t_first_token = now
-            req.t_last_token = now
+            self._stamp(req, now)
             req.state = RequestState.DECODE
             self._accept(req, token)
+
+    def _stamp(self, req: Request, now: float) -> None:
+        """A sampled token's time: the first one's wait since arrival, or its gap after the last, to the latency histograms."""
+        if req.t_first_token is None:
+            req.t_first_token = now
+            self.stats.token(now - req.t_arrival, first=True)
+        elif req.t_last_token is not None:
+            self.stats.token(now - req.t_last_token, first=False)
+        req.t_last_token = now
 
     def _accept(self, req: Request, token: int) -> None:
         """Take a sampled token: end of sequence, text (watching for stop strings), or length."""
@@ -85,7 +92,7 @@ class Outputs:
             if req.held and self._release(req, final=True):
                 return  # the flushed text held a stop string; _release finished the request
         self._end(req)
-        self.stats.finished(cancelled=reason is FinishReason.CANCELLED)
+        self.stats.finished(cancelled=reason is FinishReason.CANCELLED, reason=reason.value, seconds=time.perf_counter() - req.t_arrival)
         req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded)))
 
     def fail(self, req: Request, message: str) -> None:
@@ -93,7 +100,7 @@ class Outputs:
             return
         req.session.reset()  # its cache may be half written
         self._end(req)
-        self.stats.finished(failed=True)
+        self.stats.finished(failed=True, seconds=time.perf_counter() - req.t_arrival)
         req.emit(Failed(message))
 
     def _end(self, req: Request) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer as _Backend
@@ -42,6 +43,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def most_chars_per_token(self) -> int:
+        """At most this many characters of text make one token: the longest vocabulary string (a byte-level
+        token's string has a character per byte; a text character is at least one byte), or the longest word
+        WordPiece turns into a single unknown token."""
+        most = max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=1)
+        model = self._backend.model
+        if type(model).__name__ == "WordPiece":
+            most = max(most, int(getattr(model, "max_input_chars_per_word", 100)))
+        return max(1, most)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of `token_id` (e.g. "<|im_end|>"), or None if there is no such id."""

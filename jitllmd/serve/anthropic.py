@@ -21,8 +21,9 @@ from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 __all__ = ["Anthropic", "error_response"]
 
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error", "too_large": "request_too_large", "media_type": "invalid_request_error",
-                "server": "api_error"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "authentication_error", "forbidden": "permission_error",
+                "not_found": "not_found_error", "timeout": "invalid_request_error", "too_large": "request_too_large",
+                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "server": "api_error"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -144,7 +145,7 @@ class Anthropic:
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         messages, prefill = _messages(f)
         chat = conversation(session, messages)
-        prompt_ids = chat_prompt_ids(served, chat, prefill=prefill, tools=tools)
+        prompt_ids = await chat_prompt_ids(served, chat, session, prefill=prefill, tools=tools)
         params = sampling_params(
             temperature=f.number("temperature", 1.0, low=0.0, high=1.0),
             top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,
@@ -153,7 +154,8 @@ class Anthropic:
         stop = f.strings("stop_sequences", most=64, single=False)  # Anthropic's is an array, never a string
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
-        outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session)
+        outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session,
+                       request_id=request.state.request_id)
         reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=name or served.id, tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None)
         record = lambda text, calls: remember(session, chat, _remembered((prefill or "") + text, calls))
         if stream:

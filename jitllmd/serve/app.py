@@ -5,6 +5,7 @@ from __future__ import annotations
 from connectrpc.server import ConnectASGIApplication
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -19,7 +20,9 @@ from ..gen.jitllm.v1.telemetry_connect import TelemetryServiceASGIApplication
 from . import anthropic, openai
 from .body import APIError
 from .control import Devices, ErrorMapper, Models, Sessions
+from .guard import Guard
 from .inference import Inference
+from .metrics import Metrics
 from .placement import Placement
 from .telemetry import ServerInfo, Telemetry
 
@@ -43,10 +46,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return resp
 
 
-def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
-    oa, an = openai.OpenAI(catalog), anthropic.Anthropic(catalog)
+def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None, allowed_hosts: frozenset[str] | None = None) -> Starlette:
+    """Every route behind the Guard (jitllmd/serve/guard.py): api_key, when given, is asked of all but /healthz;
+    allowed_hosts, when given, are the only names a Host header may carry besides IP addresses."""
+    oa, an, metrics = openai.OpenAI(catalog), anthropic.Anthropic(catalog), Metrics(catalog)
     routes: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
         Route("/v1/embeddings", oa.embeddings, methods=["POST"]),
@@ -54,7 +60,7 @@ def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),
     ]
-    interceptors = [ErrorMapper()]
+    interceptors = [ErrorMapper(catalog)]
     services: list[ConnectASGIApplication] = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web
         ModelServiceASGIApplication(Models(catalog), interceptors=interceptors),
         DeviceServiceASGIApplication(Devices(catalog), interceptors=interceptors),
@@ -64,4 +70,5 @@ def build_app(catalog: Catalog, info: ServerInfo) -> Starlette:
         TelemetryServiceASGIApplication(Telemetry(catalog, info), interceptors=interceptors),
     ]
     routes += [Mount(app.path, app=app) for app in services]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    guard = Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, observe=metrics.observe_request)
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, middleware=[guard])

@@ -25,11 +25,12 @@ _EXACT_INTEGERS = 1 << 53  # a JSON number written as a float stands for an inte
 class APIError(Exception):
     """A client error: each dialect renders it in its own error shape.
 
-    kind: "invalid_request" (400), "not_found" (404), "too_large" (413), "media_type" (415); "server" (500) is only
-    for bugs.
+    kind: "invalid_request" (400), "unauthorized" (401), "forbidden" (403), "not_found" (404), "timeout" (408),
+    "too_large" (413), "media_type" (415), "http_version" (426: gRPC over HTTP/1.1); "server" (500) is only for bugs.
     """
 
-    STATUS = {"invalid_request": 400, "not_found": 404, "too_large": 413, "media_type": 415, "server": 500}
+    STATUS = {"invalid_request": 400, "unauthorized": 401, "forbidden": 403, "not_found": 404, "timeout": 408, "too_large": 413,
+              "media_type": 415, "http_version": 426, "server": 500}
 
     def __init__(self, message: str, *, param: str | None = None, kind: str = "invalid_request", code: str | None = None):
         super().__init__(message)

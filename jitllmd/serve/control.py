@@ -28,6 +28,7 @@ from ..gen.jitllm.v1 import session_pb2 as ses
 from ..gen.jitllm.v1.device_connect import DeviceService
 from ..gen.jitllm.v1.model_connect import ModelService
 from ..gen.jitllm.v1.session_connect import SessionService
+from .prompt import off_loop
 
 __all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_of"]
 
@@ -38,20 +39,32 @@ _STATE = {RequestState.WAITING: ses.REQUEST_STATE_WAITING, RequestState.PREFILL:
 
 class ErrorMapper:
     """Interceptor: the engine's one-line errors become Connect codes; anything else is a bug, logged, and
-    reaches the client as `internal` with a generic message (never the exception's text)."""
+    reaches the client as `internal` with a generic message (never the exception's text). Paths in messages are
+    named relative to -models (a client never learns where the server keeps its files)."""
+
+    def __init__(self, catalog: Catalog | None = None):
+        models_dir = catalog.models_dir if catalog is not None else None
+        self.roots = [str(models_dir) + os.sep] if models_dir is not None else []
+
+    def _error(self, exc: Exception, ctx: Any) -> ConnectError:
+        err = _connect_error(exc, ctx)
+        message = err.message
+        for root in self.roots:
+            message = message.replace(root, "")
+        return err if message == err.message else ConnectError(err.code, message)
 
     async def intercept_unary(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
         try:
             return await call_next(request, ctx)
         except Exception as exc:
-            raise _connect_error(exc, ctx) from None
+            raise self._error(exc, ctx) from None
 
     async def intercept_server_stream(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
         try:
             async for msg in call_next(request, ctx):
                 yield msg
         except Exception as exc:
-            raise _connect_error(exc, ctx) from None
+            raise self._error(exc, ctx) from None
 
 
 def _connect_error(exc: Exception, ctx: Any) -> ConnectError:
@@ -204,7 +217,7 @@ class Models(ModelService):
 
     async def tokenize(self, request: mdl.TokenizeRequest, ctx: Any) -> mdl.TokenizeResponse:
         tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
-        ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        ids = await off_loop(tok.encode, request.text, add_special_tokens=request.add_special_tokens)
         return mdl.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def detokenize(self, request: mdl.DetokenizeRequest, ctx: Any) -> mdl.DetokenizeResponse:
@@ -216,8 +229,8 @@ class Models(ModelService):
     async def apply_chat_template(self, request: mdl.ApplyChatTemplateRequest, ctx: Any) -> mdl.ApplyChatTemplateResponse:
         loaded = model_of(self.catalog, request.model).engine.loaded
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = loaded.chat.render(messages, add_generation_prompt=request.add_generation_prompt)
-        return mdl.ApplyChatTemplateResponse(text=text, token_ids=loaded.tokenizer.encode(text))
+        text = await off_loop(loaded.chat.render, messages, add_generation_prompt=request.add_generation_prompt)
+        return mdl.ApplyChatTemplateResponse(text=text, token_ids=await off_loop(loaded.tokenizer.encode, text))
 
 
 # -- DeviceService --------------------------------------------------------------------------------------------

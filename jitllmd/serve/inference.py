@@ -19,7 +19,7 @@ from ..gen.jitllm.v1 import inference_pb2 as inf
 from ..gen.jitllm.v1.inference_connect import InferenceService
 from .control import model_of, session_of
 from .outbox import Outbox, embed
-from .prompt import conversation, remember
+from .prompt import conversation, off_loop, remember
 
 __all__ = ["Inference"]
 
@@ -71,7 +71,7 @@ class Inference(InferenceService):
         self.running: dict[str, Outbox] = {}  # request_id -> its outbox, for Cancel
 
     async def generate(self, request: inf.GenerateRequest, ctx: Any) -> AsyncIterator[inf.GenerateResponse]:
-        run = self._start(request)
+        run = await self._start(request)
         req = run.outbox.request
         yield inf.GenerateResponse(started=inf.Started(request_id=req.request_id, session_id=req.session.id, prompt_tokens=len(req.prompt_ids)))
         parts: list[str] = []
@@ -92,7 +92,7 @@ class Inference(InferenceService):
                 run.outbox.engine.cancel(req)
 
     async def complete(self, request: inf.GenerateRequest, ctx: Any) -> inf.CompleteResponse:
-        run = self._start(request)
+        run = await self._start(request)
         req = run.outbox.request
         ids: list[int] = []
         parts: list[str] = []
@@ -128,10 +128,11 @@ class Inference(InferenceService):
         for i, text in enumerate(request.inputs):
             if not text:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"inputs[{i}] is empty")
-        result = await embed(served.engine, [loaded.tokenizer.encode(text) for text in request.inputs])  # RoomError: resource_exhausted
+        batch = await off_loop(lambda: [loaded.tokenizer.encode(text) for text in request.inputs])
+        result = await embed(served.engine, batch)  # RoomError: resource_exhausted
         return inf.EmbedResponse(embeddings=[inf.Embedding(values=v.tolist()) for v in result.vectors], prompt_tokens=result.num_tokens)
 
-    def _start(self, request: inf.GenerateRequest) -> _Run:
+    async def _start(self, request: inf.GenerateRequest) -> _Run:
         """Resolve the model or session, build the prompt ids, submit."""
         session: Session | None = None
         if request.session_id:
@@ -140,7 +141,7 @@ class Inference(InferenceService):
             served = model_of(self.catalog, request.model)
         if request.request_id and request.request_id in self.running:
             raise ConnectError(Code.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
-        ids, chat = self._prompt(served, session, request)
+        ids, chat = await off_loop(self._prompt, served, session, request)
         outbox = Outbox(
             served.engine, ids, _params(request.sampling),
             max_tokens=request.max_tokens if request.HasField("max_tokens") else None,

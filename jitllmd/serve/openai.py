@@ -20,14 +20,26 @@ from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, embed, until_disconnect
-from .prompt import chat_prompt_ids, conversation, find_model, find_target, remember, sampling_params, start, text_prompt_ids
+from .prompt import (
+    chat_prompt_ids,
+    check_room,
+    conversation,
+    find_model,
+    find_target,
+    off_loop,
+    remember,
+    sampling_params,
+    start,
+    text_prompt_ids,
+)
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["OpenAI", "error_response"]
 
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "not_found": "invalid_request_error", "too_large": "invalid_request_error",
-                "media_type": "invalid_request_error", "server": "server_error"}
+_ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "invalid_request_error", "forbidden": "invalid_request_error",
+                "not_found": "invalid_request_error", "timeout": "invalid_request_error", "too_large": "invalid_request_error",
+                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "server": "server_error"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -59,10 +71,10 @@ class _Generation:
     chat: list[dict[str, Any]] | None = None  # the whole conversation, for the session to remember
     tool_names: frozenset[str] | None = None  # the declared tools: replies are parsed for calls to them
 
-    def start(self, param: str) -> Outbox:
+    def start(self, param: str, request_id: str) -> Outbox:
         return start(
             self.served, self.prompt_ids, self.params, param=param, max_tokens=self.max_tokens, stop=self.stop,
-            ignore_eos=self.ignore_eos, session=self.session,
+            ignore_eos=self.ignore_eos, session=self.session, request_id=request_id,
         )
 
     def done(self, reply: str | dict[str, Any]) -> None:
@@ -215,9 +227,9 @@ class OpenAI:
         name = f.string("model")
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         chat = conversation(session, _chat_messages(f))
-        prompt_ids = chat_prompt_ids(served, chat, tools=tools)
+        prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools)
         gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat, tools)
-        outbox = gen.start("messages")
+        outbox = gen.start("messages", request.state.request_id)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
             return StreamingResponse(self._chat_stream(gen, outbox, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -252,10 +264,10 @@ class OpenAI:
             raise f.error("suffix", "suffix (fill in the middle) is not supported")
         if f.integer("best_of", 1, low=1) != 1:
             raise f.error("best_of", "only best_of=1 is supported")
-        prompt_ids, prompt_text = _completion_prompt(f, served)
+        prompt_ids, prompt_text = await off_loop(_completion_prompt, f, served, session)
         gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_tokens",), session)
         echo = f.boolean("echo")
-        outbox = gen.start("prompt")
+        outbox = gen.start("prompt", request.state.request_id)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
             head = prompt_text if echo else ""
@@ -290,7 +302,7 @@ class OpenAI:
         dims = f.integer("dimensions", low=1)
         if dims is not None and dims != width:
             raise f.error("dimensions", f"{served.id} makes {width}-dimensional vectors and does not truncate them: leave dimensions out or give {width}")
-        batch = _embedding_inputs(f, served)
+        batch = await off_loop(_embedding_inputs, f, served)
         try:
             result = await embed(served.engine, batch)
         except RoomError as exc:
@@ -398,8 +410,9 @@ class _Chunks:
         return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
-def _completion_prompt(f: Fields, served: ServedModel) -> tuple[list[int], str]:
-    """prompt: a string, token ids, or a one-element array of either. Returns (ids, the prompt's text for echo)."""
+def _completion_prompt(f: Fields, served: ServedModel, session: Session | None) -> tuple[list[int], str]:
+    """prompt: a string, token ids, or a one-element array of either. Returns (ids, the prompt's text for echo).
+    Runs on a prompt thread (off_loop)."""
     prompt = f.raw("prompt")
     if prompt is None:
         raise f.error("prompt", "this field is required")
@@ -408,6 +421,7 @@ def _completion_prompt(f: Fields, served: ServedModel) -> tuple[list[int], str]:
             raise f.error("prompt", f"{len(prompt)} prompts in one request are not supported: send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_room(served, session, prompt, "prompt")
         return text_prompt_ids(served, prompt), prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:

@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
 from ..engine.engine import Engine
-from ..engine.request import Delta, Done, Embedded, Event, Failed, Request
+from ..engine.figures import request_figures
+from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason, Request
 from ..engine.sampler import SamplingParams
 
-__all__ = ["Outbox", "embed", "until_disconnect"]
+__all__ = ["Outbox", "embed", "end_streams", "until_disconnect"]
 
 T = TypeVar("T")
+
+_END: Any = object()  # queued by Outbox.end(): read as a Done(cancelled)
+_open: weakref.WeakSet[Outbox] = weakref.WeakSet()  # every outbox whose final event has not been read yet
 
 
 class Outbox:
     """Submit now (the engine's RoomError/ValueError raise here), then `async for ev in outbox`.
 
     However the iteration ends before Done or Failed (a client that went away, a cancelled task), the engine
-    request is cancelled, so its row leaves at the next step and its session is freed.
+    request is cancelled, so its row leaves at the next step and its session is freed. `end()` gives the reader its
+    final event from the server's side (a server that must stop while the engine is held inside a step).
     """
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, **submit_kw: Any):
         self.engine = engine
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()  # and _END
         self._events = events
+        self._loop = loop
+        self._generated = 0  # token ids the reader has been handed
+        self._ended = False  # end() ran, or the reader is done
 
         def emit(ev: Event) -> None:  # called on the engine thread; holds no reference back to this outbox
             try:
@@ -37,17 +46,38 @@ class Outbox:
                 pass
 
         self.request: Request = engine.submit(prompt_ids, params, emit, **submit_kw)
+        _open.add(self)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         done = False
         try:
             while not done:
                 ev = await self._events.get()
+                if ev is _END:
+                    ev = self._cancelled()
                 done = isinstance(ev, (Done, Failed))
+                if isinstance(ev, Delta):
+                    self._generated += len(ev.token_ids)
                 yield ev
         finally:
+            self._ended = True
+            _open.discard(self)
             if not done:
                 self.engine.cancel(self.request)
+
+    def end(self) -> None:
+        """Cancel the request and queue its final event now, `cancelled`, whatever the engine thread is doing: what
+        the engine hands out later is never read. Events already queued are read first (one may be the real end)."""
+        if self._ended:
+            return
+        self._ended = True
+        self.engine.cancel(self.request)
+        self._events.put_nowait(_END)
+
+    def _cancelled(self) -> Done:
+        req = self.request  # its engine-side numbers are read without the engine thread, which may be inside a step
+        figures = request_figures(req, self.engine.loaded)
+        return Done(FinishReason.CANCELLED, len(req.prompt_ids), self._generated, len(req.prompt_ids) - req.cached, None, figures)
 
     async def collect(self) -> tuple[str, Done]:
         """The whole text and the final event. A Failed event (an engine bug) raises RuntimeError."""
@@ -60,6 +90,15 @@ class Outbox:
             elif isinstance(ev, Failed):
                 raise RuntimeError(ev.message)
         raise RuntimeError("the engine ended the request without a final event")
+
+
+def end_streams() -> int:
+    """End every open generation of this event loop from the server's side (see Outbox.end). -> how many."""
+    loop = asyncio.get_running_loop()
+    mine = [o for o in list(_open) if o._loop is loop and not o._ended]
+    for o in mine:
+        o.end()
+    return len(mine)
 
 
 async def embed(engine: Engine, batch: list[list[int]]) -> Embedded:

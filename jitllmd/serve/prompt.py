@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
@@ -12,7 +16,41 @@ from ..engine.sessions import Session
 from .body import APIError
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "conversation", "find_model", "find_target", "remember", "sampling_params", "start", "text_prompt_ids"]
+__all__ = ["chat_prompt_ids", "check_room", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "text_prompt_ids"]
+
+T = TypeVar("T")
+
+# Templating and tokenizing run here, off the event loop (a 10 MiB prompt takes seconds), this many at once: the
+# rest wait their turn, so a few huge requests hold a bounded amount of memory and /healthz answers meanwhile.
+_PREPARERS = 2
+_pool = ThreadPoolExecutor(max_workers=_PREPARERS, thread_name_prefix="jitllmd-prompt")
+_NORMALIZED = 2  # a normalizer may shorten text (NFKC, collapsed spaces): refuse only at twice the bound
+
+
+async def off_loop(work: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """`work(*args, **kw)` on a prompt thread; its exceptions raise here."""
+    return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(work, *args, **kw))
+
+
+def _chars(value: Any) -> int:
+    """Characters in the strings of a JSON value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def check_room(served: ServedModel, session: Session | None, value: Any, param: str) -> None:
+    """Refuse, before tokenizing any of it, a prompt whose characters alone make more tokens than the session holds."""
+    loaded = served.engine.loaded
+    room = session.max_seq if session is not None else loaded.max_seq
+    least = _chars(value) // (loaded.tokenizer.most_chars_per_token * _NORMALIZED)
+    if least >= room:
+        raise APIError(f"{param}: {_chars(value)} characters make at least {least} tokens, but the session has room for {room}",
+                       param=param, code="context_length_exceeded")
 
 
 def find_target(catalog: Catalog, name: str | None, session_id: str | None) -> tuple[ServedModel, Session | None]:
@@ -56,24 +94,31 @@ def find_model(catalog: Catalog, name: str | None) -> ServedModel:
         raise APIError(str(exc.args[0]), param="model", kind="not_found", code="model_not_found") from None
 
 
-def chat_prompt_ids(
-    served: ServedModel, messages: list[dict[str, Any]], *, prefill: str | None = None, tools: list[dict[str, Any]] | None = None
+async def chat_prompt_ids(
+    served: ServedModel, messages: list[dict[str, Any]], session: Session | None, *, prefill: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Messages (and tool definitions, OpenAI shape) through the model's own chat template; `prefill` is the start
-    of the answer, continued as is. A template that does not use tools renders without them."""
+    """Messages (and tool definitions, OpenAI shape) through the model's own chat template, off the event loop;
+    `prefill` is the start of the answer, continued as is. A template that does not use tools renders without them."""
     loaded = served.engine.loaded
     if loaded.embeds:
         raise APIError(f"model {served.id!r} is an embedding model: send its inputs to /v1/embeddings", param="model")
     if not loaded.chat.available:
         raise APIError(f"model {served.id!r} has no chat template: send a raw prompt to /v1/completions instead", param="model")
-    try:
-        text = loaded.chat.render(messages, add_generation_prompt=True, tools=tools)
-    except ChatTemplateError as exc:
-        raise APIError(f"messages: {exc}", param="messages") from None
-    return loaded.tokenizer.encode(text + (prefill or ""))
+    check_room(served, session, [messages, prefill], "messages")
+
+    def render() -> list[int]:
+        try:
+            text = loaded.chat.render(messages, add_generation_prompt=True, tools=tools)
+        except ChatTemplateError as exc:
+            raise APIError(f"messages: {exc}", param="messages") from None
+        return loaded.tokenizer.encode(text + (prefill or ""))
+
+    return await off_loop(render)
 
 
 def text_prompt_ids(served: ServedModel, text: str) -> list[int]:
+    """A raw prompt's ids (on a prompt thread: see off_loop)."""
     return served.engine.loaded.tokenizer.encode(text)
 
 

@@ -13,11 +13,14 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 from starlette.types import ASGIApp
 
-__all__ = ["GRACE_SECONDS", "bind", "is_loopback", "parse_addr", "run_server"]
+__all__ = ["GRACE_SECONDS", "STOP_SECONDS", "bind", "host_name", "is_loopback", "parse_addr", "run_server"]
 
 log = logging.getLogger("jitllmd.serve")
 
 GRACE_SECONDS = 10.0  # in-flight requests get this long to finish after SIGINT/SIGTERM; then they are cancelled
+ENGINE_SECONDS = 1.0  # a cancelled stream's engine gets this long to end it; then the server ends it itself
+CLOSE_SECONDS = 5.0  # ... and the last bytes this long to leave before the connections close
+STOP_SECONDS = 10.0  # then an engine still inside a step has this long to leave it before the process exits anyway
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -27,6 +30,15 @@ def parse_addr(addr: str) -> tuple[str, int]:
         raise ValueError(f"-addr {addr!r}: expected HOST:PORT or :PORT, e.g. 127.0.0.1:8080")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header (or -addr), without its port: 'localhost:8080' -> 'localhost', '[::1]:80' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    name, sep, port = header.rpartition(":")
+    return name if sep and port.isdigit() else header
 
 
 def is_loopback(host: str) -> bool:
@@ -57,28 +69,39 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run_server(app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], None]) -> None:
     """Serve until SIGINT/SIGTERM. The first signal stops accepting and lets in-flight requests finish for
-    GRACE_SECONDS; a second signal (or the end of the grace) cancels them, so every stream still ends properly."""
+    GRACE_SECONDS; a second signal (or the end of the grace) cancels them, so every stream still ends properly: its
+    engine ends it within ENGINE_SECONDS, or the server does (an engine held inside a long step), with `cancelled`."""
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here and closes it
     config.keep_alive_max_requests = 1 << 30  # the default 1000 drops an in-flight call every thousand requests
-    config.graceful_timeout = GRACE_SECONDS + 5
+    config.graceful_timeout = GRACE_SECONDS + ENGINE_SECONDS + CLOSE_SECONDS
     config.accesslog = None
     config.errorlog = log
     asyncio.run(_serve(app, config, cancel_all))
 
 
 async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None]) -> None:
+    from .outbox import end_streams  # the engine's side (torch): not before `serve` has checked its flags
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def end_the_rest() -> None:
+        if n := end_streams():
+            log.warning("%d generation%s not ended by %s engine in %gs: ended by the server", n, "s" if n > 1 else "", "their" if n > 1 else "its", ENGINE_SECONDS)
+
+    def cancel() -> None:
+        cancel_all()
+        loop.call_later(ENGINE_SECONDS, end_the_rest)
 
     def on_signal(signum: int) -> None:
         if not stop.is_set():
             log.info("%s: shutting down; in-flight requests have %gs to finish (again to cancel them now)", signal.Signals(signum).name, GRACE_SECONDS)
             stop.set()
-            loop.call_later(GRACE_SECONDS, cancel_all)
+            loop.call_later(GRACE_SECONDS, cancel)
         else:
             log.info("%s: cancelling in-flight requests", signal.Signals(signum).name)
-            cancel_all()
+            cancel()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)

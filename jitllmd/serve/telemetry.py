@@ -67,8 +67,7 @@ class Telemetry(TelemetryService):
             st, engine = m.engine.stats, m.engine
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
-            holders = {id(s): s for s in [*sessions, *engine.slots, *(r.session for r in running)]}  # each KV once
-            kv = sum(s.kv.nbytes() for s in holders.values())
+            kv = engine.kv_bytes()
             out.append(tel.ModelStats(
                 model=m.id, requests=st.requests, cancelled=st.cancelled, prompt_tokens=st.prompt_tokens,
                 generated_tokens=st.generated_tokens, steps=st.steps, active_rows=len(running), queue_depth=len(waiting),

@@ -4,6 +4,7 @@ names, and fixes tensors."""
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from ..models import family_for_gguf
 from ..models.family import TensorFix
 from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ConvertError, Source, block_order, naming
+
+log = logging.getLogger("jitllmd.convert")
 
 __all__ = ["GGUF_TYPES", "is_gguf", "is_quantized_gguf", "read_gguf"]
 
@@ -85,7 +88,8 @@ def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the gguf package raises many kinds on a damaged file
-        raise ConvertError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        log.debug("%s: %s: %s", path, type(exc).__name__, exc)
+        raise ConvertError(f"{path}: not a readable GGUF file (its header, metadata or tensor table is damaged or cut short)") from None
     size = path.stat().st_size
     arch_name = _field(reader, "general.architecture")
     family = naming(path, lambda: family_for_gguf(arch_name))
