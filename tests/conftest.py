@@ -434,3 +434,14 @@ def minilm_jlm(tmp_path_factory, minilm_dir) -> Path:
     from jitllmd.engine.convert import convert
 
     return convert(minilm_dir, tmp_path_factory.mktemp("minilm") / "minilm.jlm", "f32").path
+
+
+# -- Schema fuzzing (tests/test_schema_fuzz.py) ---------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-cases", type=int, default=300,
+        help="requests tests/test_schema_fuzz.py generates from OpenAI's OpenAPI document, across the served operations "
+        "(default 300; e.g. 3000 for a long run)",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -11,9 +12,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 
 _URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
 
@@ -88,6 +91,23 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._close()
+
+
+def jitllmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m jitllmd ARGS` with a wide terminal, so tables do not wrap ids."""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    return subprocess.run([sys.executable, "-m", "jitllmd", *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@contextlib.contextmanager
+def served_with_sdk(*args: str) -> Iterator[tuple[Server, openai.OpenAI]]:
+    """A server of ARGS and the OpenAI SDK pointed at it, both closed afterwards (a module's fixture)."""
+    server = Server(*args)
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            yield server, client
+    finally:
+        server.stop()
 
 
 def tiny_models_dir(root: Path, jlm: Path) -> Path:

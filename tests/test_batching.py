@@ -166,6 +166,8 @@ class _Req:
         self.state = RequestState.WAITING
         self.session = session if session is not None else type("S", (), {"busy": False})()
         self.queue_depth_on_entry = 0
+        self.leader = None  # no shared prompt (n > 1)
+        self.forked = False
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,6 @@ flag checks that never reach a server run in-process through CliRunner."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from jitllmd.client import base_url
 from jitllmd.commands import devices, models, place, sessions, stats
 from jitllmd.commands.place import parse_range
 from jitllmd.engine.config import parse_size
+from tests.serving import jitllmd
 
 VERBS = {"models": models.models, "devices": devices.devices, "stats": stats.stats, "sessions": sessions.sessions, "place": place.place}
 
@@ -24,12 +24,6 @@ VERBS = {"models": models.models, "devices": devices.devices, "stats": stats.sta
 @pytest.fixture(scope="module")
 def addr(tiny_server) -> str:
     return tiny_server.url.removeprefix("http://")
-
-
-def jitllmd(*args: str) -> subprocess.CompletedProcess[str]:
-    """`python -m jitllmd ARGS` with a wide terminal, so tables do not wrap ids."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "jitllmd", *args], capture_output=True, text=True, env=env, timeout=60)
 
 
 def ok(*args: str) -> subprocess.CompletedProcess[str]:

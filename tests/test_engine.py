@@ -166,7 +166,7 @@ def test_bad_requests(engine) -> None:
     with pytest.raises(ValueError, match="empty"):
         engine.generate([], GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.generate([5], GREEDY, max_tokens=0)
+        engine.generate([5], GREEDY, max_tokens=-1)
     with pytest.raises(ValueError, match=r"\[0, 96\)"):
         engine.generate([5, 96], GREEDY)
     with pytest.raises(ValueError, match=r"\[0, 96\)"):

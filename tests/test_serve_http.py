@@ -41,7 +41,7 @@ def test_healthz(tiny_server):
         ({"model": "tiny", "messages": USER, "max_tokens": 0}, "max_tokens", ">= 1"),
         ({"model": "tiny", "messages": USER, "max_tokens": True}, "max_tokens", "integer"),
         ({"model": "tiny", "messages": USER, "top_p": 1.5}, "top_p", "between"),
-        ({"model": "tiny", "messages": USER, "n": 2}, "n", "n=1"),
+        ({"model": "tiny", "messages": USER, "n": 17}, "n", "between 1 and 16"),
         ({"model": "tiny", "messages": USER, "stop": [1, 2]}, "stop", "strings"),
         ({"model": "tiny", "messages": USER, "stream": "yes"}, "stream", "true or false"),
         ({"model": "tiny", "messages": USER, "seed": 1.5}, "seed", "integer"),
@@ -64,7 +64,8 @@ def test_chat_bad_fields_are_400_naming_the_field(tiny_server, body, param, word
     ("body", "param"),
     [
         ({"model": "tiny"}, "prompt"),
-        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "tiny", "prompt": ["a"] * 65}, "prompt"),
+        ({"model": "tiny", "prompt": ["a", [1, 99999]]}, "prompt"),
         ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
         ({"model": "tiny", "prompt": {"x": 1}}, "prompt"),
         ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),

@@ -23,7 +23,7 @@ __all__ = ["run"]
 
 def run(
     prompt: Annotated[str | None, typer.Argument(help="The prompt. With -chat and no prompt: an interactive chat (Ctrl-D quits).", show_default=False)] = None,
-    model: Annotated[str | None, typer.Option("-model", "--model", help="A .jlm or .gguf file (a .gguf is converted once into the cache). Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("-model", "--model", help="A .jlm or .gguf file (a .gguf is converted once into the cache), or the id of a model on a server (as in Qwen/Qwen2.5-0.5B-Instruct). Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
     chat: Annotated[bool, typer.Option("-chat", "--chat", help="Format the prompt with the model's chat template.")] = False,
     n: Annotated[int | None, typer.Option("-n", "--n", help="Most tokens to generate. Default: until the model ends or the session is full.", show_default=False)] = None,
     temp: Annotated[float, typer.Option("-temp", "--temp", help="Temperature; 0 is greedy.")] = 0.8,
@@ -49,7 +49,7 @@ def run(
         raise fail("-continue takes a raw prompt: drop -chat", 2)
     if continue_ and prompt is None:
         raise fail("-continue needs a prompt", 2)
-    remote = addr is not None or session is not None or (model is not None and not Path(model).exists() and Path(model).suffix not in (".jlm", ".gguf"))
+    remote = addr is not None or session is not None or (model is not None and not _is_local(model))
     if remote:
         if model is None and session is None:
             raise fail("a server run needs -model NAME or -session ID", 2)
@@ -112,14 +112,21 @@ def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
         else:
             path, name = Path(model), None
             if not path.exists():
-                hint = "" if path.suffix in (".jlm", ".gguf") or "/" in model else " (a bare model name is for a running server; here give a .jlm or .gguf file)"
-                raise fail(f"{model}: no such file{hint}")
+                raise fail(f"{model}: no such file")
+            if path.is_dir():  # a folder named like a server's model id (a Hugging Face checkout) is still a path here
+                raise fail(f"{model}: is a directory, not a .jlm or .gguf file (`jitllmd convert` converts a Hugging Face one; -addr runs a server's model {model})")
             if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
                 path = _converted(path, cache_dir(), quiet, f"converting {path.name} (once)")
         with progress_bar(f"loading {path.name}", enabled=not quiet) as update:
             return Engine.load(path, name=name, max_seq=max_seq, on_progress=update)
     except (ConvertError, JLMError, ValueError) as exc:
         raise fail(str(exc)) from None
+
+
+def _is_local(model: str) -> bool:
+    """Whether -model names something here: a path that exists, or a name ending in .jlm or .gguf (which no server
+    model id does). Anything else, Qwen/Qwen2.5-0.5B-Instruct included, is a model id for the server."""
+    return Path(model).exists() or model.lower().endswith((".jlm", ".gguf"))
 
 
 def _converted(gguf: Path, cache: Path, quiet: bool, label: str) -> Path:

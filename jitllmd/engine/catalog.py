@@ -18,9 +18,13 @@ from .engine import Engine
 from .loader import cached_conversion
 from .sessions import Session
 
-__all__ = ["Catalog", "ModelEntry", "ServedModel"]
+__all__ = ["Catalog", "ModelEntry", "ServedModel", "check_id"]
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# A model id: parts of letters, digits and . _ : - joined by '/' (org/name, as Hugging Face and vLLM name models), each
+# part starting with a letter or digit, so no id reads as a path that leaves a directory ('/x', 'a/../b', 'a//b', 'a/').
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*")
+_MAX_ID = 256
+_FILE_SUFFIXES = (".jlm", ".gguf")  # what names a file: never the end of an id
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,21 @@ class Catalog:
         return path
 
     def get(self, name: str) -> ServedModel:
-        """The loaded model with this id or file name (with or without .jlm). KeyError names what is loaded."""
-        with self._lock:
-            models = list(self._models.values())
+        """The loaded model a client names: by its id, else by another name it answers to (its file name without .jlm).
+        No two loaded models share a name (see load). KeyError names what is loaded, and says when `name` is a file."""
+        models = self.loaded()
         for m in models:
-            if name == m.id or name in m.aliases:
+            if name == m.id:
+                return m
+        for m in models:
+            if name in m.aliases:
                 return m
         loaded = "; ".join(m.id + (f" (also {', '.join(m.aliases)})" if m.aliases else "") for m in models) or "none"
+        file = next((e.path.name for e in self.entries() if not e.loaded and name in (e.id, e.path.name)), None)
+        if file is not None:
+            raise KeyError(f"model {name!r} is not loaded: it is {file} of the model directory, which `jitllmd models -load {file}` loads (loaded: {loaded})")
+        if name.lower().endswith(_FILE_SUFFIXES):
+            raise KeyError(f"model {name!r} names a file: send a loaded model's id, or its file name without {Path(name).suffix} (loaded: {loaded})")
         raise KeyError(f"model {name!r} is not loaded (loaded: {loaded})")
 
     def find_session(self, session_id: str) -> tuple[ServedModel, Session]:
@@ -105,15 +117,18 @@ class Catalog:
             return list(self._models.values())
 
     def entries(self) -> list[ModelEntry]:
-        """Loaded models first, then the .jlm files of -models that none of them came from; a link that resolves
-        outside -models is not one of them (as a client cannot load it, none sees it)."""
+        """Loaded models first, then the .jlm files of -models that none of them came from, each named by its file
+        name without .jlm, or with it where a loaded model already answers to that (a loaded name wins; no id ends in
+        .jlm, so the file's name stays its own). A link that resolves outside -models is not one of them (as a client
+        cannot load it, none sees it)."""
         out = [ModelEntry(m.id, m.created, True, m.engine.loaded.path, m.aliases) for m in self.loaded()]
-        taken = {e.path.resolve() for e in out} | {name for e in out for name in (e.id, *e.aliases)}
+        paths = {e.path.resolve() for e in out}
+        names = {name for e in out for name in (e.id, *e.aliases)}
         if self.models_dir is not None and self.models_dir.is_dir():
             for p in sorted(self.models_dir.glob("*.jlm")):
                 inside = p.resolve().is_relative_to(self.models_dir)
-                if inside and p.is_file() and p.resolve() not in taken and p.stem not in taken:
-                    out.append(ModelEntry(p.stem, int(p.stat().st_mtime), False, p))
+                if inside and p.is_file() and p.resolve() not in paths:
+                    out.append(ModelEntry(p.name if p.stem in names else p.stem, int(p.stat().st_mtime), False, p))
         return out
 
     # -- loading --------------------------------------------------------------------------------
@@ -139,7 +154,8 @@ class Catalog:
         gpu_layers: int | None = None,
         max_seq: int | None = None,
     ) -> ServedModel:
-        """Load a model file under `id` (default: m-<hash of its path>). devices, gpu_layers and max_seq override the
+        """Load a model file under `id` (default: m-<hash of its path>; see check_id), also answering to `aliases` and
+        its file name without .jlm where no other loaded model does. devices, gpu_layers and max_seq override the
         server's flags for this model. Raises ValueError/OSError with one-line messages."""
         config = dataclasses.replace(  # validates
             self.config,
@@ -148,15 +164,12 @@ class Catalog:
             max_seq=self.config.max_seq if max_seq is None else max_seq,
         )
         placed_on = self.devices if devices is None else parse_devices(devices)
-        if id is not None and not _ID.match(id):
-            raise ValueError(f"model id {id!r}: use letters, digits and . _ : - (at most 128), starting with a letter or digit")
+        if id is not None:
+            check_id(id)
         path = self.prepare(file, inside_only=inside_only, on_progress=on_convert)
         model_id = id or "m-" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
-        names = tuple(dict.fromkeys(a for a in (*aliases, path.stem) if a != model_id))
         with self._lock:
-            for m in self._models.values():
-                if model_id == m.id or model_id in m.aliases:
-                    raise ValueError(f"a model named {model_id!r} is already loaded")
+            self._names(model_id, (*aliases, path.stem))  # refuses a taken id before the load, which takes a while
         engine = Engine.load(
             path,
             name=model_id,
@@ -173,10 +186,24 @@ class Catalog:
             joint_steps=config.joint_steps,
             on_progress=on_load,
         )
-        served = ServedModel(model_id, names, engine)
-        with self._lock:
-            self._models[model_id] = served
+        try:
+            with self._lock:
+                names = self._names(model_id, (*aliases, path.stem))  # again: another load may have finished meanwhile
+                served = ServedModel(model_id, names, engine)
+                self._models[model_id] = served
+        except ValueError:
+            engine.stop()
+            raise
         return served
+
+    def _names(self, model_id: str, aliases: tuple[str, ...]) -> tuple[str, ...]:
+        """The aliases a new model gets: those no loaded model answers to. ValueError when one answers to its id.
+        The caller holds the lock."""
+        taken = {name for m in self._models.values() for name in (m.id, *m.aliases)}
+        if model_id in taken:
+            owner = next(m.id for m in self._models.values() if model_id in (m.id, *m.aliases))
+            raise ValueError(f"a model named {model_id!r} is already loaded" + (f" (model {owner} answers to it)" if owner != model_id else ""))
+        return tuple(a for a in dict.fromkeys(aliases) if a != model_id and a not in taken)
 
     def unload(self, name: str, timeout: float | None = None) -> None:
         """Stop a model's engine (its requests end as cancelled) and forget it. `timeout`: see Engine.stop."""
@@ -197,6 +224,16 @@ class Catalog:
         """Unload every model; an engine still inside a step after `timeout` seconds is left to a process on its way out."""
         for m in self.loaded():
             self.unload(m.id, timeout)
+
+
+def check_id(model_id: str) -> None:
+    """A model id clients can send: letters, digits and . _ : - in parts joined by '/' (Qwen/Qwen2.5-0.5B-Instruct),
+    each part starting with a letter or digit; not ending in .jlm or .gguf, which name files. ValueError says which."""
+    if len(model_id) > _MAX_ID or not _ID.fullmatch(model_id):
+        raise ValueError(f"model id {model_id!r}: use letters, digits and . _ : - (at most {_MAX_ID}), in parts joined by '/' "
+                         "(as in Qwen/Qwen2.5-0.5B-Instruct), each starting with a letter or digit")
+    if model_id.lower().endswith(_FILE_SUFFIXES):
+        raise ValueError(f"model id {model_id!r}: an id may not end in .jlm or .gguf, which name model files")
 
 
 def _is_gguf(path: Path) -> bool:

@@ -147,17 +147,27 @@ class Engine:
         session: Session | None = None,
         ignore_eos: bool = False,
         request_id: str = "",
+        prompt_logprobs: int | None = None,
+        follows: Request | None = None,
+        hold: bool = False,
     ) -> Request:
-        """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named)."""
+        """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named).
+        max_tokens 0 runs the prompt alone (prompt_logprobs scores each prompt token, with that many alternatives).
+        `follows`: an earlier request of the same prompt, which runs it once for both (n > 1): this one copies its KV
+        and samples its own tokens from there. `hold`: build the request but queue it later, with others (enqueue)."""
         if self.loaded.embeds:
             raise ValueError(f"model {self.loaded.name} is an embedding model: it embeds text, it does not generate")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         vocab = self.loaded.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if follows is not None and (session is not None or follows.prompt_ids != list(prompt_ids)):
+            raise ValueError("a request follows another only with the same prompt and no named session")
         if session is None:  # ephemeral: never registered; a pooled slot keeps its KV for the next prompt
             session = self.pool.take(prompt_ids, self.scheduler.max_batch)
         cap, n = session.max_seq, len(prompt_ids)
@@ -175,9 +185,18 @@ class Engine:
             stop=[s for s in (stop or []) if s],
             ignore_eos=ignore_eos,
             request_id=request_id,
+            prompt_logprobs=prompt_logprobs,
+            leader=follows,
         )
-        self._inbox.put(Submit(req))
+        if not hold:
+            self._inbox.put(Submit(req))
         return req
+
+    def enqueue(self, reqs: list[Request]) -> None:
+        """Queue held requests together: the engine takes them in one drain (a leader cannot run its prompt before
+        its followers are linked)."""
+        if reqs:
+            self._inbox.put(Submit(reqs[0], tuple(reqs[1:])))
 
     @property
     def slots(self) -> list[Session]:
@@ -265,8 +284,15 @@ class Engine:
                 return
             block = False
             match msg:
-                case Submit(req):
-                    self.scheduler.add(req)
+                case Submit(first, more):
+                    for req in (first, *more):
+                        leader = req.leader
+                        if leader is not None:  # linked here, on the engine thread: the leader may be past its prompt
+                            if leader.state in (RequestState.WAITING, RequestState.PREFILL) and not leader.finished:
+                                leader.followers.append(req)
+                            else:
+                                req.leader = None
+                        self.scheduler.add(req)
                 case Cancel(req) if not req.finished:
                     self._cancel(req)
                 case EmbedJob():

@@ -16,6 +16,7 @@ __all__ = ["Cancel", "CancelAll", "EmbedJob", "Job", "Message", "Submit", "Wake"
 @dataclass(frozen=True)
 class Submit:
     req: Request
+    more: tuple[Request, ...] = ()  # taken in the same drain: its followers (n > 1) are linked before it can run
 
 
 @dataclass(frozen=True)

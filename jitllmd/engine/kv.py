@@ -166,6 +166,20 @@ class SessionKV:
     def reset(self) -> None:
         self.truncate(0)
 
+    def forkable(self) -> bool:
+        """Whether copy_from can take this cache's positions: every window layer still holds them from position 0."""
+        return not any(self.offsets)
+
+    def copy_from(self, src: SessionKV, length: int) -> None:
+        """Become a copy of `src`'s first `length` positions (a prompt run once for several rows); src.forkable()."""
+        assert src.forkable() and length <= src.length and src.num_layers == self.num_layers
+        self.reset()
+        self.reserve(length)
+        for i in range(self.num_layers):
+            self.k[i][:, :length] = src.k[i][:, :length]
+            self.v[i][:, :length] = src.v[i][:, :length]
+        self.length = length
+
     def slot(self, layer: int, position: int) -> int:
         """Where `position` is in layer's storage."""
         return position - self.offsets[layer]

@@ -10,6 +10,7 @@ import torch
 from .figures import request_figures
 from .loader import LoadedModel
 from .request import Delta, Done, Failed, FinishReason, Request, RequestState
+from .sampler import TokenLogprobs, logprobs_of
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .text import release
@@ -32,19 +33,66 @@ class Outputs:
         num_rows = sum(1 for req, _ in rows if not req.cancel_requested)
         j = 0
         for req, _ in rows:
+            mine, j = logits[j : j + req.step_logits], j + req.step_logits
             if req.cancel_requested:
                 self.finish(req, FinishReason.CANCELLED)
                 continue
+            if req.state is RequestState.PREFILL and req.prompt_logprobs is not None:
+                self._score_prompt(req, mine)
             if req.state is RequestState.PREFILL and req.prompt_left > 0:
                 continue  # more prompt to feed next step
             if req.state is RequestState.DECODE:
                 req.decode_steps += 1
                 req.decode_bytes += weight_bytes / num_rows + req.session.kv.bytes_at(req.session.kv.length)
-            token = req.sampler.sample(logits[j])
-            j += 1
+            elif req.followers:  # the prompt ran once for them too
+                self._fork(req, mine[-1], now)
+            if req.state is RequestState.PREFILL and req.max_tokens == 0:  # the prompt alone (scored, for echo)
+                self.finish(req, FinishReason.LENGTH)
+                continue
+            token = req.sampler.sample(mine[-1])
             self._stamp(req, now)
             req.state = RequestState.DECODE
             self._accept(req, token)
+
+    def _fork(self, leader: Request, logits: torch.Tensor, now: float) -> None:
+        """The leader's prompt just ran: each follower gets a copy of its KV and samples its own first token from the
+        same logits (then decodes as a row of its own); where the KV cannot be copied, it runs the prompt itself."""
+        for f in leader.followers:
+            if f.finished or f.forked:
+                continue
+            if not leader.session.kv.forkable():  # a window layer has already dropped the prompt's start
+                f.leader = None
+                continue
+            f.session.kv.copy_from(leader.session.kv, len(leader.prompt_ids))
+            f.session.token_ids[:] = leader.prompt_ids
+            f.fed = f.cached = len(f.prompt_ids)  # held, not fed: the leader fed it
+            f.t_first_step = leader.t_first_step
+            f.prompt_scores = list(leader.prompt_scores)
+            f.forked = True
+            if f.max_tokens == 0:
+                self.finish(f, FinishReason.LENGTH)
+                continue
+            token = f.sampler.sample(logits)
+            self._stamp(f, now)
+            self._accept(f, token)
+
+    def _score_prompt(self, req: Request, logits: torch.Tensor) -> None:
+        """The log probabilities of the prompt tokens this step's logits predict (row i predicts the token after the
+        i-th fed); the prompt's first token has none."""
+        if not req.prompt_scores:
+            req.prompt_scores.append(None)
+        first = req.fed - logits.shape[0] + 1  # the prompt index row 0 predicts
+        top = req.prompt_logprobs or 0
+        for i in range(logits.shape[0]):
+            if first + i < len(req.prompt_ids):
+                req.prompt_scores.append(logprobs_of(logits[i], req.prompt_ids[first + i], top))
+
+    def _prompt_scores(self, req: Request) -> list[TokenLogprobs | None] | None:
+        """The scored prompt, once: on the first event after it."""
+        if req.prompt_logprobs is None or req.prompt_scores_sent:
+            return None
+        req.prompt_scores_sent = True
+        return req.prompt_scores
 
     def _stamp(self, req: Request, now: float) -> None:
         """A sampled token's time: the first one's wait since arrival, or its gap after the last, to the latency histograms."""
@@ -77,11 +125,12 @@ class Outputs:
         req.held = r.held
         if r.stop is not None:
             if r.text:
-                req.emit(Delta(r.text, []))
+                req.emit(Delta(r.text, [], prompt_logprobs=self._prompt_scores(req)))
             self.finish(req, FinishReason.STOP, stop=r.stop)
             return True
         if r.text or not final:
-            req.emit(Delta(r.text, [] if final else [req.output_ids[-1]]))
+            scores = [req.sampler.last] if req.sampler.last is not None and not final else None
+            req.emit(Delta(r.text, [] if final else [req.output_ids[-1]], scores, self._prompt_scores(req)))
         return False
 
     def finish(self, req: Request, reason: FinishReason, stop: str | None = None) -> None:
@@ -93,7 +142,8 @@ class Outputs:
                 return  # the flushed text held a stop string; _release finished the request
         self._end(req)
         self.stats.finished(cancelled=reason is FinishReason.CANCELLED, reason=reason.value, seconds=time.perf_counter() - req.t_arrival)
-        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded)))
+        req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded),
+                      self._prompt_scores(req)))
 
     def fail(self, req: Request, message: str) -> None:
         if req.finished:
@@ -106,6 +156,9 @@ class Outputs:
     def _end(self, req: Request) -> None:
         if req.state is not RequestState.WAITING:  # admitted: it holds its session
             req.session.busy = False
+        for f in req.followers:  # ended before its prompt ran: they run it themselves
+            if not f.forked:
+                f.leader = None
         req.session.reserved = False  # a pooled slot is free for the next request
         req.state = RequestState.FINISHED
         self.scheduler.remove(req)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, TokenLogprobs
 from .sessions import Session
 from .tokenizer import Detokenizer
 
@@ -35,10 +35,14 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text (possibly empty while a character is incomplete) and the token ids that produced it."""
+    """New text (possibly empty while a character is incomplete) and the token ids that produced it; with logprobs
+    asked, each token's (`logprobs`, one per id); the first event after the prompt carries its `prompt_logprobs`
+    when they were asked (None for its first token, which nothing precedes)."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Done:
     fed_tokens: int  # prompt tokens actually run (the rest came from the session's cache)
     stop: str | None  # the stop string that ended it, if one did
     figures: dict[str, Any]  # the `jitllm` figures
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when no Delta carried them (see Delta)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class Request:
     detok: Detokenizer
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
+    prompt_logprobs: int | None = None  # score every prompt token, with this many alternatives (echo + logprobs)
     id: int = field(default_factory=lambda: next(_ids))
     request_id: str = ""  # the caller's name for it (Cancel); r-<id> when not given
 
@@ -99,6 +105,12 @@ class Request:
     t_last_token: float | None = None
     decode_steps: int = 0
     decode_bytes: float = 0.0
+    step_logits: int = 0  # logits rows this step computes for it (a scored prompt: one per token fed)
+    prompt_scores: list[TokenLogprobs | None] = field(default_factory=list)  # with prompt_logprobs: the prompt's so far
+    prompt_scores_sent: bool = False
+    leader: Request | None = None  # a row that shares this prompt and runs it once: this one waits for its KV (n > 1)
+    followers: list[Request] = field(default_factory=list)  # the rows waiting for this one's prompt
+    forked: bool = False  # a follower whose prompt KV and first token came from its leader
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -90,11 +90,13 @@ class ModelRunner:
         b = Batch()
         now = time.perf_counter()
         for req, n in rows:
+            req.step_logits = 0
             if req.cancel_requested:
                 continue
             if req.t_first_step is None:
                 req.t_first_step = now
-                req.cached = req.session.reuse_prefix(req.prompt_ids)
+                scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
+                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids)
                 req.fed = req.cached
                 n = min(n, req.prompt_left)
             ids = [req.next_token] if req.state is RequestState.DECODE else req.prompt_ids[req.fed : req.fed + n]
@@ -103,8 +105,12 @@ class ModelRunner:
             b.positions.extend(range(pos, pos + len(ids)))
             b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=req.state is not RequestState.DECODE))
             req.session.token_ids.extend(ids)
-            if req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
+            if req.state is not RequestState.DECODE and req.prompt_logprobs is not None:
+                b.logits_at.extend(range(start, len(b.tokens)))  # each scores the prompt's next token (the last: the first sampled)
+                req.step_logits = len(ids)
+            elif req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
                 b.logits_at.append(len(b.tokens) - 1)
+                req.step_logits = 1
             if req.state is RequestState.PREFILL:
                 req.fed += len(ids)
                 b.num_prompt += len(ids)

@@ -7,9 +7,33 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NUCLEUS_CANDIDATES", "Sampler", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "Sampler", "SamplingParams", "TokenLogprobs", "logprobs_of"]
 
 NUCLEUS_CANDIDATES = 1024  # top-p sorts this many likeliest tokens first, all of them only where they hold less than top_p
+MAX_LOGPROBS = 20  # alternatives a token's log probabilities may list
+_BIAS = 100.0  # logit_bias values lie in [-_BIAS, _BIAS]
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as vLLM's _SAMPLING_EPS)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log probability and the `top` likeliest tokens' (id, logprob), most likely first, under the model's
+    own distribution: log_softmax of its logits before logit_bias, penalties, temperature and top-k/p/min-p (vLLM's
+    raw_logprobs)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log probability under f32 logits [V], and the `top` likeliest tokens'."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+        best = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(lp[token]), best)
 
 
 @dataclass(frozen=True)
@@ -24,6 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    logprobs: int | None = None  # each sampled token's log probability and this many alternatives' (None: none)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:
@@ -41,10 +67,19 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} is negative")
+            if not -_BIAS <= bias <= _BIAS:
+                raise ValueError(f"logit_bias: the bias of token {token} must be between -100 and 100, got {bias}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """temperature 0 (or one so small that dividing by it overflows float32: below vLLM's 1e-5 it is greedy too),
+        or top_k 1."""
+        return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
 
 class Sampler:
@@ -61,6 +96,8 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self.counts: dict[int, int] = {}  # generated token -> times
         self.seen: set[int] = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
+        self.last: TokenLogprobs | None = None  # the last sampled token's, when params.logprobs asks for them
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values), on the logits' device
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This row's generator on `device`, made on first use and seeded with the row's seed.
@@ -78,14 +115,19 @@ class Sampler:
             self.seen.add(token_id)
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply the penalties to f32 logits [V] (in place on a copy, on the logits' device)."""
+        """Apply logit_bias and the penalties to f32 logits [V] (in place on a copy, on the logits' device)."""
         p = self.params
         rep = p.repetition_penalty != 1.0 and self.seen
         pf = (p.presence_penalty or p.frequency_penalty) and self.counts
-        if not (rep or pf):
+        if not (rep or pf or p.logit_bias):
             return logits
         logits = logits.clone()
         dev = logits.device
+        if p.logit_bias:
+            if self._bias is None or self._bias[0].device != dev:
+                ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=dev)
+                self._bias = ids, torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32, device=dev)
+            logits.index_add_(0, *self._bias)
         if rep:
             ids = torch.tensor(sorted(self.seen), dtype=torch.long, device=dev)
             picked = logits[ids]
@@ -97,7 +139,13 @@ class Sampler:
         return logits
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from f32 logits [V], on their device."""
+        """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`)."""
+        token = self._sample(logits)
+        if self.params.logprobs is not None:
+            self.last = logprobs_of(logits, token, self.params.logprobs)
+        return token
+
+    def _sample(self, logits: torch.Tensor) -> int:
         p = self.params
         logits = self.penalize(logits)
         if p.greedy:
@@ -126,6 +174,7 @@ class Sampler:
                 # keep the smallest prefix whose mass reaches top_p (the first token always stays)
                 before = torch.cumsum(probs, dim=-1) - probs
                 keep &= before < p.top_p
+                keep[0] = True  # a top_p too small for float32 (it rounds to 0) still keeps the likeliest
             if p.min_p > 0.0:
                 keep &= probs >= p.min_p * probs.max()
             probs = torch.where(keep, probs, torch.zeros_like(probs))

@@ -52,11 +52,11 @@ class Scheduler:
             req = self.waiting.popleft()
             if req.finished:  # cancelled while waiting
                 continue
-            if req.session.busy:  # its session is in use: keep its place in line
-                skipped.append(req)
+            if req.session.busy or (req.leader is not None and not req.forked):  # its session is in use, or its leader
+                skipped.append(req)  # has not run the prompt yet: keep its place in line
                 continue
             req.session.busy = True
-            req.state = RequestState.PREFILL
+            req.state = RequestState.DECODE if req.forked else RequestState.PREFILL
             self.running.append(req)
         self.waiting.extendleft(reversed(skipped))
 

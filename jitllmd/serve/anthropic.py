@@ -1,4 +1,4 @@
-"""The Anthropic dialect: POST /v1/messages, translated to and from the engine."""
+"""The Anthropic dialect: POST /v1/messages (and its count_tokens), translated to and from the engine."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.catalog import Catalog
+from ..engine.catalog import Catalog, ServedModel
 from ..engine.request import Delta, Done, Failed, FinishReason
+from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start
@@ -130,22 +131,48 @@ def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
     return "end_turn", None  # end of sequence (or cancelled: the turn ends where it was cut)
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """What a messages body asks the model, read the same way by /v1/messages and its count_tokens."""
+
+    name: str | None  # the model as the client named it
+    served: ServedModel
+    session: Session | None
+    chat: list[dict[str, Any]]  # the whole conversation, in the OpenAI shape
+    prefill: str | None
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+
+
 class Anthropic:
     """The Anthropic routes over a Catalog."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
-    @dialect(error_response)
-    async def messages(self, request: Request) -> Response:
-        f = Fields(await read_json(request))
+    async def _prompt(self, f: Fields) -> _Prompt:
+        """The model, session, conversation and prompt ids of a messages body: system and tools included, through the
+        model's chat template."""
         tools = _tools(f)
         name = f.string("model", required=not f.has("jitllm_session"))
-        max_tokens = f.integer("max_tokens", required=True, low=1)
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         messages, prefill = _messages(f)
         chat = conversation(session, messages)
         prompt_ids = await chat_prompt_ids(served, chat, session, prefill=prefill, tools=tools)
+        return _Prompt(name, served, session, chat, prefill, tools, prompt_ids)
+
+    @dialect(error_response)
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the input tokens /v1/messages reports for the same body (all of them: its
+        usage splits off those read from a cache as cache_read_input_tokens). No max_tokens, as Anthropic's has none."""
+        prompt = await self._prompt(Fields(await read_json(request)))
+        return JSONResponse({"input_tokens": len(prompt.prompt_ids)})
+
+    @dialect(error_response)
+    async def messages(self, request: Request) -> Response:
+        f = Fields(await read_json(request))
+        max_tokens = f.integer("max_tokens", required=True, low=1)
+        p = await self._prompt(f)
         params = sampling_params(
             temperature=f.number("temperature", 1.0, low=0.0, high=1.0),
             top_p=f.number("top_p", 1.0, low=0.0, high=1.0) or 1e-9,
@@ -154,12 +181,13 @@ class Anthropic:
         stop = f.strings("stop_sequences", most=64, single=False)  # Anthropic's is an array, never a string
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
-        outbox = start(served, prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=session,
+        outbox = start(p.served, p.prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=p.session,
                        request_id=request.state.request_id)
-        reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=name or served.id, tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None)
-        record = lambda text, calls: remember(session, chat, _remembered((prefill or "") + text, calls))
+        tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
+        reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names)
+        record = lambda text, calls: remember(p.session, p.chat, _remembered((p.prefill or "") + text, calls))
         if stream:
-            return StreamingResponse(self._stream(outbox, reply, len(prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(self._stream(outbox, reply, len(p.prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
         result = await until_disconnect(request, outbox.collect)
         if result is None:
             return Response(status_code=499)

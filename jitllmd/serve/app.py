@@ -59,6 +59,7 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
         Route("/v1/models", oa.models, methods=["GET"]),
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", an.count_tokens, methods=["POST"]),
     ]
     interceptors = [ErrorMapper(catalog)]
     services: list[ConnectASGIApplication] = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web

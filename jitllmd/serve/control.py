@@ -169,13 +169,16 @@ class Models(ModelService):
         return mdl.ListModelsResponse(models=out)
 
     async def get_model(self, request: mdl.GetModelRequest, ctx: Any) -> mdl.GetModelResponse:
+        """A loaded model by id or alias, else a .jlm of -models by the name the list gives it (a loaded name wins)."""
+        if not request.model:
+            raise ConnectError(Code.INVALID_ARGUMENT, "model: this field is required")
         try:
             return mdl.GetModelResponse(model=_model_message(self.catalog, self.catalog.get(request.model)))
-        except KeyError:
+        except KeyError as exc:
             for e in self.catalog.entries():
                 if e.id == request.model:
                     return mdl.GetModelResponse(model=_file_model(self.catalog, e.id, e.path, e.created))
-        raise _not_found(f"no model {request.model!r}, loaded or in the model directory")
+            raise _not_found(str(exc.args[0])) from None
 
     async def load_model(self, request: mdl.LoadModelRequest, ctx: Any) -> mdl.LoadModelResponse:
         if not request.file:

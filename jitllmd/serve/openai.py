@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -15,9 +16,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.kv import RoomError
-from ..engine.request import Delta, Done, Failed, FinishReason
-from ..engine.sampler import SamplingParams
+from ..engine.request import Delta, Done, Event, Failed, FinishReason
+from ..engine.sampler import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.sessions import Session
+from ..engine.tokenizer import Tokenizer
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, embed, until_disconnect
 from .prompt import (
@@ -70,12 +72,33 @@ class _Generation:
     session: Session | None = None  # a named session (jitllm_session)
     chat: list[dict[str, Any]] | None = None  # the whole conversation, for the session to remember
     tool_names: frozenset[str] | None = None  # the declared tools: replies are parsed for calls to them
+    prompt_logprobs: int | None = None  # completions' echo with logprobs: the prompt scored too
+    n: int = 1  # choices per prompt
 
-    def start(self, param: str, request_id: str) -> Outbox:
-        return start(
-            self.served, self.prompt_ids, self.params, param=param, max_tokens=self.max_tokens, stop=self.stop,
-            ignore_eos=self.ignore_eos, session=self.session, request_id=request_id,
-        )
+    def start_all(self, param: str, request_id: str, prompt_ids: list[int]) -> list[Outbox]:
+        """The n choices of one prompt: the first runs the prompt, the others follow it (the prompt is fed once) and
+        sample on their own, with seed + i when a seed is given. A refusal cancels what already started."""
+        outboxes: list[Outbox] = []
+        try:
+            for i in range(self.n):
+                params = self.params
+                if i and params.seed is not None:
+                    params = replace(params, seed=(params.seed + i) % (1 << 64))
+                outboxes.append(start(
+                    self.served, prompt_ids, params, param=param, max_tokens=self.max_tokens, stop=self.stop,
+                    ignore_eos=self.ignore_eos, session=self.session, request_id=request_id + (f"-{i}" if i else ""),
+                    prompt_logprobs=self.prompt_logprobs, follows=outboxes[0].request if i else None, hold=True,
+                ))
+        except BaseException:
+            for o in outboxes:
+                o.end()  # never queued: the engine releases their slots
+            raise
+        self.served.engine.enqueue([o.request for o in outboxes])
+        return outboxes
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.served.engine.loaded.tokenizer
 
     def done(self, reply: str | dict[str, Any]) -> None:
         if self.chat is not None:
@@ -87,16 +110,23 @@ def _parse_common(
     chat: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> _Generation:
     max_tokens = None
+    echo = chat is None and f.boolean("echo")
     for key in max_tokens_keys:  # the first one given wins
         if f.has(key):
-            max_tokens = f.integer(key, low=1)
+            max_tokens = f.integer(key, low=0 if echo else 1)  # echo with max_tokens 0: the prompt alone (scored)
             break
-    if f.integer("n", 1) != 1:
-        raise f.error("n", "only n=1 is supported: send one request per choice")
-    if f.raw("logprobs") not in (None, False, 0):
-        raise f.error("logprobs", "log probabilities are not returned by this server")
-    if f.raw("logit_bias"):
-        raise f.error("logit_bias", "logit_bias is not supported")
+    n = f.integer("n", 1, low=1, high=MAX_CHOICES) or 1
+    if n > 1 and session is not None:
+        raise f.error("n", "a named session holds one conversation: n must be 1 with jitllm_session")
+    if chat is not None:  # chat: logprobs true, top_logprobs 0-20
+        top = f.integer("top_logprobs", low=0, high=MAX_LOGPROBS)
+        if top is not None and not f.boolean("logprobs"):
+            raise f.error("top_logprobs", "needs logprobs: true")
+        logprobs = (top or 0) if f.boolean("logprobs") else None
+    else:  # completions: logprobs 0-5, the alternatives per token
+        logprobs = f.integer("logprobs", low=0, high=5)
+    if echo and logprobs is not None and session is not None:
+        raise f.error("echo", "echo with logprobs scores the whole prompt: send it without jitllm_session")
     fmt = f.object("response_format")
     if fmt is not None and fmt.string("type", "text") != "text":
         raise f.error("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)")
@@ -110,6 +140,8 @@ def _parse_common(
         presence_penalty=f.number("presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
         repetition_penalty=f.number("repetition_penalty", 1.0, low=0.0),
+        logit_bias=_logit_bias(f),
+        logprobs=logprobs,
     )
     options = f.object("stream_options")
     if options is not None and not f.boolean("stream"):  # as OpenAI answers it
@@ -127,15 +159,64 @@ def _parse_common(
         session=session,
         chat=chat,
         tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None,
+        prompt_logprobs=logprobs if echo else None,
+        n=n,
     )
 
 
-def _usage(done: Done) -> dict[str, Any]:
+def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias in [-100, 100]} -> ((id, bias), ...) sorted by id."""
+    biases = f.object("logit_bias")
+    if biases is None:
+        return ()
+    out = []
+    for key in biases.obj:
+        if not key.isdigit():
+            raise f.error("logit_bias", f"keys are token ids (strings of digits), got {key!r}")
+        out.append((int(key), biases.number(key, 0.0, low=-100.0, high=100.0)))
+    return tuple(sorted(out))
+
+
+def _token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token as OpenAI's logprobs show it: its text and that text's UTF-8 bytes (a token holding part of a
+    character shows the replacement character, as vLLM does)."""
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    return text, list(text.encode("utf-8", errors="replace"))
+
+
+def _chat_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs]) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]} for s in scores], "refusal": None}
+
+
+def _completion_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs | None], prompt_ids: list[int], offset: int) -> dict[str, Any]:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs, text_offset (None where a token has no score:
+    the prompt's first). `prompt_ids` name the unscored tokens; `offset` is where the first token's text starts."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, s in enumerate(scores):
+        token = s.token if s is not None else prompt_ids[i]
+        text = _token_text(tokenizer, token)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(s.logprob if s is not None else None)
+        out["top_logprobs"].append({_token_text(tokenizer, t)[0]: lp for t, lp in s.top} if s is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _usage(dones: list[Done], n: int) -> dict[str, Any]:
+    """The usage of every choice: each prompt counted once (the first of its n choices ran it), every choice's tokens."""
+    runs = dones[::n]
+    prompt, completion = sum(d.prompt_tokens for d in runs), sum(d.completion_tokens for d in dones)
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.prompt_tokens - done.fed_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(d.prompt_tokens - d.fed_tokens for d in runs)},
     }
 
 
@@ -229,29 +310,34 @@ class OpenAI:
         chat = conversation(session, _chat_messages(f))
         prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools)
         gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat, tools)
-        outbox = gen.start("messages", request.state.request_id)
+        outboxes = gen.start_all("messages", request.state.request_id, prompt_ids)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
-            return StreamingResponse(self._chat_stream(gen, outbox, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await until_disconnect(request, outbox.collect)
-        if result is None:
+            return StreamingResponse(self._chat_stream(gen, outboxes, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
+        results = await until_disconnect(request, lambda: asyncio.gather(*(o.collect() for o in outboxes)))
+        if results is None:
             return Response(status_code=499)  # nobody is listening
-        text, done = result
-        calls: list[ToolCall] = []
-        if gen.tool_names:
-            text, calls = parse_reply(text, gen.tool_names)
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
-        if calls:
-            message["tool_calls"] = [_tool_call(c) for c in calls]
-        gen.done(message)
+        choices = []
+        for i, ((text, done), outbox) in enumerate(zip(results, outboxes)):
+            calls: list[ToolCall] = []
+            if gen.tool_names:
+                text, calls = parse_reply(text, gen.tool_names)
+            message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+            if calls:
+                message["tool_calls"] = [_tool_call(c) for c in calls]
+            if i == 0:
+                gen.done(message)
+            choices.append({"index": i, "message": message, "finish_reason": _finish_reason(done, calls),
+                            "logprobs": _chat_logprobs(gen.tokenizer, outbox.scores) if gen.params.logprobs is not None else None})
+        dones = [done for _, done in results]
         body = {
             "id": ident,
             "object": "chat.completion",
             "created": created,
             "model": gen.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(done, calls)}],
-            "usage": _usage(done),
-            "jitllm": done.figures,
+            "choices": choices,
+            "usage": _usage(dones, gen.n),
+            "jitllm": dones[0].figures,
         }
         return JSONResponse(body)
 
@@ -264,26 +350,35 @@ class OpenAI:
             raise f.error("suffix", "suffix (fill in the middle) is not supported")
         if f.integer("best_of", 1, low=1) != 1:
             raise f.error("best_of", "only best_of=1 is supported")
-        prompt_ids, prompt_text = await off_loop(_completion_prompt, f, served, session)
-        gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_tokens",), session)
+        prompts = await off_loop(_completion_prompts, f, served, session)
+        gen = _parse_common(f, served, name or served.id, prompts[0][0], ("max_tokens",), session)
+        if len(prompts) > 1 and session is not None:
+            raise f.error("prompt", "a named session takes one prompt")
         echo = f.boolean("echo")
-        outbox = gen.start("prompt", request.state.request_id)
+        outboxes = [o for k, (ids, _) in enumerate(prompts) for o in gen.start_all("prompt", request.state.request_id + (f"-p{k}" if k else ""), ids)]
+        heads = [text if echo else "" for _, text in prompts for _ in range(gen.n)]  # per choice: the echoed prompt
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
-            head = prompt_text if echo else ""
-            return StreamingResponse(self._completion_stream(gen, outbox, ident, created, head), media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await until_disconnect(request, outbox.collect)
-        if result is None:
+            return StreamingResponse(self._completion_stream(gen, outboxes, ident, created, heads), media_type="text/event-stream", headers=SSE_HEADERS)
+        results = await until_disconnect(request, lambda: asyncio.gather(*(o.collect() for o in outboxes)))
+        if results is None:
             return Response(status_code=499)
-        text, done = result
+        choices = []
+        for i, ((text, done), outbox) in enumerate(zip(results, outboxes)):
+            logprobs = None
+            if gen.params.logprobs is not None:
+                scores = [*((outbox.prompt_scores or []) if echo else []), *outbox.scores]
+                logprobs = _completion_logprobs(gen.tokenizer, scores, outbox.request.prompt_ids, 0)
+            choices.append({"index": i, "text": heads[i] + text, "logprobs": logprobs, "finish_reason": done.finish_reason.value})
+        dones = [done for _, done in results]
         body = {
             "id": ident,
             "object": "text_completion",
             "created": created,
             "model": gen.model,
-            "choices": [{"index": 0, "text": (prompt_text if echo else "") + text, "logprobs": None, "finish_reason": done.finish_reason.value}],
-            "usage": _usage(done),
-            "jitllm": done.figures,
+            "choices": choices,
+            "usage": _usage(dones, gen.n),
+            "jitllm": dones[0].figures,
         }
         return JSONResponse(body)
 
@@ -332,55 +427,131 @@ class OpenAI:
 
     # -- streams --------------------------------------------------------------------------------
 
-    async def _chat_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int) -> AsyncIterator[bytes]:
+    async def _chat_stream(self, gen: _Generation, outboxes: list[Outbox], ident: str, created: int) -> AsyncIterator[bytes]:
         out = _Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage)
-        yield out.choice(delta={"role": "assistant", "content": ""})
-        parts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
-
-        def pieces(found: list[Piece]) -> Iterator[bytes]:
-            for piece in found:
-                if isinstance(piece, Text):
-                    if piece.text:
-                        parts.append(piece.text)
-                        yield out.choice(delta={"content": piece.text})
-                else:
-                    calls.append(_tool_call(piece))
-                    yield out.choice(delta={"tool_calls": [{"index": len(calls) - 1, **calls[-1]}]})
-
-        async for ev in outbox:
+        choices = [_ChatChoice(i, gen, out) for i in range(len(outboxes))]
+        for c in choices:
+            yield out.choice(index=c.index, delta={"role": "assistant", "content": ""})
+        dones: list[Done | None] = [None] * len(outboxes)
+        async for i, ev in _interleaved(outboxes):
+            c = choices[i]
             if isinstance(ev, Delta):
+                c.pending.extend(ev.logprobs or [])
                 if ev.text:
-                    for b in pieces(parser.feed(ev.text) if parser else [Text(ev.text)]):
+                    for b in c.pieces(c.parser.feed(ev.text) if c.parser else [Text(ev.text)]):
                         yield b
             elif isinstance(ev, Done):
-                for b in pieces(parser.finish() if parser else []):
+                for b in c.pieces(c.parser.finish() if c.parser else []):
                     yield b
-                text = "".join(parts)
-                gen.done({"role": "assistant", "content": text or None, "tool_calls": calls} if calls else text)
-                yield out.choice(_finish_reason(ev, calls), {"jitllm": ev.figures}, delta={})
-                if gen.include_usage:
-                    yield out.usage(ev)
+                if i == 0:
+                    text = "".join(c.parts)
+                    gen.done({"role": "assistant", "content": text or None, "tool_calls": c.calls} if c.calls else text)
+                dones[i] = ev
+                yield out.choice(_finish_reason(ev, c.calls), {"jitllm": ev.figures}, index=i, delta={}, **(c.scored() if c.pending else {}))
             elif isinstance(ev, Failed):
                 yield out.failed(ev.message)
+        if gen.include_usage and all(d is not None for d in dones):
+            yield out.usage([d for d in dones if d is not None], gen.n)
         yield b"data: [DONE]\n\n"
 
-    async def _completion_stream(self, gen: _Generation, outbox: Outbox, ident: str, created: int, head: str) -> AsyncIterator[bytes]:
+    async def _completion_stream(self, gen: _Generation, outboxes: list[Outbox], ident: str, created: int, heads: list[str]) -> AsyncIterator[bytes]:
         out = _Chunks(ident, "text_completion", created, gen.model, gen.include_usage)
-        if head:
-            yield out.choice(text=head)
-        async for ev in outbox:
+        scoring = gen.params.logprobs is not None
+        offsets = [0] * len(outboxes)  # where each choice's next token's text starts, for text_offset
+        pending: list[list[TokenLogprobs | None]] = [[] for _ in outboxes]
+
+        def scored(i: int, ids: list[int]) -> dict[str, Any]:
+            if not scoring:
+                return {}
+            logprobs = _completion_logprobs(gen.tokenizer, pending[i], ids, offsets[i])
+            offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            pending[i].clear()
+            return {"logprobs": logprobs}
+
+        heads = list(heads)
+        for i, head in enumerate(heads):
+            if head and not (scoring and gen.prompt_logprobs is not None):  # no scores to wait for
+                yield out.choice(index=i, text=head)
+                heads[i] = ""
+        dones: list[Done | None] = [None] * len(outboxes)
+        async for i, ev in _interleaved(outboxes):
+            if heads[i] and isinstance(ev, (Delta, Done)):  # the echoed prompt, with its scores, once the prompt ran
+                pending[i].extend(ev.prompt_logprobs or [])
+                yield out.choice(index=i, text=heads[i], **scored(i, outboxes[i].request.prompt_ids))
+                heads[i] = ""
             if isinstance(ev, Delta):
+                pending[i].extend(ev.logprobs or [])
                 if ev.text:
-                    yield out.choice(text=ev.text)
+                    yield out.choice(index=i, text=ev.text, **scored(i, []))
             elif isinstance(ev, Done):
-                yield out.choice(ev.finish_reason.value, {"jitllm": ev.figures}, text="")
-                if gen.include_usage:
-                    yield out.usage(ev)
+                dones[i] = ev
+                yield out.choice(ev.finish_reason.value, {"jitllm": ev.figures}, index=i, text="", **(scored(i, []) if pending[i] else {}))
             elif isinstance(ev, Failed):
                 yield out.failed(ev.message)
+        if gen.include_usage and all(d is not None for d in dones):
+            yield out.usage([d for d in dones if d is not None], gen.n)
         yield b"data: [DONE]\n\n"
+
+
+class _ChatChoice:
+    """One choice of a chat stream: its text so far, its tool calls, the parser holding back what may be a call, and
+    the scores of tokens whose text has not gone out yet."""
+
+    def __init__(self, index: int, gen: _Generation, out: _Chunks):
+        self.index, self.gen, self.out = index, gen, out
+        self.parts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
+        self.pending: list[TokenLogprobs] = []
+
+    def scored(self) -> dict[str, Any]:
+        if self.gen.params.logprobs is None:
+            return {}
+        scores = self.pending[:]
+        self.pending.clear()
+        return {"logprobs": _chat_logprobs(self.gen.tokenizer, scores)}
+
+    def pieces(self, found: list[Piece]) -> Iterator[bytes]:
+        for piece in found:
+            if isinstance(piece, Text):
+                if piece.text:
+                    self.parts.append(piece.text)
+                    yield self.out.choice(index=self.index, delta={"content": piece.text}, **self.scored())
+            else:
+                self.calls.append(_tool_call(piece))
+                yield self.out.choice(index=self.index, delta={"tool_calls": [{"index": len(self.calls) - 1, **self.calls[-1]}]})
+
+
+async def _interleaved(outboxes: list[Outbox]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of several generations as they come, each with its choice's index, until every one has ended.
+    Leaving early (a client gone) ends every generation."""
+    if len(outboxes) == 1:
+        async for ev in outboxes[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(i: int, outbox: Outbox) -> None:
+        try:
+            async for ev in outbox:
+                queue.put_nowait((i, ev))
+                await asyncio.sleep(0)  # the others' events that came meanwhile go next: the choices interleave
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, o)) for i, o in enumerate(outboxes)]
+    try:
+        left = len(tasks)
+        while left:
+            i, got = await queue.get()
+            if got is None:
+                left -= 1
+            else:
+                yield i, got
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -398,39 +569,49 @@ class _Chunks:
         obj = {"id": self.ident, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
         return _sse(obj | extra)
 
-    def choice(self, finish: str | None = None, extra: dict[str, Any] | None = None, **fields: Any) -> bytes:
-        """A chunk of choice 0: its delta (chat) or text (completions), and the finish reason on the last."""
+    def choice(self, finish: str | None = None, extra: dict[str, Any] | None = None, *, index: int = 0, **fields: Any) -> bytes:
+        """A chunk of one choice: its delta (chat) or text (completions), its logprobs, and the finish reason on its last."""
         usage = {"usage": None} if self.include_usage else {}
-        return self._event([{"index": 0, **fields, "logprobs": None, "finish_reason": finish}], **usage, **(extra or {}))
+        return self._event([{"index": index, "logprobs": None, **fields, "finish_reason": finish}], **usage, **(extra or {}))
 
-    def usage(self, done: Done) -> bytes:
-        return self._event([], usage=_usage(done), jitllm=done.figures)
+    def usage(self, dones: list[Done], n: int) -> bytes:
+        return self._event([], usage=_usage(dones, n), jitllm=dones[0].figures)
 
     def failed(self, message: str) -> bytes:
         return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
-def _completion_prompt(f: Fields, served: ServedModel, session: Session | None) -> tuple[list[int], str]:
-    """prompt: a string, token ids, or a one-element array of either. Returns (ids, the prompt's text for echo).
-    Runs on a prompt thread (off_loop)."""
+MAX_PROMPTS = 64  # prompts in one /v1/completions
+MAX_CHOICES = 16  # choices (n) per prompt
+
+
+def _completion_prompts(f: Fields, served: ServedModel, session: Session | None) -> list[tuple[list[int], str]]:
+    """prompt: a string, token ids, or an array of either (one choice per prompt). Returns (ids, the prompt's text
+    for echo) per prompt. Runs on a prompt thread (off_loop)."""
     prompt = f.raw("prompt")
     if prompt is None:
         raise f.error("prompt", "this field is required")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise f.error("prompt", f"{len(prompt)} prompts in one request are not supported: send one prompt per request")
-        prompt = prompt[0]
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    items = prompt if many else [prompt]
+    if len(items) > MAX_PROMPTS:
+        raise f.error("prompt", f"{len(items)} prompts in one request: at most {MAX_PROMPTS}")
+    return [_one_prompt(f, served, session, p, f"prompt[{k}]" if many else "prompt") for k, p in enumerate(items)]
+
+
+def _one_prompt(f: Fields, served: ServedModel, session: Session | None, prompt: Any, param: str) -> tuple[list[int], str]:
     if isinstance(prompt, str):
-        check_room(served, session, prompt, "prompt")
+        check_room(served, session, prompt, param)
+        if not prompt:
+            raise APIError(f"{param}: the prompt is empty", param="prompt")
         return text_prompt_ids(served, prompt), prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
-            raise f.error("prompt", "the prompt is empty")
+            raise APIError(f"{param}: the prompt is empty", param="prompt")
         vocab = served.engine.loaded.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
-            raise f.error("prompt", f"token ids must be in [0, {vocab})")
+            raise APIError(f"{param}: token ids must be in [0, {vocab})", param="prompt")
         return list(prompt), served.engine.loaded.tokenizer.decode(prompt, skip_special_tokens=False)
-    raise f.error("prompt", "expected a string, an array of token ids, or a one-element array of either")
+    raise APIError(f"{param}: expected a string, an array of token ids, or an array of either", param="prompt")
 
 
 def _embedding_inputs(f: Fields, served: ServedModel) -> list[list[int]]:

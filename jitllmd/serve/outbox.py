@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from ..engine.engine import Engine
 from ..engine.figures import request_figures
 from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason, Request
-from ..engine.sampler import SamplingParams
+from ..engine.sampler import SamplingParams, TokenLogprobs
 
 __all__ = ["Outbox", "embed", "end_streams", "until_disconnect"]
 
@@ -37,6 +37,8 @@ class Outbox:
         self._events = events
         self._loop = loop
         self._generated = 0  # token ids the reader has been handed
+        self.scores: list[TokenLogprobs] = []  # the generated tokens' log probabilities so far, when asked
+        self.prompt_scores: list[TokenLogprobs | None] | None = None  # the prompt's, when asked
         self._ended = False  # end() ran, or the reader is done
 
         def emit(ev: Event) -> None:  # called on the engine thread; holds no reference back to this outbox
@@ -58,6 +60,9 @@ class Outbox:
                 done = isinstance(ev, (Done, Failed))
                 if isinstance(ev, Delta):
                     self._generated += len(ev.token_ids)
+                    self.scores += ev.logprobs or []
+                if isinstance(ev, (Delta, Done)) and ev.prompt_logprobs is not None:
+                    self.prompt_scores = ev.prompt_logprobs
                 yield ev
         finally:
             self._ended = True
