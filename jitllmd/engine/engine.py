@@ -15,6 +15,7 @@ import torch
 
 from .calibrate import Calibration, calibrate
 from .figures import decode_bytes, where
+from .grammar import Constraint
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .jobs import PlacementJobs
 from .joint import JointSteps
@@ -150,11 +151,13 @@ class Engine:
         prompt_logprobs: int | None = None,
         follows: Request | None = None,
         hold: bool = False,
+        constraint: Constraint | None = None,
     ) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named).
         max_tokens 0 runs the prompt alone (prompt_logprobs scores each prompt token, with that many alternatives).
         `follows`: an earlier request of the same prompt, which runs it once for both (n > 1): this one copies its KV
-        and samples its own tokens from there. `hold`: build the request but queue it later, with others (enqueue)."""
+        and samples its own tokens from there. `hold`: build the request but queue it later, with others (enqueue).
+        `constraint`: a grammar the reply follows (engine/grammar.py), its own to this request."""
         if self.loaded.embeds:
             raise ValueError(f"model {self.loaded.name} is an embedding model: it embeds text, it does not generate")
         if not prompt_ids:
@@ -180,7 +183,7 @@ class Engine:
             emit=emit,
             session=session,
             max_tokens=room if max_tokens is None else min(max_tokens, room),
-            sampler=Sampler(params, prompt_ids),
+            sampler=Sampler(params, prompt_ids, constraint),
             detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
             stop=[s for s in (stop or []) if s],
             ignore_eos=ignore_eos,

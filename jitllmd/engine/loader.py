@@ -16,6 +16,7 @@ import torch
 
 from .chat import ChatTemplate
 from .devices import compute_dtype, device_info, trim_heap
+from .grammar import Grammars
 from .jlm import JLMFile
 from .kv import SessionKV
 from .models import DecoderModel, EncoderModel, build_model, family_for
@@ -53,6 +54,11 @@ class LoadedModel:
         """Let go of the weights, the pager's thread and its file now (the engine has stopped)."""
         if self.placement is not None:
             self.placement.close()
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Constrained sampling for this model (engine/grammar.py), its vocabulary side built on first use."""
+        return Grammars(self.tokenizer, self.model.cfg.vocab_size)
 
     @property
     def embeds(self) -> bool:

@@ -114,6 +114,10 @@ class Outputs:
         req.held += req.detok.add(token)
         if self._release(req, final=False):
             return
+        constraint = req.sampler.constraint
+        if constraint is not None and constraint.done:  # the grammar is complete: only end of sequence could follow
+            self.finish(req, FinishReason.STOP)
+            return
         if len(req.output_ids) >= req.max_tokens:
             self.finish(req, FinishReason.LENGTH)
             return

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 __all__ = ["MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "Sampler", "SamplingParams", "TokenLogprobs", "logprobs_of"]
 
@@ -90,8 +94,9 @@ class Sampler:
     same tokens on the same device (each device kind has its own random algorithm, so a CPU and a GPU differ).
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], constraint: Constraint | None = None):
         self.params = params
+        self.constraint = constraint  # a grammar the reply must follow: its mask comes before everything else
         self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._generators: dict[torch.device, torch.Generator] = {}
         self.counts: dict[int, int] = {}  # generated token -> times
@@ -110,6 +115,8 @@ class Sampler:
         return gen
 
     def accept(self, token_id: int) -> None:
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         self.counts[token_id] = self.counts.get(token_id, 0) + 1
         if self.params.repetition_penalty != 1.0:
             self.seen.add(token_id)
@@ -140,7 +147,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`)."""
-        token = self._sample(logits)
+        token = self._sample(logits if self.constraint is None else self.constraint.mask(logits))
         if self.params.logprobs is not None:
             self.last = logprobs_of(logits, token, self.params.logprobs)
         return token

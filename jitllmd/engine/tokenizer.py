@@ -55,6 +55,10 @@ class Tokenizer:
             most = max(most, int(getattr(model, "max_input_chars_per_word", 100)))
         return max(1, most)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a vocabulary string (e.g. "<tool_call>"), or None if there is no such token."""
+        return self._backend.token_to_id(token)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of `token_id` (e.g. "<|im_end|>"), or None if there is no such id."""
         return self._backend.id_to_token(token_id)

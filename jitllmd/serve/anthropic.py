@@ -16,7 +16,7 @@ from ..engine.request import Delta, Done, Failed, FinishReason
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
-from .prompt import chat_prompt_ids, conversation, find_target, remember, sampling_params, start
+from .prompt import chat_prompt_ids, constraints, conversation, find_target, remember, sampling_params, start, tool_grammar
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
 __all__ = ["Anthropic", "error_response"]
@@ -96,14 +96,23 @@ def _messages(f: Fields) -> tuple[list[dict[str, Any]], str | None]:
     return out, prefill
 
 
+def _forced_tool(f: Fields) -> tuple[bool, str | None]:
+    """tool_choice as a constraint: (True, None) for {"type": "any"}, (True, name) for {"type": "tool", "name": ...}."""
+    choice = f.object("tool_choice")
+    kind = choice.string("type") if choice is not None else "auto"
+    if choice is not None and kind == "tool":
+        return True, choice.string("name", required=True)
+    return kind == "any", None
+
+
 def _tools(f: Fields) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions in the OpenAI shape chat templates take, input_schema kept as sent (key order and
-    all); None without tools or with tool_choice {"type": "none"}. "auto", "any" and a named tool all leave the choice
-    to the model."""
+    all); None without tools or with tool_choice {"type": "none"}. "auto" leaves the choice to the model; "any" and a
+    named tool make the reply a call (_forced_tool)."""
     choice = f.object("tool_choice")
     kind = choice.string("type", required=True) if choice is not None else "auto"
     if kind not in ("auto", "any", "tool", "none"):
-        raise f.error("tool_choice", f"type {kind!r}: expected auto, any, tool or none")
+        raise f.error("tool_choice", f"type {kind!r}: expected auto, any, tool or none")  # any and tool: see _forced_tool
     tools = f.array("tools")
     if not tools or kind == "none":
         return None
@@ -181,8 +190,11 @@ class Anthropic:
         stop = f.strings("stop_sequences", most=64, single=False)  # Anthropic's is an array, never a string
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
+        forced = _forced_tool(f)
+        grammar = tool_grammar(p.served, p.tools, forced[1], "tool_choice") if p.tools and forced[0] else None
+        [constraint] = await constraints(p.served, grammar, 1, "tool_choice")
         outbox = start(p.served, p.prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=p.session,
-                       request_id=request.state.request_id)
+                       request_id=request.state.request_id, constraint=constraint)
         tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
         reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names)
         record = lambda text, calls: remember(p.session, p.chat, _remembered((p.prefill or "") + text, calls))

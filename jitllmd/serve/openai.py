@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.grammar import GrammarSpec
 from ..engine.kv import RoomError
 from ..engine.request import Delta, Done, Event, Failed, FinishReason
 from ..engine.sampler import MAX_LOGPROBS, SamplingParams, TokenLogprobs
@@ -25,6 +26,7 @@ from .outbox import Outbox, embed, until_disconnect
 from .prompt import (
     chat_prompt_ids,
     check_room,
+    constraints,
     conversation,
     find_model,
     find_target,
@@ -33,6 +35,7 @@ from .prompt import (
     sampling_params,
     start,
     text_prompt_ids,
+    tool_grammar,
 )
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
@@ -74,10 +77,14 @@ class _Generation:
     tool_names: frozenset[str] | None = None  # the declared tools: replies are parsed for calls to them
     prompt_logprobs: int | None = None  # completions' echo with logprobs: the prompt scored too
     n: int = 1  # choices per prompt
+    grammar: GrammarSpec | None = None  # what every reply must be: response_format's JSON, or a forced tool call
+    grammar_param: str = "response_format"  # the field that asked for it, for its errors
 
-    def start_all(self, param: str, request_id: str, prompt_ids: list[int]) -> list[Outbox]:
+    async def start_all(self, param: str, request_id: str, prompt_ids: list[int]) -> list[Outbox]:
         """The n choices of one prompt: the first runs the prompt, the others follow it (the prompt is fed once) and
-        sample on their own, with seed + i when a seed is given. A refusal cancels what already started."""
+        sample on their own, with seed + i when a seed is given, each under its own matcher of the grammar, if any. A
+        refusal cancels what already started."""
+        matchers = await constraints(self.served, self.grammar, self.n, self.grammar_param)
         outboxes: list[Outbox] = []
         try:
             for i in range(self.n):
@@ -88,6 +95,7 @@ class _Generation:
                     self.served, prompt_ids, params, param=param, max_tokens=self.max_tokens, stop=self.stop,
                     ignore_eos=self.ignore_eos, session=self.session, request_id=request_id + (f"-{i}" if i else ""),
                     prompt_logprobs=self.prompt_logprobs, follows=outboxes[0].request if i else None, hold=True,
+                    constraint=matchers[i],
                 ))
         except BaseException:
             for o in outboxes:
@@ -127,9 +135,10 @@ def _parse_common(
         logprobs = f.integer("logprobs", low=0, high=5)
     if echo and logprobs is not None and session is not None:
         raise f.error("echo", "echo with logprobs scores the whole prompt: send it without jitllm_session")
-    fmt = f.object("response_format")
-    if fmt is not None and fmt.string("type", "text") != "text":
-        raise f.error("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)")
+    grammar, grammar_param = _response_grammar(f), "response_format"
+    forced, name = _forced_tool(f)
+    if tools and forced:  # the reply is a call: the tool grammar wins over response_format
+        grammar, grammar_param = tool_grammar(served, tools, name, "tool_choice"), "tool_choice"
     top_k = f.integer("top_k", 40, low=-1)
     params = sampling_params(
         temperature=f.number("temperature", 1.0, low=0.0, high=2.0),
@@ -161,7 +170,38 @@ def _parse_common(
         tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None,
         prompt_logprobs=logprobs if echo else None,
         n=n,
+        grammar=grammar,
+        grammar_param=grammar_param,
     )
+
+
+def _response_grammar(f: Fields) -> GrammarSpec | None:
+    """response_format: text (free), json_object (any JSON object), json_schema (JSON valid against its schema)."""
+    fmt = f.object("response_format")
+    kind = fmt.string("type", required=True) if fmt is not None else "text"
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec(schema={"type": "object"})
+    if kind == "json_schema":
+        spec = fmt.object("json_schema")
+        if spec is None:
+            raise fmt.error("json_schema", "this field is required")
+        spec.string("name", required=True)
+        schema = spec.object("schema")
+        return GrammarSpec(schema=schema.obj if schema is not None else {"type": "object"})
+    raise fmt.error("type", f"{kind!r}: expected text, json_object or json_schema")
+
+
+def _forced_tool(f: Fields) -> tuple[bool, str | None]:
+    """tool_choice as a constraint: (True, None) for "required" (some tool), (True, name) for a named function."""
+    choice = f.raw("tool_choice")
+    if choice == "required":
+        return True, None
+    if isinstance(choice, dict):
+        fn = Fields(choice, "tool_choice.").object("function")
+        return True, fn.string("name", required=True) if fn is not None else None
+    return False, None
 
 
 def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
@@ -261,7 +301,7 @@ def _message_tool_calls(m: Fields) -> list[dict[str, Any]]:
 
 def _tools(f: Fields) -> list[dict[str, Any]] | None:
     """The tool definitions, exactly as sent; None when there are none or tool_choice is "none" (withheld).
-    "auto", "required" and a named function all offer the tools and leave the choice to the model."""
+    "auto" leaves the choice to the model; "required" and a named function make the reply a call (_forced_tool)."""
     choice = f.raw("tool_choice")
     if choice is not None and choice not in ("none", "auto", "required"):
         named = Fields(choice, "tool_choice.")
@@ -310,7 +350,7 @@ class OpenAI:
         chat = conversation(session, _chat_messages(f))
         prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools)
         gen = _parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat, tools)
-        outboxes = gen.start_all("messages", request.state.request_id, prompt_ids)
+        outboxes = await gen.start_all("messages", request.state.request_id, prompt_ids)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
             return StreamingResponse(self._chat_stream(gen, outboxes, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -355,7 +395,7 @@ class OpenAI:
         if len(prompts) > 1 and session is not None:
             raise f.error("prompt", "a named session takes one prompt")
         echo = f.boolean("echo")
-        outboxes = [o for k, (ids, _) in enumerate(prompts) for o in gen.start_all("prompt", request.state.request_id + (f"-p{k}" if k else ""), ids)]
+        outboxes = [o for k, (ids, _) in enumerate(prompts) for o in await gen.start_all("prompt", request.state.request_id + (f"-p{k}" if k else ""), ids)]
         heads = [text if echo else "" for _, text in prompts for _ in range(gen.n)]  # per choice: the echoed prompt
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:

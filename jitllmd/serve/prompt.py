@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
+from ..engine.grammar import COMPACT_JSON, Constraint, GrammarError, GrammarSpec
 from ..engine.kv import RoomError
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "check_room", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "text_prompt_ids"]
+__all__ = ["chat_prompt_ids", "check_room", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "text_prompt_ids"]
 
 T = TypeVar("T")
 
@@ -141,3 +143,61 @@ def sampling_params(**kw: Any) -> SamplingParams:
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise APIError(str(exc), param=field) from None
+
+
+def tool_grammar(served: ServedModel, tools: list[dict[str, Any]], name: str | None, param: str) -> GrammarSpec:
+    """A reply that is a call of one of the tools (of `name` only, when given) in the model's own call format: a
+    Hermes <tool_call> block where the vocabulary has that token (Qwen-style templates), bare JSON otherwise; its
+    arguments valid against the tool's parameters (tool_choice "required" or a named function)."""
+    defs: dict[str, Any] = {}  # every tool's $defs, lifted to the root where their "#/$defs/..." references point
+    calls = [
+        {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": _lift_defs(fn.get("parameters") or {"type": "object"}, defs, fn["name"])},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for fn in (t["function"] for t in tools) if name is None or fn["name"] == name
+    ]
+    if not calls:
+        raise APIError(f"{param}: no tool is named {name!r}", param=param)
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    if served.engine.loaded.tokenizer.token_id("<tool_call>") is None:
+        return GrammarSpec(schema=schema)
+    return GrammarSpec(lark='start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json ' + json.dumps({**schema, "x-guidance": COMPACT_JSON}))
+
+
+def _lift_defs(schema: dict[str, Any], defs: dict[str, Any], tool: str) -> dict[str, Any]:
+    """`schema` without its $defs (definitions), which join `defs`; a name another tool took with other content is
+    renamed (tool__name) and its references with it."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema
+    renamed = {k: k if defs.get(k, v) == v else f"{tool}__{k}" for k, v in own.items()}
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: fix(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for prefix in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(prefix) and ref[len(prefix):] in renamed:
+                        out["$ref"] = "#/$defs/" + renamed[ref[len(prefix):]]
+            return out
+        if isinstance(node, list):
+            return [fix(v) for v in node]
+        return node
+
+    for k, v in own.items():
+        defs[renamed[k]] = fix(v)
+    return fix(schema)
+
+
+async def constraints(served: ServedModel, spec: GrammarSpec | None, n: int, param: str) -> list[Constraint | None]:
+    """n matchers of `spec` (none without one), compiled on a prompt thread (the model's first also builds the
+    grammar side of its vocabulary, a few seconds). A schema or grammar llguidance refuses is a 400 naming `param`."""
+    if spec is None:
+        return [None] * n
+    grammars = served.engine.loaded.grammars
+    try:
+        return await off_loop(lambda: [grammars.constraint(spec) for _ in range(n)])
+    except GrammarError as exc:
+        raise APIError(f"{param}: {exc}", param=param) from None
