@@ -53,10 +53,11 @@ def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}}
 
 
-def test_json_schema_replies_validate_every_time(smol):
-    _, client = smol
-    for i in range(CALLS):
-        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Make up a person."}], temperature=0.7, seed=i,
+@pytest.mark.parametrize(("model", "calls"), [("smol", CALLS), ("qwen", 3)])
+def test_json_schema_replies_validate_every_time(request, model, calls):
+    _, client = request.getfixturevalue(model)
+    for i in range(calls):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Make up a person."}], temperature=0.7, seed=i,
                                            max_tokens=200, response_format=_schema_format(PERSON))  # type: ignore[arg-type]
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         jsonschema.validate(json.loads(r.choices[0].message.content or ""), PERSON)
@@ -162,15 +163,6 @@ def test_json_object(qwen):
         r = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Give me a small JSON object about a cat."}],
                                            max_tokens=300, response_format={"type": "json_object"}, temperature=0.7, seed=i)
         assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content or ""), dict)
-
-
-def test_qwen_json_schema_replies_validate(qwen):
-    _, client = qwen
-    for i in range(3):
-        r = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Make up a person."}], temperature=0.7, seed=i,
-                                           max_tokens=200, response_format=_schema_format(PERSON))  # type: ignore[arg-type]
-        assert r.choices[0].finish_reason == "stop", r.choices[0]
-        jsonschema.validate(json.loads(r.choices[0].message.content or ""), PERSON)
 
 
 def test_qwen_forced_call_is_a_hermes_block(qwen):
