@@ -41,6 +41,7 @@ print(json.dumps({
     "working": placement.pager.working_bytes(), "kv": session.kv.nbytes(), "total": sum(placement.block_bytes),
     "largest": max(placement.block_bytes[1:]),
 }))
+engine.stop()  # before the interpreter goes: a daemon thread still inside torch at exit can abort it
 """
 
 # What the process holds beyond weights, KV and the pager's buffers: the tokenizer and chat template (SmolLM2's 49k
