@@ -1,5 +1,5 @@
 """Constrained sampling with llguidance: a JSON schema or a Lark grammar becomes a per-request matcher whose token mask
-the sampler applies to its row's logits (bench/grammar.py measured it against xgrammar: compiles in 1-3 ms against
+the sampler applies to its row's logits (bench/grammar_libs.py measured it against xgrammar: compiles in 1-3 ms against
 30-60; a mask takes 0.02-0.06 ms at a JSON structure and 0.3-0.7 ms inside a long string on a 152k vocabulary, much
 as xgrammar's; no dependencies)."""
 
