@@ -61,6 +61,8 @@ def test_every_dialect_asks_for_the_key(keyed):
     r = httpx.post(url + "/jitllm.v1.DeviceService/ListDevices", json={})
     assert r.status_code == 401 and r.json()["code"] == "unauthenticated" and r.headers["www-authenticate"] == "Bearer"
     assert httpx.post(url + "/jitllm.v1.DeviceService/ListDevices", json={}, headers={"x-api-key": KEY}).status_code == 200
+    both = {"authorization": "Bearer a-proxy-token", "x-api-key": KEY}  # either header may carry it
+    assert httpx.post(url + "/jitllm.v1.DeviceService/ListDevices", json={}, headers=both).status_code == 200
     assert httpx.get(url + "/metrics").status_code == 401
     assert httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert httpx.get(url + "/healthz").text == "ok"

@@ -122,9 +122,9 @@ class Guard:
                             ": use cleartext HTTP/2 (h2c, e.g. grpcurl -plaintext), or the Connect or gRPC-Web protocol over HTTP/1.1", kind="http_version")
         if self.key is not None and scope["path"] not in _OPEN:
             auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-            if not hmac.compare_digest(token.encode(), self.key):
-                what = "a wrong API key" if token else "no API key"
+            given = [t for t in (auth[7:].strip() if auth[:7].lower() == "bearer " else "", headers.get("x-api-key", "")) if t]
+            if not any([hmac.compare_digest(t.encode(), self.key) for t in given]):  # a list: each compared, in constant time
+                what = "a wrong API key" if given else "no API key"
                 return APIError(f"{what}: send Authorization: Bearer KEY (or x-api-key: KEY) with the key the server was started with",
                                 kind="unauthorized", code="invalid_api_key")
         return None
