@@ -31,7 +31,7 @@ def serve(
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.")] = "auto",
     api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
     api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
-    allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 
