@@ -108,3 +108,25 @@ def test_errors_in_anthropic_shape(tiny_server, client):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "system", "content": "x"}])
     r = httpx.post(tiny_server.url + "/v1/messages", content=b"{nope", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_blocks_come_in_the_order_generated():
+    """Issue 20, part 9: text, a call, text, a call cut short by max_tokens: four blocks in that order, whole and as
+    the stream's content_block_start events."""
+    from jitllmd.serve.anthropic import _Blocks, content_blocks
+    from jitllmd.serve.tools import ToolCallParser, parse_pieces
+
+    names = {"get_weather"}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reply = f'Checking.\n{call}\nThen Rome.\n<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Rome", "da'
+    whole = [(b["type"], b.get("text") or b.get("input")) for b in content_blocks(parse_pieces(reply, names, cut=True))]
+    assert whole == [("text", "Checking.\n"), ("tool_use", {"city": "Paris"}), ("text", "Then Rome.\n"), ("tool_use", {"city": "Rome"})]
+
+    parser, blocks = ToolCallParser(names), _Blocks()
+    sse = b"".join([*(b for ch in reply for b in blocks.add(parser.feed(ch))), *blocks.add(parser.finish(cut=True)), *blocks.close()])
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use", "text", "tool_use"]
+    inputs = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"]
+    assert [json.loads(i) for i in inputs] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0, 1, 2, 3]

@@ -104,3 +104,32 @@ def test_anthropic_tool_choice_none_answers_in_text(ant):
     tools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
     msg = ant.messages.create(model="qwen", max_tokens=24, messages=ASK, tools=tools, tool_choice={"type": "none"}, extra_body={"temperature": 0})
     assert msg.stop_reason != "tool_use" and msg.content[0].type == "text" and msg.content[0].text
+
+
+def test_max_tokens_inside_a_call_is_length_and_a_call_cut_short(oai, ant):
+    """Issue 20, part 9: max_tokens ending the reply inside a call (forced here, so the reply is one) finishes as
+    length / max_tokens; the call comes back as a call, its arguments as far as they came (OpenAI; Anthropic's input
+    holds the members that were whole), never as text; streamed as not."""
+    tools = [{"type": "function", "function": WEATHER}]
+    whole = '{"city": "Paris"}'
+    r = oai.chat.completions.create(model="qwen", messages=ASK, tools=tools, tool_choice="required", temperature=0, max_tokens=14)
+    [choice] = r.choices
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert call.function.name == "get_weather" and whole.startswith(call.function.arguments) and call.function.arguments != whole
+
+    chunks = list(oai.chat.completions.create(model="qwen", messages=ASK, tools=tools, tool_choice="required", temperature=0, max_tokens=14, stream=True))
+    deltas = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+    a_tools = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+    kw = {"model": "qwen", "max_tokens": 14, "messages": ASK, "tools": a_tools, "tool_choice": {"type": "any"}, "extra_body": {"temperature": 0}}
+    msg = ant.messages.create(**kw)
+    with ant.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    for m in (msg, final):
+        assert m.stop_reason == "max_tokens"
+        assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "get_weather", {})]  # type: ignore[union-attr]
+

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from jitllmd.serve.tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
+from jitllmd.serve.tools import Piece, Text, ToolCall, ToolCallParser, complete_members, parse_pieces, parse_reply
 
 NAMES = {"get_weather", "search_web"}
 
@@ -284,3 +284,71 @@ def test_no_tools_passes_text_through():
     assert parser.feed(H_PARIS) == [Text(H_PARIS)]
     assert parser.finish() == []
     assert parse_reply(PARIS_JSON, []) == (PARIS_JSON, [])
+
+
+def cut(name: str, arguments: str) -> ToolCall:
+    return ToolCall(name, arguments, complete=False)
+
+
+@pytest.mark.parametrize(
+    ("reply", "pieces"),
+    [
+        # max_tokens inside a Hermes block, a bare call, a fenced one, a list: a call cut short, never text
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', [cut("get_weather", '{"ci')]),
+        ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', [Text("Let me check.\n"), cut("get_weather", '{"city": "Par')]),
+        ('{"name": "get_weather", "arguments": {"city": "Paris", "un', [cut("get_weather", '{"city": "Paris", "un')]),
+        ('```json\n{"name": "search_web", "arg', [cut("search_web", "")]),
+        ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "search_web", "arguments": {"q', [PARIS, cut("search_web", '{"q')]),
+        # the name not there yet (or not a declared tool's): nothing, neither text nor a call
+        ('<tool_call>\n{"na', []),
+        ('Hi <tool_call>\n{"name": "get_wea', [Text("Hi ")]),
+        ('<tool_call>{"name": "delete_all", "arguments": {', []),
+        ("Hi <tool_ca", [Text("Hi ")]),
+        ("<tool_c", []),
+        # whole before the cut: a whole call (inside the close tag, or an unclosed block that parses)
+        (f'<tool_call>\n{PARIS_JSON}\n</tool_', [PARIS]),
+        (f"<tool_call>\n{PARIS_JSON}", [PARIS]),
+        (f"{H_PARIS}\nDone", [PARIS, Text("Done")]),
+        # prose, cut anywhere, stays prose
+        ("The weather is", [Text("The weather is")]),
+        ('{"city": "Par', [Text('{"city": "Par')]),
+        ('{"name": "delete_all", "arg', [Text('{"name": "delete_all", "arg')]),
+        ('{"name": "get_wea', []),
+    ],
+)
+def test_a_reply_cut_inside_a_call(reply: str, pieces: list[Piece]):
+    assert parse_pieces(reply, NAMES, cut=True) == pieces
+    for i in range(len(reply) + 1):  # streamed, split anywhere: the same pieces
+        parser = ToolCallParser(NAMES)
+        assert _merged(parser.feed(reply[:i]) + parser.feed(reply[i:]) + parser.finish(cut=True)) == pieces, f"split at {i}"
+
+
+def test_without_the_cut_an_unfinished_call_is_text():
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert parse_pieces(reply, NAMES) == [Text(reply)]  # the model ended it so: what it wrote, unchanged
+
+
+@pytest.mark.parametrize(
+    ("arguments", "members"),
+    [
+        ('{"city": "Paris"}', {"city": "Paris"}),
+        ('{"city": "Paris", "days": 3, "un', {"city": "Paris", "days": 3}),
+        ('{"a": {"b": 1, "c": [1, 2', {}),
+        ('{"a": "x,y", "b": [1, 2], "c"', {"a": "x,y", "b": [1, 2]}),
+        ('{"a": "say \\"hi\\", ok", "b', {"a": 'say "hi", ok'}),
+        ("", {}),
+        ("[1, 2]", {}),
+    ],
+)
+def test_complete_members(arguments: str, members: dict):
+    assert complete_members(arguments) == members
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        if isinstance(p, Text) and out and isinstance(out[-1], Text):
+            out[-1] = Text(out[-1].text + p.text)
+        elif not isinstance(p, Text) or p.text:
+            out.append(p)
+    return out

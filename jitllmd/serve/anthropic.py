@@ -12,14 +12,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
-from ..engine.request import Delta, Done, Failed, FinishReason
+from ..engine.request import Delta, Done, Event, Failed, FinishReason
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
 from .prompt import chat_prompt_ids, constraints, conversation, find_target, remember, sampling_params, start, tool_grammar
-from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
+from .tools import Piece, Text, ToolCall, ToolCallParser, complete_members, parse_pieces
 
-__all__ = ["Anthropic", "error_response"]
+__all__ = ["Anthropic", "content_blocks", "error_response"]
 
 
 _ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "authentication_error", "forbidden": "permission_error",
@@ -131,12 +131,12 @@ def _tools(f: Fields) -> list[dict[str, Any]] | None:
 
 
 def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
+    if done.finish_reason is FinishReason.LENGTH:  # even after a call: max_tokens may have cut it, or the text after it
+        return "max_tokens", None
     if calls and done.finish_reason is not FinishReason.CANCELLED:
         return "tool_use", None
     if done.stop is not None:
         return "stop_sequence", done.stop
-    if done.finish_reason is FinishReason.LENGTH:
-        return "max_tokens", None
     return "end_turn", None  # end of sequence (or cancelled: the turn ends where it was cut)
 
 
@@ -204,13 +204,11 @@ class Anthropic:
         if result is None:
             return Response(status_code=499)
         text, done = result
-        calls: list[ToolCall] = []
-        if reply.tool_names:
-            text, calls = parse_reply(text, reply.tool_names)
-        record(text, calls)
+        pieces = parse_pieces(text, reply.tool_names, cut=done.finish_reason is FinishReason.LENGTH) if reply.tool_names else [Text(text)]
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        record("".join(p.text for p in pieces if isinstance(p, Text)), calls)
         reason, stop_sequence = _stop_reason(done, calls)
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
-        content += [_tool_use(c) for c in calls]
+        content = content_blocks(pieces)
         body = {
             "id": reply.ident,
             "type": "message",
@@ -226,7 +224,21 @@ class Anthropic:
 
     async def _stream(self, outbox: Outbox, reply: _Reply, num_prompt: int, record: Callable[[str, list[ToolCall]], None]) -> AsyncIterator[bytes]:
         """message_start, then content blocks as they come (text deltas; a tool_use block per call, its input as one
-        input_json_delta), then message_delta with the stop reason, usage and jitllm, then message_stop."""
+        input_json_delta), then message_delta with the stop reason, usage and jitllm, then message_stop.
+
+        message_start waits for the engine's first event: by then the session has said how much of the prompt it
+        held, so its usage splits input_tokens and cache_read_input_tokens as message_delta's does."""
+        events = aiter(outbox)
+        try:
+            async for b in self._events(outbox, events, reply, num_prompt, record):
+                yield b
+        finally:
+            await events.aclose()  # a client gone: the request is cancelled now, not when the generator is collected
+
+    async def _events(self, outbox: Outbox, events: AsyncIterator[Event], reply: _Reply, num_prompt: int,
+                      record: Callable[[str, list[ToolCall]], None]) -> AsyncIterator[bytes]:
+        ev: Event | None = await anext(events)
+        cached = outbox.request.cached
         message: dict[str, Any] = {
             "id": reply.ident,
             "type": "message",
@@ -235,7 +247,7 @@ class Anthropic:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": num_prompt, "output_tokens": 0},
+            "usage": {"input_tokens": num_prompt - cached, "output_tokens": 0, "cache_read_input_tokens": cached},
         }
         yield _event("message_start", {"type": "message_start", "message": message})
         blocks = _Blocks()
@@ -243,13 +255,13 @@ class Anthropic:
         if parser is None:  # no calls to wait for: the text block opens at once
             yield blocks.open_text()
         yield _event("ping", {"type": "ping"})
-        async for ev in outbox:
+        while ev is not None:
             if isinstance(ev, Delta):
                 if ev.text:
                     for b in blocks.add(parser.feed(ev.text) if parser else [Text(ev.text)]):
                         yield b
             elif isinstance(ev, Done):
-                for b in blocks.add(parser.finish() if parser else []):
+                for b in blocks.add(parser.finish(cut=ev.finish_reason is FinishReason.LENGTH) if parser else []):
                     yield b
                 for b in blocks.close():
                     yield b
@@ -260,6 +272,7 @@ class Anthropic:
                 yield _event("message_stop", {"type": "message_stop"})
             elif isinstance(ev, Failed):
                 yield _event("error", {"type": "error", "error": {"type": "api_error", "message": ev.message}})
+            ev = await anext(events, None)
 
 
 @dataclass(frozen=True)
@@ -297,9 +310,10 @@ class _Blocks:
                     yield self._stop()
                 self.calls.append(piece)
                 self.index += 1
-                block = {**_tool_use(piece), "input": {}}
+                use = _tool_use(piece)
+                block = {**use, "input": {}}
                 yield _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
-                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments if piece.complete else json.dumps(use["input"], ensure_ascii=False)}
                 yield _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
@@ -314,8 +328,17 @@ class _Blocks:
         return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
 
+def content_blocks(pieces: list[Piece]) -> list[dict[str, Any]]:
+    """A whole reply's content: its text and calls as blocks in the order they were generated (one empty text block
+    for a reply with nothing)."""
+    blocks = [{"type": "text", "text": p.text} if isinstance(p, Text) else _tool_use(p) for p in pieces if not isinstance(p, Text) or p.text]
+    return blocks or [{"type": "text", "text": ""}]
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": json.loads(call.arguments)}
+    """A call as a tool_use block; one max_tokens cut short has the members of its input that were whole."""
+    arguments = json.loads(call.arguments) if call.complete else complete_members(call.arguments)
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": arguments}
 
 
 def _remembered(text: str, calls: list[ToolCall]) -> str | dict[str, Any]:

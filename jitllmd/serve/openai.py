@@ -328,7 +328,8 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 
 
 def _finish_reason(done: Done, calls: list[Any]) -> str:
-    if calls and done.finish_reason is not FinishReason.CANCELLED:
+    """tool_calls only for a reply the model ended: max_tokens cutting a call (or the text after one) is length."""
+    if calls and done.finish_reason is FinishReason.STOP:
         return "tool_calls"
     return done.finish_reason.value
 
@@ -361,7 +362,7 @@ class OpenAI:
         for i, ((text, done), outbox) in enumerate(zip(results, outboxes)):
             calls: list[ToolCall] = []
             if gen.tool_names:
-                text, calls = parse_reply(text, gen.tool_names)
+                text, calls = parse_reply(text, gen.tool_names, cut=done.finish_reason is FinishReason.LENGTH)
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
             if calls:
                 message["tool_calls"] = [_tool_call(c) for c in calls]
@@ -481,7 +482,7 @@ class OpenAI:
                     for b in c.pieces(c.parser.feed(ev.text) if c.parser else [Text(ev.text)]):
                         yield b
             elif isinstance(ev, Done):
-                for b in c.pieces(c.parser.finish() if c.parser else []):
+                for b in c.pieces(c.parser.finish(cut=ev.finish_reason is FinishReason.LENGTH) if c.parser else []):
                     yield b
                 if i == 0:
                     text = "".join(c.parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
@@ -50,7 +50,7 @@ class Outbox:
         self.request: Request = engine.submit(prompt_ids, params, emit, **submit_kw)
         _open.add(self)
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def __aiter__(self) -> AsyncGenerator[Event, None]:
         done = False
         try:
             while not done:

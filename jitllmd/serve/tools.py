@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["Piece", "Text", "ToolCall", "ToolCallParser", "parse_reply"]
+__all__ = ["Piece", "Text", "ToolCall", "ToolCallParser", "complete_members", "parse_pieces", "parse_reply"]
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -18,14 +18,19 @@ FENCE = "```"
 # A Markdown fence that may hold a call: ``` or ```json, then the end of its line.
 _FENCE_HEADER = re.compile(r"```(?:json)?[ \t\r]*\n", re.IGNORECASE)
 _FENCE_HEADER_START = re.compile(r"`{1,3}|```(?:j|js|jso|(?:json)?[ \t\r]*)", re.IGNORECASE)
+# The start of a call cut short: its name (whole, closed) and, when it has begun, where its arguments' value starts.
+_PARTIAL_CALL = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(\s*,\s*"(?:arguments|parameters)"\s*:\s*)?', re.DOTALL)
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A call to a declared tool; arguments is the JSON text of its arguments object."""
+    """A call to a declared tool; arguments is the JSON text of its arguments object. A call the reply's end cut short
+    (max_tokens) is not `complete`: its arguments are the text generated so far, maybe not JSON yet (as OpenAI
+    returns such a call)."""
 
     name: str
     arguments: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class ToolCallParser:
         self._depth = 0
         self._in_str = False
         self._esc = False
+        self._cut = False  # finish(cut=True): an open call was cut short
 
     @property
     def held(self) -> str:
@@ -87,8 +93,11 @@ class ToolCallParser:
         self._buf += text
         return self._advance(final=False)
 
-    def finish(self) -> list[Piece]:
-        """The reply has ended: returns everything still held, as calls or text."""
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """The reply has ended: returns everything still held, as calls or text. `cut`: max_tokens ended it, so a
+        call still open is a call cut short, returned as one (not complete) where its tool's name was generated, and
+        never as text."""
+        self._cut = cut
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> list[Piece]:
@@ -118,6 +127,9 @@ class ToolCallParser:
             return self._to_bare(ws + m.end(), fenced=True)
         if not final and (OPEN_TAG.startswith(s) or MISTRAL_PREFIX.startswith(s) or _FENCE_HEADER_START.fullmatch(s)):
             return False  # still undecided: "<tool", "[", "```js"
+        if self._cut and OPEN_TAG.startswith(s):  # a tag cut short: the call it opened never came
+            self._buf = ""
+            return False
         if s[0] in "{[":
             return self._to_bare(ws, fenced=False)
         return self._to_text()
@@ -129,10 +141,10 @@ class ToolCallParser:
             self._buf = self._buf[i:]
             self._state, self._start, self._tag_from = _State.BLOCK, 0, len(OPEN_TAG)
             return True
-        keep = 0 if final else _tag_prefix_len(self._buf)  # "<tool" may become the tag; "<toolbox" may not
+        keep = _tag_prefix_len(self._buf) if not final or self._cut else 0  # "<tool" may become the tag; "<toolbox" may not
         cut = len(self._buf) - keep
         out.append(Text(self._buf[:cut]))
-        self._buf = self._buf[cut:]
+        self._buf = "" if final else self._buf[cut:]  # a tag cut short at the end opened no call
         return False
 
     def _block(self, out: list[Piece], final: bool) -> bool:
@@ -156,6 +168,8 @@ class ToolCallParser:
             self._tag_from = max(self._tag_from, len(self._buf) - len(CLOSE_TAG))
             return False
         calls = _calls(self._buf[body:], self._names)  # unclosed at the end of the reply
+        if not calls and self._cut:
+            return self._emit(out, _cut_calls(self._buf[body:], self._names), len(self._buf))
         return self._emit(out, calls, len(self._buf)) if calls else self._release(out, len(self._buf))
 
     def _bare(self, out: list[Piece], final: bool) -> bool:
@@ -169,6 +183,11 @@ class ToolCallParser:
             self._value_start = self._pos = len(self._buf) - len(rest)
         if self._value_end < 0:
             self._scan()
+            if self._value_end < 0 and final and self._cut:
+                source = self._buf[self._value_start :]
+                calls = _cut_calls(source, self._names)
+                if calls or _may_open_call(source, self._names):  # else JSON that is no call, cut short: text
+                    return self._emit(out, calls, len(self._buf))
             if self._value_end < 0:
                 return final and self._to_text()
         calls = _calls(self._buf[self._value_start : self._value_end], self._names)
@@ -234,11 +253,75 @@ class ToolCallParser:
         return self._to_text()
 
 
-def parse_reply(text: str, tool_names: Collection[str]) -> tuple[str, list[ToolCall]]:
-    """The whole reply at once: (the text that is not a call, the calls in order)."""
+def parse_pieces(text: str, tool_names: Collection[str], cut: bool = False) -> list[Piece]:
+    """The whole reply at once, as text and calls in the order they were generated (`cut`: see finish)."""
     parser = ToolCallParser(tool_names)
-    pieces = parser.feed(text) + parser.finish()
+    return _merge(parser.feed(text) + parser.finish(cut))
+
+
+def parse_reply(text: str, tool_names: Collection[str], cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """The whole reply at once: (the text that is not a call, the calls in order)."""
+    pieces = parse_pieces(text, tool_names, cut)
     return "".join(p.text for p in pieces if isinstance(p, Text)), [p for p in pieces if isinstance(p, ToolCall)]
+
+
+def complete_members(arguments: str) -> dict[str, Any]:
+    """The members of a JSON object cut short that were whole before the cut ({} when none were): what can stand for
+    a cut call's input where an object is required (Anthropic's tool_use)."""
+    try:
+        value = json.loads(arguments)
+        return value if isinstance(value, dict) else {}
+    except ValueError:
+        pass
+    depth, in_str, esc, best = 0, False, False, {}
+    for i, c in enumerate(arguments):
+        if in_str:
+            esc, in_str = (False, True) if esc else (c == "\\", c != '"')
+            continue
+        if c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+        elif c == "," and depth == 1:  # a top-level member ends here
+            try:
+                value = json.loads(arguments[:i] + "}")
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                best = value
+    return best
+
+
+def _cut_calls(source: str, names: frozenset[str]) -> list[ToolCall]:
+    """The calls in JSON text that max_tokens cut short: the whole calls of a list, then the cut one when its name is
+    a declared tool's (its arguments as far as they came)."""
+    rest = source.strip()
+    for k in range(len(CLOSE_TAG) - 1, 0, -1):  # cut inside the close tag: what it closes may be whole
+        if rest.endswith(CLOSE_TAG[:k]):
+            rest = rest[:-k].rstrip()
+            break
+    if calls := _calls(rest, names):
+        return calls
+    if rest.startswith("["):  # a list of calls: the whole ones first
+        decoder, pos = json.JSONDecoder(), 1
+        while True:
+            while pos < len(rest) and rest[pos] in " \t\r\n,":
+                pos += 1
+            try:
+                item, pos = decoder.raw_decode(rest, pos)
+            except ValueError:
+                break
+            if (call := _call(item, names)) is None:
+                return calls
+            calls.append(call)
+        rest = rest[pos:]
+    rest = rest.lstrip()
+    m = _PARTIAL_CALL.match(rest)
+    if m and m.group(1) in names:
+        calls.append(ToolCall(m.group(1), rest[m.end() :] if m.group(2) else "", complete=False))
+    return calls
 
 
 def _looks_like_call(s: str) -> bool | None:
@@ -278,6 +361,30 @@ def _call(item: Any, names: frozenset[str]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(item["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _may_open_call(source: str, names: frozenset[str]) -> bool:
+    """Whether JSON text cut short may still have been a call to a declared tool: `{"name": "get_w` may; `{"city"`
+    may not."""
+    s = source.lstrip()
+    if s.startswith("["):
+        s = s[1:].lstrip()
+    if not s.startswith("{"):
+        return not s
+    s = s[1:].lstrip()
+    key = '"name"'
+    if len(s) <= len(key):
+        return key.startswith(s)
+    if not s.startswith(key):
+        return False
+    s = s[len(key) :].lstrip()
+    if s[:1] not in ("", ":"):
+        return False
+    s = s[1:].lstrip()
+    if s[:1] not in ("", '"'):
+        return False
+    fragment = s[1:]
+    return "\"" not in fragment and any(n.startswith(fragment) for n in names)  # a whole name was _cut_calls' to find
 
 
 def _tag_prefix_len(s: str) -> int:
