@@ -20,7 +20,7 @@ _jitllmd() {
   esac
   case "$verb" in
     serve)
-      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -api-key -api-key-file -allow-host -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -h" -- "$cur")) ;;
     models)
       COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -unload -addr -api-key -json -h" -- "$cur")) ;;
     devices)
@@ -30,7 +30,7 @@ _jitllmd() {
     sessions)
       COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -addr -api-key -json -h" -- "$cur")) ;;
     place)
-      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -addr -api-key -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -relocate -addr -api-key -json -h" -- "$cur")) ;;
     run)
       COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -api-key -h" -- "$cur")) ;;
     convert)

@@ -298,7 +298,7 @@ def test_convert_list_sessions_queue_and_placement_on_a_host_model(clients, tiny
     p = clients["placement"]  # tiny was loaded without devices: its blocks stay on the host
     assert code_of(lambda: p.set_placement(plc.SetPlacementRequest(model="tiny", devices="cpu"))) == Code.INVALID_ARGUMENT
     assert code_of(lambda: p.tune_seam(plc.TuneSeamRequest(model="tiny"))) == Code.INVALID_ARGUMENT
-    assert code_of(lambda: p.set_relocation(plc.SetRelocationRequest(model="tiny", enabled=True))) == Code.UNIMPLEMENTED
+    assert code_of(lambda: p.set_relocation(plc.SetRelocationRequest(model="tiny", enabled=True))) == Code.FAILED_PRECONDITION
     home = p.set_placement(plc.SetPlacementRequest(model="tiny")).placement  # no devices: every block home, as it is
     assert home.host_blocks == 4 and home.device_blocks == 0
     budget = p.get_residency(plc.GetResidencyRequest(model="tiny"))

@@ -7,8 +7,6 @@ import json
 import time
 
 import pytest
-from connectrpc.code import Code
-from connectrpc.errors import ConnectError
 
 from jitllmd.client import Client
 from jitllmd.engine.jlm import JLMFile
@@ -120,8 +118,9 @@ def test_tune_seam_and_relocation_policy(addr: str) -> None:
     best = max(tuned["candidates"], key=lambda c: c["decode_tokens_per_second"])
     assert tuned["placement"]["device_blocks"] == best.get("device_blocks", 0)
     client = Client(addr)
-    assert client.placement.set_relocation(pb.SetRelocationRequest(model="tiny", enabled=False)).enabled is False
-    with pytest.raises(ConnectError) as exc:
-        client.placement.set_relocation(pb.SetRelocationRequest(model="tiny", enabled=True))
-    assert exc.value.code == Code.UNIMPLEMENTED and "TuneSeam" in exc.value.message
+    on = client.placement.set_relocation(pb.SetRelocationRequest(model="tiny", enabled=True))
+    assert on.enabled is True and on.placement.relocation is True
+    assert "relocation: on" in ok("place", "-model", "tiny", "-addr", addr).stdout
+    assert json.loads(ok("place", "-model", "tiny", "-relocate", "off", "-json", "-addr", addr).stdout).get("relocation", False) is False
+    assert client.placement.get_placement(pb.GetPlacementRequest(model="tiny")).placement.relocation is False
     ok("place", "-model", "tiny", "-devices", "cpu", "-gpu-layers", "2", "-addr", addr)

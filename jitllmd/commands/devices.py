@@ -45,6 +45,9 @@ def devices(
         cells = (d.id, d.kind, d.name, _gb(d.total_bytes), _gb(d.free_bytes), _gb(d.spendable_bytes), "yes" if d.opened else "no")
         table.add_row(*map(Text, cells))
     console.print(table)
+    for d in resp.devices:
+        if d.HasField("budget_bytes"):  # -device-mem: what the server's blocks may take, and what they take
+            console.print(f"{d.id}: -device-mem {d.budget_bytes / 2**20:.0f} MiB, {d.held_bytes / 2**20:.1f} MiB held by device blocks and their KV", markup=False)
     host = resp.host
     budget = f", page budget {_gb(host.page_budget_bytes)} GB" if host.HasField("page_budget_bytes") else ""
     cpu = f" ({host.cpu_name})" if host.cpu_name else ""

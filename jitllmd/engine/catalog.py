@@ -16,6 +16,7 @@ from .config import EngineConfig, find_model_file
 from .devices import parse_devices, release_host_memory, trim_heap
 from .engine import Engine
 from .loader import cached_conversion
+from .relocation import Relocation
 from .sessions import Session
 
 __all__ = ["Catalog", "ModelEntry", "ServedModel", "check_id"]
@@ -60,6 +61,7 @@ class Catalog:
         self.config = config
         self.cache_dir = cache_dir.resolve()  # a relative -models gives a relative cache; its files are named absolute
         self.devices = parse_devices(config.devices)  # raises on unknown names, at start-up
+        self.relocation = Relocation(config.device_mem, config.relocate_idle, config.relocate_horizon, config.relocate)
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
@@ -185,12 +187,14 @@ class Catalog:
             prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,
             on_progress=on_load,
+            relocation=self.relocation,
         )
         try:
             with self._lock:
                 names = self._names(model_id, (*aliases, path.stem))  # again: another load may have finished meanwhile
                 served = ServedModel(model_id, names, engine)
                 self._models[model_id] = served
+                self.relocation.register(model_id, engine)
         except ValueError:
             engine.stop()
             raise
@@ -210,6 +214,7 @@ class Catalog:
         served = self.get(name)
         with self._lock:
             self._models.pop(served.id, None)
+            self.relocation.unregister(served.id)
         served.engine.stop(timeout)
         weakref.finalize(served.engine, trim_heap)  # requests still streaming hold it a moment longer
         del served

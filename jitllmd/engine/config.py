@@ -35,6 +35,10 @@ class EngineConfig:
     max_batch: int = 0
     prompt_chunk: int = 0
     joint_steps: str = "auto"
+    device_mem: int | None = None  # bytes of each device this server's blocks and their KV may take; None: its free memory
+    relocate: bool = False  # each model's relocation switch at load (SetRelocation changes it)
+    relocate_idle: float = 10.0  # seconds without a row before a relocation-enabled model may be demoted
+    relocate_horizon: int = 256  # tokens within which a promotion must repay its copy
 
     def __post_init__(self) -> None:
         if self.maxmem is not None and self.maxmem < 1:
@@ -49,6 +53,12 @@ class EngineConfig:
         for name in ("max_batch", "prompt_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 lets the device choose), got {getattr(self, name)}")
+        if self.device_mem is not None and self.device_mem < 1:
+            raise ValueError(f"device_mem must be a positive size, got {self.device_mem}")
+        if self.relocate_idle < 0:
+            raise ValueError(f"relocate_idle must be >= 0 seconds, got {self.relocate_idle:g}")
+        if self.relocate_horizon < 1:
+            raise ValueError(f"relocate_horizon must be >= 1 token, got {self.relocate_horizon}")
         if self.joint_steps not in JOINT_STEPS:
             raise ValueError(f"joint_steps must be one of {', '.join(JOINT_STEPS)}, got {self.joint_steps!r}")
 

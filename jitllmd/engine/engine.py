@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -29,6 +29,9 @@ from .scheduler import Scheduler
 from .seam import SeamCandidate
 from .sessions import Session, SessionRegistry, SlotPool
 from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from .relocation import Relocation
 
 __all__ = ["Engine"]
 
@@ -58,7 +61,9 @@ class Engine:
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
         self._weight_bytes = decode_bytes(loaded)
         self._jobs: list[Job] = []  # placement changes waiting for their session's generation to end
-        self.moves = PlacementJobs(loaded, self._kvs, self._placed)
+        self.relocation: Relocation | None = None  # the server's, once it registered this model (engine/relocation.py)
+        self.last_active = time.monotonic()  # when a step last ran rows of this model
+        self.moves = PlacementJobs(loaded, self._kvs, self._placed, lambda: self.relocation)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
@@ -274,6 +279,9 @@ class Engine:
                 log.exception("step failed")
                 for req, _ in rows:
                     self.outputs.fail(req, f"internal error in the engine: {type(exc).__name__}")
+            self.last_active = time.monotonic()
+            if self.relocation is not None:
+                self._relocate()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.outputs.finish(req, FinishReason.CANCELLED)
         for job in self._jobs:
@@ -348,6 +356,24 @@ class Engine:
             return torch.empty(0)
         self.stats.step(len(batch.spans), batch.num_prompt)
         return runner.run(batch, self.joint)
+
+    def _relocate(self) -> None:
+        """Between steps of this busy model: relocation may bring a host block back (engine/relocation.py)."""
+        assert self.relocation is not None
+        try:
+            self.relocation.promote(self)
+        except Exception:  # out of device memory, say: the blocks stay where they are, serving goes on
+            log.exception("%s: relocation failed", self.loaded.name)
+
+    def idle_for(self, now: float) -> float | None:
+        """Seconds since this model last ran a row; None while it has rows running or waiting (read from any thread)."""
+        if self.scheduler.running or self.scheduler.waiting:
+            return None
+        return max(0.0, now - self.last_active)
+
+    def move_blocks(self, first: int, last: int, to: str) -> None:
+        """On the engine thread, between steps: blocks first..last to `to`, with every session's KV."""
+        self.moves.relocate(first, last, to)()
 
     def _rows_now(self) -> int:
         placement = self.loaded.placement

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .kv import SessionKV
     from .loader import LoadedModel
     from .placement import Placement
+    from .relocation import Relocation
 
 __all__ = ["PlacementJobs"]
 
@@ -21,10 +22,12 @@ class PlacementJobs:
     """The work of each placement change of one model. `kvs` lists every KV cache of the model now (they move with
     their blocks); `placed` runs after blocks moved (the engine re-reads what a step may hold and costs)."""
 
-    def __init__(self, loaded: LoadedModel, kvs: Callable[[], list[SessionKV]], placed: Callable[[], None]):
+    def __init__(self, loaded: LoadedModel, kvs: Callable[[], list[SessionKV]], placed: Callable[[], None],
+                 relocation: Callable[[], Relocation | None] = lambda: None):
         self.loaded = loaded
         self._kvs = kvs
         self._placed = placed
+        self._relocation = relocation
 
     def placement(self) -> Placement:
         if self.loaded.placement is None:
@@ -47,6 +50,7 @@ class PlacementJobs:
             placement = self.placement()
             places = placement.plan(devices, gpu_layers, self.spendable)
             placement.apply(places, self._kvs())
+            placement.gpu_layers = gpu_layers
             self._placed()
 
         return work
@@ -68,4 +72,11 @@ class PlacementJobs:
         return work
 
     def spendable(self, device: str) -> int:
+        """What `device` can take: its free memory, within -device-mem beside every model's blocks."""
+        relocation = self._relocation()
+        driver = self.spendable_driver(device)
+        return relocation.room(device, driver) if relocation is not None else driver
+
+    def spendable_driver(self, device: str) -> int:
+        """The device's free memory (the CPU's less what the host page budget may still read in)."""
         return spendable_bytes(device, self.placement().pager.unspent_bytes())

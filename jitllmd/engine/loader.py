@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -25,6 +25,9 @@ from .placement import Placement
 from .runner import ModelRunner
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .relocation import Relocation
 
 T = TypeVar("T")
 
@@ -146,15 +149,19 @@ def load_model(
     read_ahead: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     kv_dtype: torch.dtype | None = None,
+    relocation: Relocation | None = None,
 ) -> LoadedModel:
     """Open a .jlm and place its blocks: on `devices` (names from the device grammar, `cpu` included) from the head
     backwards, at most `gpu_layers` of them (-1: as many as fit beside the KV of `sessions` sessions), the rest on the
     host, where at most `page_budget` bytes stay resident (None: all) and the others are read for their turn
     (`read_ahead`, the next one while this one runs; None: only where the CPU has cores torch's pool leaves free).
     An encoder runs whole on the first device, or the host. `kv_dtype`: the sessions' K/V (None: the model's own
-    choice, f16 for a kept-quantized model, else its compute dtype). Raises JLMError / ValueError with one-line messages."""
+    choice, f16 for a kept-quantized model, else its compute dtype). `relocation`: the server's (engine/relocation.py):
+    the devices' room within -device-mem, and idle models demoted to make it. Raises JLMError / ValueError with one-line
+    messages."""
     path = Path(path)
     devices = list(devices or [])
+    name = name or path.name.removesuffix(".jlm")
     jlm = JLMFile(path)
     meta = jlm.meta
     first = torch.device(devices[0] if devices else "cpu")
@@ -185,11 +192,12 @@ def load_model(
             model.kv_dtype = kv_dtype
         sizing = model.new_kv(context)  # storage only as it is reserved: its arithmetic, with the windows it keeps
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
-        placement = _place(model, jlm, devices, gpu_layers, sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers), page_budget, read_ahead, on_progress)
+        kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
+        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, relocation)
         runner = ModelRunner(model, placement)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
-        name=name or path.name.removesuffix(".jlm"),
+        name=name,
         path=path,
         jlm=jlm,
         model=model,
@@ -203,14 +211,21 @@ def load_model(
     )
 
 
-def _place(model, jlm: JLMFile, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool | None, on_progress) -> Placement:
+def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool | None,
+           on_progress, relocation: Relocation | None) -> Placement:
     if read_ahead is None:
         # From the page cache a read is a memcpy: on a CPU whose every core runs torch's pool, a reader thread only
         # competes with the step (measured, bench/pager.py on 2 cores: 10% resident 16.5 tok/s without, 13.3 with).
         read_ahead = (os.cpu_count() or 1) > torch.get_num_threads()
     pager = Pager(BlockReader(jlm), model.layouts, budget=page_budget, read_ahead=read_ahead)
     placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes)
-    places = placement.plan(devices, gpu_layers, lambda d: spendable_bytes(d, pager.unspent_bytes()))
+    driver: Callable[[str], int] = lambda d: spendable_bytes(d, pager.unspent_bytes())  # noqa: E731
+    spendable = driver
+    if relocation is not None:
+        spendable = lambda d: relocation.room(d, driver(d))  # noqa: E731
+        relocation.prepare(placement, name, devices, gpu_layers, driver, f"room to load {name}")
+    places = placement.plan(devices, gpu_layers, spendable)
+    placement.gpu_layers = gpu_layers
     try:
         placement.apply(places, [], on_progress)
     except BaseException:

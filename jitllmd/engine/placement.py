@@ -3,6 +3,7 @@ blocks, moved between the host and its devices at runtime with their sessions' K
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -12,9 +13,10 @@ from .devices import synchronize
 from .kv import SessionKV
 from .pager import ROW_BLOCKS, Pager
 
-__all__ = ["HOST", "Placement", "plan_places"]
+__all__ = ["HOST", "BlockCosts", "Placement", "plan_places"]
 
 HOST = "host"
+_RECENT = 0.2  # weight of the newest step in the running cost figures
 
 
 def plan_places(block_bytes: list[int], kv_bytes: list[int], devices: list[tuple[str, int]], gpu_layers: int) -> list[str]:
@@ -43,6 +45,44 @@ def plan_places(block_bytes: list[int], kv_bytes: list[int], devices: list[tuple
     return places
 
 
+class BlockCosts:
+    """What a block costs where it runs, measured on the steps the model runs anyway: seconds per weight byte of a host
+    block's compute (its wait for a paged read apart) and of a device block's (the step's time less the host part),
+    and the bytes per second a move onto a device has copied. What relocation weighs a move with."""
+
+    def __init__(self) -> None:
+        self.host_s_per_byte: float | None = None
+        self.device_s_per_byte: float | None = None
+        self.copy_bytes_per_s: float | None = None
+        self._host_s = 0.0  # this step's host compute so far
+        self._wait_s = 0.0  # ... and its waits for paged reads
+        self._host_bytes = 0
+
+    def begin_step(self) -> None:
+        self._host_s = self._wait_s = 0.0
+        self._host_bytes = 0
+
+    def host_block(self, nbytes: int, wait_s: float, compute_s: float) -> None:
+        self._host_bytes += nbytes
+        self._wait_s += wait_s
+        self._host_s += compute_s
+
+    def end_step(self, total_s: float, device_bytes: int) -> None:
+        """The step took `total_s` in all (its devices synchronized), with `device_bytes` of weights on devices."""
+        if self._host_bytes:
+            self.host_s_per_byte = _mean(self.host_s_per_byte, self._host_s / self._host_bytes)
+        if device_bytes:
+            self.device_s_per_byte = _mean(self.device_s_per_byte, max(0.0, total_s - self._host_s - self._wait_s) / device_bytes)
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            self.copy_bytes_per_s = _mean(self.copy_bytes_per_s, nbytes / seconds)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + _RECENT * (new - old)
+
+
 def layer_of(name: str) -> int | None:
     """The KV layer a block owns (`blocks.N` -> N); embed and head own none."""
     return int(name.split(".", 1)[1]) if name.startswith("blocks.") else None
@@ -68,6 +108,8 @@ class Placement:
         self._progress: Callable[[], None] | None = None
         pager.build = self._build_host
         self.block_bytes = [pager.block_bytes(n) for n in names]
+        self.gpu_layers = -1  # the cap on device blocks the placement was last made with (-1: none)
+        self.costs = BlockCosts()
 
     # -- what is where --------------------------------------------------------------------------
 
@@ -119,17 +161,49 @@ class Placement:
     # -- a forward's pass -----------------------------------------------------------------------
 
     def walk(self) -> Generator[tuple[Any, torch.device], None, None]:
-        """Each block in model order with the device it runs on; a paged block is read for its turn and let go after."""
+        """Each block in model order with the device it runs on; a paged block is read for its turn and let go after.
+        A host block's wait and compute are timed into `costs` (the host computes in order: the clock is the work)."""
         for i, name in enumerate(self.names):
             place = self.places[i]
             if place != HOST:
                 yield self.held[name], self.torch_device(place)
                 continue
+            t0 = time.perf_counter()
             block = self.pager.acquire(name)
+            t1 = time.perf_counter()
             try:
                 yield block, self.torch_device(HOST)
             finally:
                 self.pager.release(name)
+                self.costs.host_block(self.block_bytes[i], t1 - t0, time.perf_counter() - t1)
+
+    def device_weight_bytes(self) -> int:
+        return sum(b for b, p in zip(self.block_bytes, self.places) if p != HOST)
+
+    def saving_s(self, index: int) -> float:
+        """What a step would save with host block `index` on a device, measured on the steps so far: its compute's
+        difference (a device never measured counts as free), and a read: its own where it is paged, else that of the
+        paged block nearest the seam, which takes its place in the page budget."""
+        c = self.costs
+        compute = self.block_bytes[index] * max(0.0, (c.host_s_per_byte or 0.0) - (c.device_s_per_byte or 0.0))
+        paged = [n for n in self.names[: index + 1] if n in self.pager.host and n not in self.pager.resident]
+        if self.names[index] in paged:
+            return compute + self._read_s(self.names[index])
+        return compute + (self._read_s(paged[-1]) if paged else 0.0)
+
+    def _read_s(self, name: str) -> float:
+        stats = self.pager.reader.stats.get(name)
+        return stats.seconds / stats.reads if stats is not None and stats.reads else 0.0
+
+    def copy_s(self, index: int) -> float:
+        """What moving block `index` onto a device would take: at the rate moves have copied, else at the rate its reads
+        from the file ran, else at 1 GB/s."""
+        nbytes = self.block_bytes[index]
+        rate = self.costs.copy_bytes_per_s
+        stats = self.pager.reader.stats.get(self.names[index])
+        if rate is None and stats is not None and stats.seconds > 0:
+            rate = stats.bytes / stats.seconds
+        return nbytes / (rate or 1e9)
 
     # -- moving ---------------------------------------------------------------------------------
 
@@ -161,9 +235,12 @@ class Placement:
             self.pager.configure([n for n, p in zip(self.names, places) if p == HOST])
             for i, name in enumerate(self.names):
                 if places[i] != HOST and name not in self.held:
+                    t0 = time.perf_counter()
                     parts = self._read_on(name, self.torch_device(places[i]))
                     self._held_parts[name] = parts
                     self.held[name] = self._build(name, parts, self.torch_device(places[i]), False)
+                    synchronize(places[i])
+                    self.costs.copied(self.block_bytes[i], time.perf_counter() - t0)
                     tick()
         finally:
             self._progress = None
@@ -192,9 +269,15 @@ class Placement:
         kv = [self.kv_layer_bytes if layer_of(n) is not None else 0 for n in self.names]
         room = []
         for d in devices:
-            mine = sum(b for b, p in zip(self.block_bytes, self.places) if p == d)
+            mine = sum(b + k for b, k, p in zip(self.block_bytes, kv, self.places) if p == d)
             room.append((d, spendable(d) + mine))
         return plan_places(self.block_bytes, kv, room, gpu_layers)
+
+    def wants(self, devices: list[str], gpu_layers: int, spendable: Callable[[str], int]) -> dict[str, int]:
+        """Bytes each device would hold (blocks and their KV) were `spendable` its room: what a re-placement asks."""
+        kv = [self.kv_layer_bytes if layer_of(n) is not None else 0 for n in self.names]
+        places = self.plan(devices, gpu_layers, spendable)
+        return {d: sum(b + k for b, k, p in zip(self.block_bytes, kv, places) if p == d) for d in devices}
 
     # -- reading blocks -------------------------------------------------------------------------
 

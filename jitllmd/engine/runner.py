@@ -121,10 +121,13 @@ class ModelRunner:
         decode_only = b.num_prompt == 0
         together = joint.joint(len(b.spans), decode_only)
         self.placement.synchronize()  # the clock times this step's work alone, not its queueing
+        self.placement.costs.begin_step()
         t0 = time.perf_counter()
         logits = self._forward(b.tokens, b.positions, b.spans, b.logits_at) if together else self._forward_each(b)
         self.placement.synchronize()
-        joint.record(len(b.spans), together, time.perf_counter() - t0, decode_only)
+        seconds = time.perf_counter() - t0
+        joint.record(len(b.spans), together, seconds, decode_only)
+        self.placement.costs.end_step(seconds, self.placement.device_weight_bytes())
         return logits
 
     def _forward(self, tokens: list[int], positions: list[int], spans: list[RowSpan], logits_at: list[int]) -> torch.Tensor:

@@ -59,4 +59,5 @@ def tune_seam(runner: ModelRunner, kvs: list[SessionKV], spendable: Callable[[st
         out.append(SeamCandidate(n, decode_rate(runner)))
     best = max(out, key=lambda c: c.decode_tokens_per_second)
     placement.apply(placement.plan(devices, best.device_blocks, spendable), kvs)
+    placement.gpu_layers = best.device_blocks  # relocation keeps to the seam measured fastest
     return out

@@ -204,7 +204,7 @@ class Anthropic:
         if result is None:
             return Response(status_code=499)
         text, done = result
-        pieces = parse_pieces(text, reply.tool_names, cut=done.finish_reason is FinishReason.LENGTH) if reply.tool_names else [Text(text)]
+        pieces: list[Piece] = parse_pieces(text, reply.tool_names, cut=done.finish_reason is FinishReason.LENGTH) if reply.tool_names else [Text(text)]
         calls = [p for p in pieces if isinstance(p, ToolCall)]
         record("".join(p.text for p in pieces if isinstance(p, Text)), calls)
         reason, stop_sequence = _stop_reason(done, calls)

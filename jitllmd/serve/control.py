@@ -255,10 +255,14 @@ class Devices(DeviceService):
         info = device_info(device_id)
         unspent = self._budgets()[1]  # the pager may still read this much into host memory
         spendable = max(0, info.free_bytes - unspent) if info.kind == "cpu" else info.free_bytes
-        return dev.Device(
+        relocation = self.catalog.relocation
+        out = dev.Device(
             id=info.id, kind=info.kind, name=info.name, total_bytes=info.total_bytes, free_bytes=info.free_bytes,
-            spendable_bytes=spendable, opened=info.id in self.catalog.devices,
+            spendable_bytes=relocation.room(info.id, spendable), opened=info.id in self.catalog.devices, held_bytes=relocation.used(info.id),
         )
+        if relocation.device_mem is not None:
+            out.budget_bytes = relocation.device_mem
+        return out
 
     async def list_devices(self, request: dev.ListDevicesRequest, ctx: Any) -> dev.ListDevicesResponse:
         total, available = host_memory()

@@ -11,6 +11,7 @@ from connectrpc.errors import ConnectError
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.devices import parse_devices
 from ..engine.placement import HOST, layer_of
+from ..engine.relocation import Move, Relocation, block_held
 from ..engine.sessions import Session
 from ..gen.jitllm.v1 import placement_pb2 as plc
 from ..gen.jitllm.v1.placement_connect import PlacementService
@@ -19,13 +20,17 @@ from .control import model_of, session_of
 __all__ = ["Placement"]
 
 _RESIDENCY = {"device": plc.RESIDENCY_DEVICE, "resident": plc.RESIDENCY_RESIDENT, "paged": plc.RESIDENCY_PAGED}
-RELOCATION_WHY = (
-    "automatic relocation is not offered: a block moved while requests run costs a whole block's copy for a gain "
-    "that depends on traffic the server cannot foresee; TuneSeam measures the seam on request and moves it to the fastest"
-)
 
 
-def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
+def _moves(relocation: Relocation, model: str) -> list[plc.RelocationMove]:
+    return [_move(m) for m in relocation.moves(model)]
+
+
+def _move(m: Move) -> plc.RelocationMove:
+    return plc.RelocationMove(at_unix=m.at, direction=m.direction, first=m.first, last=m.last, source=m.source, to=m.to, bytes=m.bytes, reason=m.reason)
+
+
+def _placement(served: ServedModel, session: Session | None, relocation: Relocation) -> plc.Placement:
     loaded = served.engine.loaded
     placement = loaded.placement
     names = loaded.jlm.block_names
@@ -47,10 +52,11 @@ def _placement(served: ServedModel, session: Session | None) -> plc.Placement:
     return plc.Placement(
         model=served.id, session_id=session.id if session else "", blocks=blocks,
         device_blocks=on_device, host_blocks=len(blocks) - on_device, num_seams=sum(a != b for a, b in zip(places, places[1:])),
+        relocation=relocation.enabled(served.id), moves=_moves(relocation, served.id),
     )
 
 
-def _residency(served: ServedModel) -> plc.GetResidencyResponse:
+def _residency(served: ServedModel, relocation: Relocation) -> plc.GetResidencyResponse:
     loaded = served.engine.loaded
     placement = loaded.placement
     if placement is None:
@@ -64,7 +70,8 @@ def _residency(served: ServedModel) -> plc.GetResidencyResponse:
             index=i, name=name, residency=_RESIDENCY[placement.residency(i)], bytes=placement.block_bytes[i],
             reads=s.reads if s else 0, read_ms=round(s.seconds * 1000, 3) if s else 0.0,
         ))
-    out = plc.GetResidencyResponse(model=served.id, blocks=blocks, resident_bytes=pager.resident_bytes())
+    out = plc.GetResidencyResponse(model=served.id, blocks=blocks, resident_bytes=pager.resident_bytes(),
+                                   relocation=relocation.enabled(served.id), moves=_moves(relocation, served.id))
     if pager.budget is not None:
         out.page_budget_bytes = pager.budget
     return out
@@ -73,6 +80,7 @@ def _residency(served: ServedModel) -> plc.GetResidencyResponse:
 class Placement(PlacementService):
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
+        self.relocation = catalog.relocation
 
     def _target(self, session_id: str, model: str) -> tuple[ServedModel, Session | None]:
         if session_id:
@@ -82,10 +90,10 @@ class Placement(PlacementService):
         raise ConnectError(Code.INVALID_ARGUMENT, "give session_id or model")
 
     async def get_placement(self, request: plc.GetPlacementRequest, ctx: Any) -> plc.GetPlacementResponse:
-        return plc.GetPlacementResponse(placement=_placement(*self._target(request.session_id, request.model)))
+        return plc.GetPlacementResponse(placement=_placement(*self._target(request.session_id, request.model), self.relocation))
 
     async def get_residency(self, request: plc.GetResidencyRequest, ctx: Any) -> plc.GetResidencyResponse:
-        return _residency(model_of(self.catalog, request.model))
+        return _residency(model_of(self.catalog, request.model), self.relocation)
 
     async def set_placement(self, request: plc.SetPlacementRequest, ctx: Any) -> plc.SetPlacementResponse:
         served, session = self._target(request.session_id, request.model)
@@ -93,31 +101,56 @@ class Placement(PlacementService):
         gpu_layers = request.gpu_layers if request.HasField("gpu_layers") else -1
         if gpu_layers < -1:
             raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {gpu_layers}")
+        placement = served.engine.loaded.placement
+        if placement is not None:  # idle models give up what this placement wants of the devices (relocation)
+            for d in devices:
+                placement.check_place(d)
+            await asyncio.to_thread(self.relocation.prepare, placement, served.id, devices, gpu_layers, served.engine.moves.spendable_driver, f"room to place {served.id}")
         await asyncio.wrap_future(served.engine.replace(devices, gpu_layers, session))
-        return plc.SetPlacementResponse(placement=_placement(served, session))
+        return plc.SetPlacementResponse(placement=_placement(served, session, self.relocation))
 
     async def relocate_blocks(self, request: plc.RelocateBlocksRequest, ctx: Any) -> plc.RelocateBlocksResponse:
         served, session = self._target(request.session_id, request.model)
         if not request.to:
             raise ConnectError(Code.INVALID_ARGUMENT, "to: give host or a device id")
+        await self._room_for(served, request.first, request.last, request.to)
         await asyncio.wrap_future(served.engine.relocate(request.first, request.last, request.to, session))
-        return plc.RelocateBlocksResponse(placement=_placement(served, session))
+        return plc.RelocateBlocksResponse(placement=_placement(served, session, self.relocation))
+
+    async def _room_for(self, served: ServedModel, first: int, last: int, to: str) -> None:
+        """Blocks first..last going to device `to`: idle relocation-enabled models make room where it is short; under
+        -device-mem, a move that still does not fit is refused (the job itself checks the range and the device)."""
+        placement = served.engine.loaded.placement
+        if placement is None or to == HOST or to not in placement.devices or not 0 <= first <= last < len(placement.places):
+            return
+        need = sum(block_held(placement, i) for i in range(first, last + 1) if placement.places[i] != to)
+        room = lambda: self.relocation.room(to, served.engine.moves.spendable_driver(to))  # noqa: E731
+        if need > room():
+            await asyncio.to_thread(self.relocation.make_room, to, need - room(), served.id, f"room to move {served.id}'s blocks {first}:{last}")
+        budget = self.relocation.device_mem
+        if budget is not None and need > room():
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"blocks {first}:{last} of {served.id} need {need / 2**20:.1f} MiB of {to}, which has "
+                                                        f"{room() / 2**20:.1f} MiB left of its {budget / 2**20:.0f} MiB (-device-mem)")
 
     async def set_relocation(self, request: plc.SetRelocationRequest, ctx: Any) -> plc.SetRelocationResponse:
-        model_of(self.catalog, request.model)
-        if not request.enabled:
-            return plc.SetRelocationResponse(enabled=False)  # off is what there is
-        raise ConnectError(Code.UNIMPLEMENTED, RELOCATION_WHY)
+        served = model_of(self.catalog, request.model)
+        if served.engine.loaded.placement is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} is an embedding model: it runs whole on its device, with no blocks to move")
+        if request.enabled and not served.engine.loaded.placement.devices:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} was loaded with no devices: relocation moves blocks between the host and "
+                                                         "the model's devices (load it with -devices)")
+        self.relocation.set_enabled(served.id, request.enabled)
+        return plc.SetRelocationResponse(enabled=request.enabled, placement=_placement(served, None, self.relocation))
 
     async def tune_seam(self, request: plc.TuneSeamRequest, ctx: Any) -> plc.TuneSeamResponse:
         served, session = self._target(request.session_id, request.model)
         measured = await asyncio.wrap_future(served.engine.tune_seam(session))
         candidates = [plc.SeamCandidate(device_blocks=c.device_blocks, decode_tokens_per_second=c.decode_tokens_per_second) for c in measured]
-        return plc.TuneSeamResponse(candidates=candidates, placement=_placement(served, session))
+        return plc.TuneSeamResponse(candidates=candidates, placement=_placement(served, session, self.relocation))
 
     async def set_page_budget(self, request: plc.SetPageBudgetRequest, ctx: Any) -> plc.SetPageBudgetResponse:
         served = model_of(self.catalog, request.model)
         if request.budget_bytes == 0:
             raise ConnectError(Code.INVALID_ARGUMENT, "budget_bytes: give the host page budget in bytes (more than 0)")
         await asyncio.wrap_future(served.engine.set_page_budget(request.budget_bytes))
-        return plc.SetPageBudgetResponse(residency=_residency(served))
+        return plc.SetPageBudgetResponse(residency=_residency(served, self.relocation))

@@ -68,6 +68,8 @@ class Telemetry(TelemetryService):
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
             kv = engine.kv_bytes()
+            relocation = self.catalog.relocation
+            moved = relocation.counts(m.id)
             out.append(tel.ModelStats(
                 model=m.id, requests=st.requests, cancelled=st.cancelled, prompt_tokens=st.prompt_tokens,
                 generated_tokens=st.generated_tokens, steps=st.steps, active_rows=len(running), queue_depth=len(waiting),
@@ -75,6 +77,7 @@ class Telemetry(TelemetryService):
                 tokens_per_second=rates.get(m.id, 0.0), weight_bytes=engine.loaded.weight_nbytes(), kv_bytes=kv,
                 sessions=len(sessions), max_rows=engine.scheduler.max_batch, joint_steps=engine.joint.mode, prompt_chunk=engine.scheduler.prompt_chunk,
                 joint=[tel.JointStep(rows=n, choice=c, joint_ms=j, sequential_ms=q) for n, (c, j, q) in engine.joint.choices().items()],
+                relocation=relocation.enabled(m.id), demotions=moved["demote"], promotions=moved["promote"],
             ))
         return tel.GetStatsResponse(
             uptime_s=time.time() - self.info.started,

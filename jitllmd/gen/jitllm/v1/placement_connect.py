@@ -58,7 +58,8 @@ class PlacementService(Protocol):
 
     async def set_relocation(self, request: SetRelocationRequest, ctx: RequestContext[SetRelocationRequest, SetRelocationResponse], /) -> SetRelocationResponse:
         """
-        Turn the automatic relocation policy on or off.
+        Turn a model's automatic relocation on or off: with it on, its blocks leave a device for the host while the model
+        is idle and another needs the room, and come back while it is busy, where the saving repays the copy.
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -286,7 +287,8 @@ class PlacementServiceClient(ConnectClient):
         timeout_ms: int | None = None,
     ) -> SetRelocationResponse:
         """
-        Turn the automatic relocation policy on or off.
+        Turn a model's automatic relocation on or off: with it on, its blocks leave a device for the host while the model
+        is idle and another needs the room, and come back while it is busy, where the saving repays the copy.
         """
         return await self.execute_unary(
             request=request,
@@ -392,7 +394,8 @@ class PlacementServiceSync(Protocol):
 
     def set_relocation(self, request: SetRelocationRequest, ctx: RequestContext[SetRelocationRequest, SetRelocationResponse], /) -> SetRelocationResponse:
         """
-        Turn the automatic relocation policy on or off.
+        Turn a model's automatic relocation on or off: with it on, its blocks leave a device for the host while the model
+        is idle and another needs the room, and come back while it is busy, where the saving repays the copy.
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -618,7 +621,8 @@ class PlacementServiceClientSync(ConnectClientSync):
         timeout_ms: int | None = None,
     ) -> SetRelocationResponse:
         """
-        Turn the automatic relocation policy on or off.
+        Turn a model's automatic relocation on or off: with it on, its blocks leave a device for the host while the model
+        is idle and another needs the room, and come back while it is busy, where the saving repays the copy.
         """
         return self.execute_unary(
             request=request,

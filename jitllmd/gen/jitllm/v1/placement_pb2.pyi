@@ -35,20 +35,44 @@ class BlockPlacement(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., place: _Optional[str] = ..., bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., residency: _Optional[_Union[Residency, str]] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("model", "session_id", "blocks", "device_blocks", "host_blocks", "num_seams")
+    __slots__ = ("model", "session_id", "blocks", "device_blocks", "host_blocks", "num_seams", "relocation", "moves")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEAMS_FIELD_NUMBER: _ClassVar[int]
+    RELOCATION_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     model: str
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPlacement]
     device_blocks: int
     host_blocks: int
     num_seams: int
-    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockPlacement, _Mapping]]] = ..., device_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., num_seams: _Optional[int] = ...) -> None: ...
+    relocation: bool
+    moves: _containers.RepeatedCompositeFieldContainer[RelocationMove]
+    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockPlacement, _Mapping]]] = ..., device_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., num_seams: _Optional[int] = ..., relocation: _Optional[bool] = ..., moves: _Optional[_Iterable[_Union[RelocationMove, _Mapping]]] = ...) -> None: ...
+
+class RelocationMove(_message.Message):
+    __slots__ = ("at_unix", "direction", "first", "last", "source", "to", "bytes", "reason")
+    AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    at_unix: float
+    direction: str
+    first: int
+    last: int
+    source: str
+    to: str
+    bytes: int
+    reason: str
+    def __init__(self, at_unix: _Optional[float] = ..., direction: _Optional[str] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., source: _Optional[str] = ..., to: _Optional[str] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ("session_id", "model")
@@ -111,10 +135,12 @@ class SetRelocationRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
 
 class SetRelocationResponse(_message.Message):
-    __slots__ = ("enabled",)
+    __slots__ = ("enabled", "placement")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
-    def __init__(self, enabled: _Optional[bool] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, enabled: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class TuneSeamRequest(_message.Message):
     __slots__ = ("session_id", "model")
@@ -163,16 +189,20 @@ class GetResidencyRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetResidencyResponse(_message.Message):
-    __slots__ = ("model", "blocks", "page_budget_bytes", "resident_bytes")
+    __slots__ = ("model", "blocks", "page_budget_bytes", "resident_bytes", "relocation", "moves")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELOCATION_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     model: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockResidency]
     page_budget_bytes: int
     resident_bytes: int
-    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockResidency, _Mapping]]] = ..., page_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+    relocation: bool
+    moves: _containers.RepeatedCompositeFieldContainer[RelocationMove]
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockResidency, _Mapping]]] = ..., page_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., relocation: _Optional[bool] = ..., moves: _Optional[_Iterable[_Union[RelocationMove, _Mapping]]] = ...) -> None: ...
 
 class SetPageBudgetRequest(_message.Message):
     __slots__ = ("model", "budget_bytes")

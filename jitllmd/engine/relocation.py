@@ -1,0 +1,254 @@
+"""Blocks that follow demand across a server's models: what each device holds for them (against `-device-mem`), idle
+models' blocks sent to the host when another model needs the room, and a busy model's host blocks brought back when
+they repay their copy (SetRelocation, `place -relocate on`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .placement import HOST, layer_of
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .placement import Placement
+
+__all__ = ["Move", "Relocation", "block_held", "held_on", "repays"]
+
+log = logging.getLogger("jitllmd.relocation")
+_MOVES_KEPT = 256  # the newest automatic moves each model keeps for GetPlacement / GetResidency
+_DEFAULT_COPY_RATE = 1e9  # bytes/s a copy is taken to cost before any read or move was measured
+
+
+@dataclass(frozen=True)
+class Move:
+    """One automatic move: blocks first..last of `model` from `source` to `to`, and why."""
+
+    at: float  # unix seconds
+    model: str
+    first: int
+    last: int
+    source: str
+    to: str
+    bytes: int  # weights and the KV reserved for them
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "demote" if self.to == HOST else "promote"
+
+
+def repays(saving_s: float, copy_s: float, horizon: int, rows: float) -> bool:
+    """Whether a block's copy pays for itself within `horizon` tokens: it saves `saving_s` in every step it runs, and a
+    step makes `rows` tokens."""
+    return saving_s > 0 and saving_s * horizon / max(1.0, rows) >= copy_s
+
+
+class Relocation:
+    """The server's devices and the models on them. Demotions run as jobs on the idle model's own engine thread
+    (between its steps, never under a generation); a busy model promotes on its own thread and never waits for another
+    engine, so no two engine threads wait on each other."""
+
+    def __init__(self, device_mem: int | None = None, idle_s: float = 10.0, horizon: int = 256, default: bool = False):
+        if device_mem is not None and device_mem < 1:
+            raise ValueError(f"device_mem must be a positive size, got {device_mem}")
+        if idle_s < 0:
+            raise ValueError(f"relocate_idle must be >= 0 seconds, got {idle_s}")
+        if horizon < 1:
+            raise ValueError(f"relocate_horizon must be >= 1 token, got {horizon}")
+        self.device_mem = device_mem  # bytes each device may hold for this server's blocks and their KV; None: its free memory
+        self.idle_s = idle_s
+        self.horizon = horizon
+        self.default = default
+        self._engines: dict[str, Engine] = {}
+        self._enabled: dict[str, bool] = {}
+        self._moves: dict[str, deque[Move]] = {}
+        self._counts: dict[str, dict[str, int]] = {}  # model -> direction -> moves (all of them, not only those kept)
+        self._asked: dict[str, list[Future[int]]] = {}  # model -> the demotions its promotion asked for (its thread's)
+        self._lock = threading.Lock()
+
+    # -- the models -----------------------------------------------------------------------------
+
+    def register(self, name: str, engine: Engine, enabled: bool | None = None) -> None:
+        with self._lock:
+            self._engines[name] = engine
+            self._enabled[name] = self.default if enabled is None else enabled
+            self._moves[name] = deque(maxlen=_MOVES_KEPT)
+            self._counts[name] = {"demote": 0, "promote": 0}
+        engine.relocation = self
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            engine = self._engines.pop(name, None)
+            for table in (self._enabled, self._moves, self._counts, self._asked):
+                table.pop(name, None)  # type: ignore[attr-defined]
+        if engine is not None:
+            engine.relocation = None
+
+    def set_enabled(self, name: str, on: bool) -> None:
+        with self._lock:
+            if name not in self._engines:
+                raise KeyError(f"model {name!r} is not loaded")
+            self._enabled[name] = on
+        log.info("%s: relocation %s", name, "on" if on else "off")
+
+    def enabled(self, name: str) -> bool:
+        return self._enabled.get(name, False)
+
+    def moves(self, name: str) -> list[Move]:
+        """The newest automatic moves of a model, oldest first."""
+        with self._lock:
+            return list(self._moves.get(name, ()))
+
+    def counts(self, name: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts.get(name, {"demote": 0, "promote": 0}))
+
+    def record(self, move: Move) -> None:
+        with self._lock:
+            if move.model in self._moves:
+                self._moves[move.model].append(move)
+                self._counts[move.model][move.direction] += 1
+        log.info("%s: blocks %d:%d %s -> %s (%.1f MiB): %s", move.model, move.first, move.last, move.source, move.to, move.bytes / 2**20, move.reason)
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def used(self, device: str) -> int:
+        """Bytes the loaded models hold on `device`: device blocks and the KV reserved for them."""
+        with self._lock:
+            engines = list(self._engines.values())
+        return sum(held_on(e.loaded.placement, device) for e in engines if e.loaded.placement is not None)
+
+    def room(self, device: str, spendable: int) -> int:
+        """What `device` can still take: its spendable memory (`spendable`, the driver's figure), and no more than
+        what -device-mem leaves beside every model's blocks there."""
+        if self.device_mem is None:
+            return spendable
+        return max(0, min(spendable, self.device_mem - self.used(device)))
+
+    def reclaimable(self, device: str, asking: str | None) -> int:
+        """Bytes the idle relocation-enabled models other than `asking` hold on `device`: what demoting could free."""
+        return sum(held_on(e.loaded.placement, device) for e in self._idle(device, asking) if e.loaded.placement is not None)
+
+    def reclaim(self, device: str, need: int, asking: str | None, reason: str) -> list[Future[int]]:
+        """Demote blocks of idle relocation-enabled models (not `asking`), the coldest model first and each from its
+        front (its host part stays a prefix), until `need` bytes of `device` are freed or none is left to demote. Each
+        demotion runs on its model's engine thread, which looks again that the model is idle. -> a future per model
+        asked, each the bytes it freed. An engine thread never waits on these (see the class)."""
+        futures = []
+        for engine in self._idle(device, asking):
+            if need <= 0:
+                break
+            placement = engine.loaded.placement
+            assert placement is not None
+            blocks = _front_blocks(placement, device, need)
+            if blocks is None:
+                continue
+            first, last, freed = blocks
+            futures.append(engine.run_job(self._demote_work(engine, first, last, device, reason)))
+            need -= freed
+        return futures
+
+    def make_room(self, device: str, need: int, asking: str | None, reason: str) -> int:
+        """reclaim, waiting for the demotions (never from an engine thread). -> bytes freed."""
+        return sum(f.result() for f in self.reclaim(device, need, asking, reason))
+
+    def prepare(self, placement: Placement, asking: str | None, devices: list[str], gpu_layers: int, driver: Callable[[str], int], reason: str) -> None:
+        """Before `placement` is made over `devices` (never on an engine thread): demote what idle models must give
+        up for it to be the placement it would be with their blocks gone."""
+        spend = lambda d: self.room(d, driver(d))  # noqa: E731
+        if not any(self.reclaimable(d, asking) for d in devices):
+            return
+        wants = placement.wants(devices, gpu_layers, lambda d: spend(d) + self.reclaimable(d, asking))
+        for d in devices:
+            mine = held_on(placement, d)
+            need = wants[d] - mine - spend(d)
+            if need > 0:
+                self.make_room(d, need, asking, reason)
+
+    def promote(self, engine: Engine) -> None:
+        """Between steps of a busy model, on its engine thread: its host block nearest the seam goes to the device
+        after it when the saving measured repays the copy within `horizon` tokens; where the device has no room, idle
+        models are asked to demote (this thread does not wait: the next step looks again)."""
+        name = engine.loaded.name
+        placement = engine.loaded.placement
+        if not self.enabled(name) or placement is None or not placement.devices or HOST not in placement.places:
+            return
+        if any(not f.done() for f in self._asked.get(name, ())):
+            return  # demotions asked for it are still running
+        if 0 <= placement.gpu_layers <= placement.num_device_blocks:
+            return
+        places = placement.places
+        index = places.count(HOST) - 1  # the host part is a prefix: its last block is next to the seam
+        to = places[index + 1] if index + 1 < len(places) else placement.devices[0]
+        saving, copy = placement.saving_s(index), placement.copy_s(index)
+        whole = index == 0 and len(set(places[1:])) == 1  # the last host block: the model then batches its rows
+        if not whole and not repays(saving, copy, self.horizon, engine.stats.rows_per_step):
+            return
+        need = block_held(placement, index)
+        room = self.room(to, engine.moves.spendable_driver(to))
+        if room < need:
+            self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s {placement.names[index]}")
+            return
+        engine.move_blocks(index, index, to)
+        why = f"{name} is busy: saves {saving * 1e3:.2f} ms a step, the copy {copy * 1e3:.1f} ms"
+        if whole:
+            why = f"{name} is busy: the last host block, so the model is whole on {to} and batches its requests"
+        self.record(Move(time.time(), name, index, index, HOST, to, need, why))
+
+    def _idle(self, device: str, asking: str | None) -> list[Engine]:
+        """Relocation-enabled models other than `asking` with blocks on `device` and no row for idle_s, coldest first."""
+        now = time.monotonic()
+        with self._lock:
+            found = [e for n, e in self._engines.items() if n != asking and self._enabled[n]]
+        found = [e for e in found if e.loaded.placement is not None and held_on(e.loaded.placement, device) > 0 and self._is_idle(e, now)]
+        return sorted(found, key=lambda e: e.last_active)
+
+    def _is_idle(self, engine: Engine, now: float) -> bool:
+        idle = engine.idle_for(now)
+        return idle is not None and idle >= self.idle_s
+
+    def _demote_work(self, engine: Engine, first: int, last: int, device: str, reason: str) -> Callable[[], int]:
+        def work() -> int:
+            if not self._is_idle(engine, time.monotonic()):
+                return 0  # traffic came meanwhile: it keeps its blocks
+            placement = engine.loaded.placement
+            assert placement is not None
+            freed = sum(block_held(placement, i) for i in range(first, last + 1) if placement.places[i] != HOST)
+            source = placement.places[last]
+            engine.move_blocks(first, last, HOST)
+            self.record(Move(time.time(), engine.loaded.name, first, last, source, HOST, freed, reason))
+            return freed
+
+        return work
+
+
+def block_held(placement: Placement, index: int) -> int:
+    """What block `index` holds on its place: its weights and, for a layer, the KV reserved for it."""
+    return placement.block_bytes[index] + (placement.kv_layer_bytes if layer_of(placement.names[index]) is not None else 0)
+
+
+def held_on(placement: Placement, device: str) -> int:
+    return sum(block_held(placement, i) for i, p in enumerate(placement.places) if p == device)
+
+
+def _front_blocks(placement: Placement, device: str, need: int) -> tuple[int, int, int] | None:
+    """The device blocks from the model's first one on, as few as free `need` bytes of `device` (all of them if they
+    cannot): (first, last, bytes of `device` freed); None when the model holds nothing there."""
+    places = placement.places
+    on = [i for i, p in enumerate(places) if p != HOST]
+    if not on or all(places[i] != device for i in on):
+        return None
+    freed = 0
+    for i in range(on[0], len(places)):
+        if places[i] == device:
+            freed += block_held(placement, i)
+        if freed >= need:
+            return on[0], i, freed
+    return on[0], len(places) - 1, freed
