@@ -89,7 +89,7 @@ def test_blocks_follow_the_traffic_and_the_tokens_stay(models_dir: Path, referen
         session = a.engine.new_session()
         assert generate(a.engine, [20, 21, 22], 16, session=session) == reference["turn1"]
         assert places(c, "a") == ["cpu"] * 6
-        b = c.load("b.jlm", id="b")  # no room for b: idle a gives up blocks from its front, its head stays
+        c.load("b.jlm", id="b")  # no room for b: idle a gives up blocks from its front, its head stays
         assert places(c, "b") == ["cpu"] * 6 and places(c, "a")[0] == HOST
         [first] = c.relocation.moves("a")
         assert (first.direction, first.first, first.to, first.reason) == ("demote", 0, HOST, "room to load b")
@@ -145,7 +145,7 @@ def test_a_model_mid_generation_is_never_moved(models_dir: Path, reference: dict
     c = catalog(models_dir, reference["held"])
     try:
         a = c.load("a.jlm", id="a")
-        b = c.load("b.jlm", id="b")
+        c.load("b.jlm", id="b")
         assert generate(a.engine, PROMPTS["a"]) == reference["a"]  # a whole again, b demoted
         assert HOST in places(c, "b")
         started, release = threading.Event(), threading.Event()
