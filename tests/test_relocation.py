@@ -71,6 +71,13 @@ def catalog(models_dir: Path, held: int, **kw) -> Catalog:
     return Catalog(models_dir, EngineConfig(**{**opts, **kw}), models_dir / ".cache")
 
 
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def places(c: Catalog, name: str) -> list[str]:
     return list(c.get(name).engine.loaded.placement.places)
 
@@ -104,19 +111,21 @@ def test_blocks_follow_the_traffic_and_the_tokens_stay(models_dir: Path, referen
                 assert c.relocation.used("cpu") <= c.relocation.device_mem
                 if turn == 1:
                     kv_bytes[name] = engine.kv_bytes()
+                    rss = _rss()
                 elif turn > 1:
                     assert engine.kv_bytes() == kv_bytes[name] and len(engine.slots) == 1  # nothing piles up
+        # 200-odd moves of 120-400 KB blocks since turn 1: a block kept by each would be tens of MB
+        assert _rss() - rss < 12 << 20
         # the named session's KV went to the host and back with its blocks, many times: the conversation goes on
         assert generate(a.engine, [23, 24], 16, session=session) == reference["turn2"]
         for name in ("a", "b"):
             moves = c.relocation.moves(name)
             directions = [m.direction for m in moves]
             assert directions.count("promote") >= 20 and directions.count("demote") >= 20
-            # a model's blocks come back nearest the seam first (the head's side), one block a step
-            assert all(m.first == m.last for m in moves if m.direction == "promote")
+            # a model's blocks come back nearest the seam first (the head's side), a run of them at a step boundary
             for before, after in zip(moves, moves[1:]):
                 if before.direction == after.direction == "promote":
-                    assert after.first == before.first - 1
+                    assert after.last == before.first - 1
             assert all("busy" in m.reason for m in moves if m.direction == "promote")
             assert all(m.reason.startswith("room for") for m in moves[1 if name == "a" else 0 :] if m.direction == "demote")
             assert c.relocation.counts(name)["promote"] == directions.count("promote")  # moves kept: all of them here

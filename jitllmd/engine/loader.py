@@ -238,4 +238,6 @@ def spendable_bytes(device: str, unspent_budget: int) -> int:
     """Free memory a device can take blocks into: the driver's figure; the CPU's, less what the host page budget
     may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure)."""
     info = device_info(device)
+    if info.kind == "cuda":  # what torch's allocator holds freed (a block moved off, say) is this process's to reuse
+        return info.free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return max(0, info.free_bytes - unspent_budget) if info.kind == "cpu" else info.free_bytes

@@ -23,7 +23,7 @@ __all__ = ["Move", "Relocation", "block_held", "held_on", "repays"]
 
 log = logging.getLogger("jitllmd.relocation")
 _MOVES_KEPT = 256  # the newest automatic moves each model keeps for GetPlacement / GetResidency
-_DEFAULT_COPY_RATE = 1e9  # bytes/s a copy is taken to cost before any read or move was measured
+_COPY_S = 0.05  # seconds of block copies a promotion may run at one step boundary (one block at least)
 
 
 @dataclass(frozen=True)
@@ -173,34 +173,48 @@ class Relocation:
                 self.make_room(d, need, asking, reason)
 
     def promote(self, engine: Engine) -> None:
-        """Between steps of a busy model, on its engine thread: its host block nearest the seam goes to the device
-        after it when the saving measured repays the copy within `horizon` tokens; where the device has no room, idle
-        models are asked to demote (this thread does not wait: the next step looks again)."""
+        """Between steps of a busy model, on its engine thread: its host blocks nearest the seam go to the device
+        after them while the saving measured repays each one's copy within `horizon` tokens (its last host block
+        whenever there is room: whole on the device, it batches). Where the device has no room for them, idle models
+        are asked to demote (this thread never waits for them: the next step looks again). At most _COPY_S of copies
+        run at one step boundary, so the model's own rows are not held up long."""
         name = engine.loaded.name
         placement = engine.loaded.placement
         if not self.enabled(name) or placement is None or not placement.devices or HOST not in placement.places:
             return
-        if any(not f.done() for f in self._asked.get(name, ())):
-            return  # demotions asked for it are still running
-        if 0 <= placement.gpu_layers <= placement.num_device_blocks:
-            return
         places = placement.places
-        index = places.count(HOST) - 1  # the host part is a prefix: its last block is next to the seam
-        to = places[index + 1] if index + 1 < len(places) else placement.devices[0]
-        saving, copy = placement.saving_s(index), placement.copy_s(index)
-        whole = index == 0 and len(set(places[1:])) == 1  # the last host block: the model then batches its rows
-        if not whole and not repays(saving, copy, self.horizon, engine.stats.rows_per_step):
+        seam = places.count(HOST)  # the host part is a prefix: its last block is next to the seam
+        to = places[seam] if seam < len(places) else placement.devices[0]
+        cap = len(places) if placement.gpu_layers < 0 else placement.gpu_layers - placement.num_device_blocks
+        wanted = []
+        for i in range(seam - 1, max(-1, seam - 1 - cap), -1):
+            whole = i == 0 and len(set(places[seam:])) <= 1
+            if not whole and not repays(placement.saving_s(i), placement.copy_s(i), self.horizon, engine.stats.rows_per_step):
+                break
+            wanted.append(i)
+        if not wanted:
             return
-        need = block_held(placement, index)
         room = self.room(to, engine.moves.spendable_driver(to))
-        if room < need:
-            self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s {placement.names[index]}")
+        need = sum(block_held(placement, i) for i in wanted)
+        if need > room and all(f.done() for f in self._asked.get(name, ())):
+            self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s blocks {wanted[-1]}:{wanted[0]}")
+        moving, spent = [], 0.0
+        for i in wanted:
+            held, copy = block_held(placement, i), placement.copy_s(i)
+            if held > room or (moving and spent + copy > _COPY_S):
+                break
+            moving.append(i)
+            room -= held
+            spent += copy
+        if not moving:
             return
-        engine.move_blocks(index, index, to)
-        why = f"{name} is busy: saves {saving * 1e3:.2f} ms a step, the copy {copy * 1e3:.1f} ms"
-        if whole:
-            why = f"{name} is busy: the last host block, so the model is whole on {to} and batches its requests"
-        self.record(Move(time.time(), name, index, index, HOST, to, need, why))
+        first, last = moving[-1], moving[0]
+        saving = sum(placement.saving_s(i) for i in moving)
+        engine.move_blocks(first, last, to)
+        why = f"{name} is busy: saves {saving * 1e3:.2f} ms a step, the copy {spent * 1e3:.1f} ms"
+        if first == 0 and placement.one_device:
+            why += f"; whole on {to}, it batches its requests"
+        self.record(Move(time.time(), name, first, last, HOST, to, sum(block_held(placement, i) for i in moving), why))
 
     def _idle(self, device: str, asking: str | None) -> list[Engine]:
         """Relocation-enabled models other than `asking` with blocks on `device` and no row for idle_s, coldest first."""
