@@ -156,8 +156,15 @@ class Relocation:
         return futures
 
     def make_room(self, device: str, need: int, asking: str | None, reason: str) -> int:
-        """reclaim, waiting for the demotions (never from an engine thread). -> bytes freed."""
-        return sum(f.result() for f in self.reclaim(device, need, asking, reason))
+        """reclaim, waiting for the demotions (never from an engine thread). -> bytes freed (0 by a model that was
+        unloaded meanwhile, or whose move failed: the log says why)."""
+        freed = 0
+        for f in self.reclaim(device, need, asking, reason):
+            try:
+                freed += f.result()
+            except Exception:  # cancelled by an unload, or out of memory on the host: that room is not made
+                log.exception("a demotion for %s did not run", asking)
+        return freed
 
     def prepare(self, placement: Placement, asking: str | None, devices: list[str], gpu_layers: int, driver: Callable[[str], int], reason: str) -> None:
         """Before `placement` is made over `devices` (never on an engine thread): demote what idle models must give
@@ -186,6 +193,10 @@ class Relocation:
         seam = places.count(HOST)  # the host part is a prefix: its last block is next to the seam
         to = places[seam] if seam < len(places) else placement.devices[0]
         cap = len(places) if placement.gpu_layers < 0 else placement.gpu_layers - placement.num_device_blocks
+        room = self.room(to, engine.moves.spendable_driver(to))
+        asked = self._asked.get(name, ())
+        if cap <= 0 or (room < block_held(placement, seam - 1) and all(f.done() for f in asked) and not self.reclaimable(to, name)):
+            return  # nothing can come back now: no room, and none to be made
         wanted = []
         for i in range(seam - 1, max(-1, seam - 1 - cap), -1):
             whole = i == 0 and len(set(places[seam:])) <= 1
@@ -194,11 +205,11 @@ class Relocation:
             wanted.append(i)
         if not wanted:
             return
-        room = self.room(to, engine.moves.spendable_driver(to))
         need = sum(block_held(placement, i) for i in wanted)
-        if need > room and all(f.done() for f in self._asked.get(name, ())):
+        if need > room and all(f.done() for f in asked):
             self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s blocks {wanted[-1]}:{wanted[0]}")
-        moving, spent = [], 0.0
+        moving: list[int] = []
+        spent = 0.0
         for i in wanted:
             held, copy = block_held(placement, i), placement.copy_s(i)
             if held > room or (moving and spent + copy > _COPY_S):
