@@ -215,6 +215,7 @@ def test_the_server_shows_and_switches_relocation(models_dir: Path, reference: d
         stats = {m.model: m for m in client.telemetry.get_stats(tel.GetStatsRequest()).models}
         assert stats["a"].relocation and stats["a"].promotions >= 1 and stats["a"].demotions == 1
         assert stats["b"].demotions >= 1 and stats["b"].promotions == 0
+        assert "relocation: a 1 moves to the host, " in ok("stats", "-addr", addr).stdout
         [cpu] = [d for d in as_json("devices", "-addr", addr)["devices"] if d["id"] == "cpu"]
         assert int(cpu["budget_bytes"]) == int(budget) and 0 < int(cpu["held_bytes"]) <= int(budget)
         assert f"-device-mem {int(budget) / 2**20:.0f} MiB" in ok("devices", "-addr", addr).stdout
