@@ -75,7 +75,9 @@ class PlacementJobs:
         """What `device` can take: its free memory, within -device-mem beside every model's blocks."""
         relocation = self._relocation()
         driver = self.spendable_driver(device)
-        return relocation.room(device, driver) if relocation is not None else driver
+        if relocation is None:
+            return driver
+        return relocation.room(device, driver) + relocation.own_kv(self.placement(), device)
 
     def spendable_driver(self, device: str) -> int:
         """The device's free memory (the CPU's less what the host page budget may still read in)."""

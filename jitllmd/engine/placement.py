@@ -269,7 +269,7 @@ class Placement:
         kv = [self.kv_layer_bytes if layer_of(n) is not None else 0 for n in self.names]
         room = []
         for d in devices:
-            mine = sum(b + k for b, k, p in zip(self.block_bytes, kv, self.places) if p == d)
+            mine = sum(b for b, p in zip(self.block_bytes, self.places) if p == d)
             room.append((d, spendable(d) + mine))
         return plan_places(self.block_bytes, kv, room, gpu_layers)
 

@@ -132,6 +132,13 @@ class Relocation:
             return spendable
         return max(0, min(spendable, self.device_mem - self.used(device)))
 
+    def own_kv(self, placement: Placement, device: str) -> int:
+        """Under -device-mem, the KV a model reserves on `device` counts as room when that model is re-placed (its
+        blocks' weights are counted by Placement.plan); without it, the driver's figure already holds what KV took."""
+        if self.device_mem is None:
+            return 0
+        return sum(placement.kv_layer_bytes for n, p in zip(placement.names, placement.places) if p == device and layer_of(n) is not None)
+
     def reclaimable(self, device: str, asking: str | None) -> int:
         """Bytes the idle relocation-enabled models other than `asking` hold on `device`: what demoting could free."""
         return sum(held_on(e.loaded.placement, device) for e in self._idle(device, asking) if e.loaded.placement is not None)
@@ -169,12 +176,12 @@ class Relocation:
     def prepare(self, placement: Placement, asking: str | None, devices: list[str], gpu_layers: int, driver: Callable[[str], int], reason: str) -> None:
         """Before `placement` is made over `devices` (never on an engine thread): demote what idle models must give
         up for it to be the placement it would be with their blocks gone."""
-        spend = lambda d: self.room(d, driver(d))  # noqa: E731
+        spend = lambda d: self.room(d, driver(d)) + self.own_kv(placement, d)  # noqa: E731
         if not any(self.reclaimable(d, asking) for d in devices):
             return
         wants = placement.wants(devices, gpu_layers, lambda d: spend(d) + self.reclaimable(d, asking))
         for d in devices:
-            mine = held_on(placement, d)
+            mine = sum(b for b, p in zip(placement.block_bytes, placement.places) if p == d)
             need = wants[d] - mine - spend(d)
             if need > 0:
                 self.make_room(d, need, asking, reason)
