@@ -109,6 +109,7 @@ class Placement:
         pager.build = self._build_host
         self.block_bytes = [pager.block_bytes(n) for n in names]
         self.gpu_layers = -1  # the cap on device blocks the placement was last made with (-1: none)
+        self._device_bytes = 0
         self.costs = BlockCosts()
 
     # -- what is where --------------------------------------------------------------------------
@@ -178,7 +179,8 @@ class Placement:
                 self.costs.host_block(self.block_bytes[i], t1 - t0, time.perf_counter() - t1)
 
     def device_weight_bytes(self) -> int:
-        return sum(b for b, p in zip(self.block_bytes, self.places) if p != HOST)
+        """Weight bytes on devices (read every step, for BlockCosts: set when blocks move)."""
+        return self._device_bytes
 
     def saving_s(self, index: int) -> float:
         """What a step would save with host block `index` on a device, measured on the steps so far: its compute's
@@ -186,10 +188,10 @@ class Placement:
         paged block nearest the seam, which takes its place in the page budget."""
         c = self.costs
         compute = self.block_bytes[index] * max(0.0, (c.host_s_per_byte or 0.0) - (c.device_s_per_byte or 0.0))
-        paged = [n for n in self.names[: index + 1] if n in self.pager.host and n not in self.pager.resident]
-        if self.names[index] in paged:
-            return compute + self._read_s(self.names[index])
-        return compute + (self._read_s(paged[-1]) if paged else 0.0)
+        for name in reversed(self.names[: index + 1]):  # itself, else the paged block nearest the seam before it
+            if name in self.pager.host and name not in self.pager.resident:
+                return compute + self._read_s(name)
+        return compute
 
     def _read_s(self, name: str) -> float:
         stats = self.pager.reader.stats.get(name)
@@ -222,6 +224,7 @@ class Placement:
             if self.places[i] != HOST and places[i] != self.places[i]:
                 del self.held[name], self._held_parts[name]
         self.places = list(places)
+        self._device_bytes = sum(b for b, p in zip(self.block_bytes, places) if p != HOST)
         done, total = 0, len(self.names)
 
         def tick() -> None:

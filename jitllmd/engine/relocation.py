@@ -56,12 +56,7 @@ class Relocation:
     engine, so no two engine threads wait on each other."""
 
     def __init__(self, device_mem: int | None = None, idle_s: float = 10.0, horizon: int = 256, default: bool = False):
-        if device_mem is not None and device_mem < 1:
-            raise ValueError(f"device_mem must be a positive size, got {device_mem}")
-        if idle_s < 0:
-            raise ValueError(f"relocate_idle must be >= 0 seconds, got {idle_s}")
-        if horizon < 1:
-            raise ValueError(f"relocate_horizon must be >= 1 token, got {horizon}")
+        """The serve flags -device-mem, -relocate-idle, -relocate-horizon and -relocate (EngineConfig validates them)."""
         self.device_mem = device_mem  # bytes each device may hold for this server's blocks and their KV; None: its free memory
         self.idle_s = idle_s
         self.horizon = horizon
@@ -204,30 +199,31 @@ class Relocation:
         asked = self._asked.get(name, ())
         if cap <= 0 or (room < block_held(placement, seam - 1) and all(f.done() for f in asked) and not self.reclaimable(to, name)):
             return  # nothing can come back now: no room, and none to be made
-        wanted = []
+        wanted: list[tuple[int, float, float]] = []  # (block, saving a step, copy), nearest the seam first
         for i in range(seam - 1, max(-1, seam - 1 - cap), -1):
             whole = i == 0 and len(set(places[seam:])) <= 1
-            if not whole and not repays(placement.saving_s(i), placement.copy_s(i), self.horizon, engine.stats.rows_per_step):
+            saving, copy = placement.saving_s(i), placement.copy_s(i)
+            if not whole and not repays(saving, copy, self.horizon, engine.stats.rows_per_step):
                 break
-            wanted.append(i)
+            wanted.append((i, saving, copy))
         if not wanted:
             return
-        need = sum(block_held(placement, i) for i in wanted)
+        need = sum(block_held(placement, i) for i, _, _ in wanted)
         if need > room and all(f.done() for f in asked):
-            self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s blocks {wanted[-1]}:{wanted[0]}")
+            self._asked[name] = self.reclaim(to, need - room, name, f"room for {name}'s blocks {wanted[-1][0]}:{wanted[0][0]}")
         moving: list[int] = []
-        spent = 0.0
-        for i in wanted:
-            held, copy = block_held(placement, i), placement.copy_s(i)
+        saving = spent = 0.0
+        for i, saves, copy in wanted:
+            held = block_held(placement, i)
             if held > room or (moving and spent + copy > _COPY_S):
                 break
             moving.append(i)
             room -= held
+            saving += saves
             spent += copy
         if not moving:
             return
         first, last = moving[-1], moving[0]
-        saving = sum(placement.saving_s(i) for i in moving)
         engine.move_blocks(first, last, to)
         why = f"{name} is busy: saves {saving * 1e3:.2f} ms a step, the copy {spent * 1e3:.1f} ms"
         if first == 0 and placement.one_device:

@@ -103,8 +103,6 @@ class Placement(PlacementService):
             raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {gpu_layers}")
         placement = served.engine.loaded.placement
         if placement is not None:  # idle models give up what this placement wants of the devices (relocation)
-            for d in devices:
-                placement.check_place(d)
             await asyncio.to_thread(self.relocation.prepare, placement, served.id, devices, gpu_layers, served.engine.moves.spendable_driver, f"room to place {served.id}")
         await asyncio.wrap_future(served.engine.replace(devices, gpu_layers, session))
         return plc.SetPlacementResponse(placement=_placement(served, session, self.relocation))

@@ -298,10 +298,7 @@ def _cut_calls(source: str, names: frozenset[str]) -> list[ToolCall]:
     """The calls in JSON text that max_tokens cut short: the whole calls of a list, then the cut one when its name is
     a declared tool's (its arguments as far as they came)."""
     rest = source.strip()
-    for k in range(len(CLOSE_TAG) - 1, 0, -1):  # cut inside the close tag: what it closes may be whole
-        if rest.endswith(CLOSE_TAG[:k]):
-            rest = rest[:-k].rstrip()
-            break
+    rest = rest[: len(rest) - _tag_prefix_len(rest, CLOSE_TAG)].rstrip()  # cut inside the close tag: what it closes may be whole
     if calls := _calls(rest, names):
         return calls
     if rest.startswith("["):  # a list of calls: the whole ones first
@@ -387,10 +384,10 @@ def _may_open_call(source: str, names: frozenset[str]) -> bool:
     return "\"" not in fragment and any(n.startswith(fragment) for n in names)  # a whole name was _cut_calls' to find
 
 
-def _tag_prefix_len(s: str) -> int:
-    """Length of the longest end of s that begins the open tag (without being all of it)."""
-    for k in range(min(len(OPEN_TAG) - 1, len(s)), 0, -1):
-        if s.endswith(OPEN_TAG[:k]):
+def _tag_prefix_len(s: str, tag: str = OPEN_TAG) -> int:
+    """Length of the longest end of s that begins `tag` (without being all of it)."""
+    for k in range(min(len(tag) - 1, len(s)), 0, -1):
+        if s.endswith(tag[:k]):
             return k
     return 0
 
