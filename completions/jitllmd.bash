@@ -5,7 +5,7 @@ _jitllmd() {
   prev="${COMP_WORDS[COMP_CWORD-1]}"
   verb="${COMP_WORDS[1]}"
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=($(compgen -W "serve models devices stats sessions place run convert -h --help" -- "$cur"))
+    COMPREPLY=($(compgen -W "serve models devices stats sessions place run convert worker -h --help" -- "$cur"))
     return
   fi
   case "$prev" in
@@ -20,7 +20,7 @@ _jitllmd() {
   esac
   case "$verb" in
     serve)
-      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -cluster -world -cluster-timeout -h" -- "$cur")) ;;
     models)
       COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -unload -addr -api-key -json -h" -- "$cur")) ;;
     devices)
@@ -35,6 +35,8 @@ _jitllmd() {
       COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -api-key -h" -- "$cur")) ;;
     convert)
       COMPREPLY=($(compgen -W "-o -dtype -force -json -h" -- "$cur")) ;;
+    worker)
+      COMPREPLY=($(compgen -W "-models -cluster -rank -cluster-timeout -h" -- "$cur")) ;;
   esac
 }
 complete -o default -F _jitllmd jitllmd

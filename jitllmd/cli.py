@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .commands import convert, devices, models, place, run, serve, sessions, stats
+from .commands import convert, devices, models, place, run, serve, sessions, stats, worker
 from .parsing import Command
 
 __all__ = ["app", "main"]
@@ -26,6 +26,7 @@ app.command("sessions", cls=Command)(sessions.sessions)
 app.command("place", cls=Command)(place.place)
 app.command("run", cls=Command)(run.run)
 app.command("convert", cls=Command)(convert.convert)
+app.command("worker", cls=Command)(worker.worker)
 
 
 def main() -> None:

@@ -36,6 +36,9 @@ def serve(
     relocate: Annotated[str, typer.Option("-relocate", "--relocate", metavar="on|off", help="Each model's automatic relocation at load (place -model M -relocate changes it): its blocks leave the devices for the host while it is idle and another model needs the room, and come back while it is busy where that repays their copy.")] = "off",
     relocate_idle: Annotated[float, typer.Option("-relocate-idle", "--relocate-idle", metavar="SECONDS", help="With relocation: a model with no request for this long may give up its device blocks; 0 is whenever it has none.")] = 10.0,
     relocate_horizon: Annotated[int, typer.Option("-relocate-horizon", "--relocate-horizon", metavar="TOKENS", help="With relocation: a host block comes back to a device when the time it saves a step, measured, repays its copy within this many tokens.")] = 256,
+    cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Be rank 0 of a cluster: tcp://HOST:PORT, the address this server listens on for its workers (`jitllmd worker`), or env:// (torch's MASTER_ADDR and MASTER_PORT). Other ranks' devices are named with their rank first (1:cpu, 1:cuda:0). Default: env:// under torchrun (RANK and WORLD_SIZE set), else none.")] = None,
+    world: Annotated[int | None, typer.Option("-world", "--world", metavar="N", show_default=False, help="Ranks in the cluster, this server included; it waits for ranks 1..N-1 to join at start-up. Default: WORLD_SIZE under torchrun.")] = None,
+    cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for each rank to join, and for a rank's answer: a rank that stops answering fails its models' requests (503) after this long.")] = 60.0,
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 
@@ -48,6 +51,12 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _limit_malloc_arenas()
+    cluster_url, world_size, rank = _cluster_flags(cluster, world)
+    if rank > 0:  # torchrun started this command on every rank: the others are workers
+        from .worker import run_worker
+
+        run_worker(models, cluster_url or "env://", rank, cluster_timeout)
+        return
     try:
         host, port = parse_addr(addr)
         budget = parse_size(maxmem) if maxmem is not None else None
@@ -91,6 +100,7 @@ def serve(
 
     from ..engine import kernels
     from ..engine.catalog import Catalog
+    from ..engine.cluster import RankError
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
     from ..engine.loader import cached_conversion
@@ -98,11 +108,21 @@ def serve(
     from ..serve.telemetry import ServerInfo
 
     kernels.configure(cache_dir() / "kernels")
+    ranks = None
     try:
-        catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir())
+        if cluster_url is not None:
+            from ..engine.cluster import Cluster
+
+            err_console.print(f"cluster {cluster_url}: waiting for ranks 1..{world_size - 1} to join (-cluster-timeout {cluster_timeout:g} s)", style="dim")
+            ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=cluster_timeout)
+            for r, link in sorted(ranks.links.items()):
+                err_console.print(f"  rank {r}: {link.host} (pid {link.pid}): {', '.join(f'{r}:' + d['id'] for d in link.devices)}", style="dim")
+        catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir(), ranks)
     except ValueError as exc:
         sock.close()
-        raise fail(str(exc)) from None
+        if ranks is not None:
+            ranks.close()
+        raise fail(_flag_names(str(exc))) from None
     try:
         if gguf is not None:
             with progress_bar("preparing the default model (once)", as_bytes=True) as update:
@@ -115,9 +135,11 @@ def serve(
             with progress_bar(f"loading {jlm.name}") as update:
                 catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
         sock.listen(512)
-    except (ConvertError, JLMError, ValueError, OSError) as exc:
+    except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
         catalog.stop()
         sock.close()
+        if ranks is not None:
+            ranks.close()
         raise fail(_flag_names(str(exc))) from None
 
     bound_host, bound_port = sock.getsockname()[:2]
@@ -139,7 +161,31 @@ def serve(
     finally:
         catalog.stop(timeout=STOP_SECONDS)
         sock.close()
+        if ranks is not None:
+            ranks.close()
     err_console.print("stopped", style="dim")
+
+
+def _cluster_flags(cluster: str | None, world: int | None) -> tuple[str | None, int, int]:
+    """(-cluster URL or None, ranks, this process's rank): the flags, else torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), whose rank 0 serves and whose other ranks become workers."""
+    import os
+
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    torchrun = env_rank is not None and env_world is not None and env_rank.isdigit() and env_world.isdigit()
+    if cluster is None and torchrun and int(env_world or 1) > 1:
+        cluster = "env://"
+    if cluster is None:
+        if world is not None:
+            raise fail("-world needs -cluster (tcp://HOST:PORT, the address this server's workers join)")
+        return None, 1, 0
+    if world is None:
+        if not torchrun:
+            raise fail(f"-cluster {cluster}: give -world N, the ranks in the cluster with this server (torchrun's WORLD_SIZE otherwise)")
+        world = int(env_world or 1)
+    if world < 2:
+        raise fail(f"-world {world}: a cluster has rank 0 and at least one worker (give 2 or more)")
+    return cluster, world, int(env_rank) if torchrun and env_rank is not None else 0
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:

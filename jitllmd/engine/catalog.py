@@ -11,13 +11,17 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import EngineConfig, find_model_file
-from .devices import parse_devices, release_host_memory, trim_heap
+from .devices import available_devices, parse_devices, release_host_memory, trim_heap
 from .engine import Engine
 from .loader import cached_conversion
 from .relocation import Relocation
 from .sessions import Session
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 __all__ = ["Catalog", "ModelEntry", "ServedModel", "check_id"]
 
@@ -56,14 +60,33 @@ class Catalog:
     A .gguf is converted once into `cache_dir`.
     """
 
-    def __init__(self, models_dir: Path | None, config: EngineConfig, cache_dir: Path):
+    def __init__(self, models_dir: Path | None, config: EngineConfig, cache_dir: Path, cluster: Cluster | None = None):
         self.models_dir = models_dir.resolve() if models_dir else None
         self.config = config
         self.cache_dir = cache_dir.resolve()  # a relative -models gives a relative cache; its files are named absolute
-        self.devices = parse_devices(config.devices)  # raises on unknown names, at start-up
+        self.cluster = cluster  # rank 0's: other ranks' devices (1:cpu) may hold blocks
+        self.devices = self.parse_devices(config.devices)  # raises on unknown names, at start-up
         self.relocation = Relocation(config.device_mem, config.relocate_idle, config.relocate_horizon, config.relocate)
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
+
+    def parse_devices(self, spec: str) -> list[str]:
+        """The device grammar, other ranks' devices included where the server is in a cluster."""
+        return parse_devices(spec, self.cluster.devices() if self.cluster is not None else None)
+
+    def all_devices(self) -> list[str]:
+        """Every device a spec may name: this host's, then each rank's."""
+        return available_devices() + (self.cluster.devices() if self.cluster is not None else [])
+
+    def _shared(self, file: str | Path, path: Path) -> tuple[str, str | None]:
+        """How another rank finds a model in its own -models: the .jlm's path relative to -models (absolute where it is
+        outside), and the .gguf it was converted from (the rank converts its own copy where it lacks the .jlm)."""
+
+        def named(p: Path) -> str:
+            return str(p.relative_to(self.models_dir)) if self.models_dir is not None and p.is_relative_to(self.models_dir) else str(p)
+
+        original = self.resolve(str(file))
+        return named(path), (named(original) if original != path else None)
 
     # -- names ----------------------------------------------------------------------------------
 
@@ -165,7 +188,7 @@ class Catalog:
             gpu_layers=self.config.gpu_layers if gpu_layers is None else gpu_layers,
             max_seq=self.config.max_seq if max_seq is None else max_seq,
         )
-        placed_on = self.devices if devices is None else parse_devices(devices)
+        placed_on = self.devices if devices is None else self.parse_devices(devices)
         if id is not None:
             check_id(id)
         path = self.prepare(file, inside_only=inside_only, on_progress=on_convert)
@@ -188,6 +211,8 @@ class Catalog:
             joint_steps=config.joint_steps,
             on_progress=on_load,
             relocation=self.relocation,
+            cluster=self.cluster,
+            shared=self._shared(file, path) if self.cluster is not None else None,
         )
         try:
             with self._lock:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceInfo", "available_devices", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
+__all__ = ["DeviceInfo", "available_devices", "is_remote", "local_device_figures", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
 
 
 def _cpu_flags() -> set[str]:
@@ -62,9 +62,11 @@ def available_devices() -> list[str]:
     return found
 
 
-def parse_devices(spec: str) -> list[str]:
+def parse_devices(spec: str, remote: list[str] | None = None) -> list[str]:
     """The device grammar -> device names. '' opens none (host only); 'auto' is every accelerator (none if none);
-    'cpu' is the CPU as a device; 'cuda' is every CUDA device; 'cuda:0,cuda:1' names them. Unknown names raise."""
+    'cpu' is the CPU as a device; 'cuda' is every CUDA device; 'cuda:0,cuda:1' names them. A rank prefix names another
+    host's device (`1:cpu`, `1:cuda:0`, `1:cuda` for all of rank 1's): `remote` lists the cluster's (`Cluster.devices`;
+    None: no cluster). `0:` is this host. Unknown names raise."""
     spec = spec.strip()
     if not spec:
         return []
@@ -74,17 +76,52 @@ def parse_devices(spec: str) -> list[str]:
         return accelerators
     out: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
-        if part == "cuda":
-            names = [d for d in exists if d.startswith("cuda:")]
-            if not names:
-                raise ValueError(f"-devices {spec}: no CUDA device here (devices: {', '.join(exists)})")
-        elif part == "cuda:":
-            raise ValueError(f"-devices {spec}: give the CUDA device's number, e.g. cuda:0")
+        rank, sep, local = part.partition(":")
+        if sep and rank.isdigit() and int(rank) > 0:
+            names = _remote_names(spec, int(rank), local, remote)
         else:
-            names = [part]
-            if part not in exists:
-                raise ValueError(f"-devices {spec}: no device {part!r} here (devices: {', '.join(exists)})")
+            part = local if sep and rank.isdigit() else part  # 0:cpu is cpu
+            if part == "cuda":
+                names = [d for d in exists if d.startswith("cuda:")]
+                if not names:
+                    raise ValueError(f"-devices {spec}: no CUDA device here (devices: {', '.join(exists)})")
+            elif part == "cuda:":
+                raise ValueError(f"-devices {spec}: give the CUDA device's number, e.g. cuda:0")
+            else:
+                names = [part]
+                if part not in exists:
+                    raise ValueError(f"-devices {spec}: no device {part!r} here (devices: {', '.join(exists)})")
         out += [n for n in names if n not in out]
+    return out
+
+
+def _remote_names(spec: str, rank: int, local: str, remote: list[str] | None) -> list[str]:
+    if remote is None:
+        raise ValueError(f"-devices {spec}: rank {rank} names another host, and this server is not in a cluster (start it with -cluster and -world)")
+    theirs = [d for d in remote if d.startswith(f"{rank}:")]
+    if not theirs:
+        raise ValueError(f"-devices {spec}: rank {rank} is not in the cluster (devices: {', '.join(remote) or 'none remote'})")
+    if local == "cuda":
+        names = [d for d in theirs if d.startswith(f"{rank}:cuda:")]
+    else:
+        names = [f"{rank}:{local}"] if f"{rank}:{local}" in theirs else []
+    if not names:
+        raise ValueError(f"-devices {spec}: rank {rank} has no device {local!r} (its devices: {', '.join(theirs)})")
+    return names
+
+
+def is_remote(place: str) -> bool:
+    """A device of another rank (`1:cpu`), which this process reaches through the cluster."""
+    head, sep, _ = place.partition(":")
+    return bool(sep) and head.isdigit() and int(head) > 0
+
+
+def local_device_figures() -> list[dict[str, Any]]:
+    """Every device of this host with its memory now, as a worker reports them to rank 0."""
+    out = []
+    for d in available_devices():
+        info = device_info(d)
+        out.append({"id": info.id, "kind": info.kind, "name": info.name, "total": info.total_bytes, "free": info.free_bytes})
     return out
 
 
@@ -145,6 +182,8 @@ def synchronize(device: torch.device | str) -> None:
 
     CUDA and MPS queue kernels and return at once; the CPU runs them before returning, so there it does nothing.
     """
+    if isinstance(device, str) and is_remote(device):
+        return  # another rank's: its answer comes after its work
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from .calibrate import Calibration, calibrate
+from .cluster import RankError
 from .devices import trim_heap
 from .figures import decode_bytes, where
 from .grammar import Constraint
@@ -278,6 +279,10 @@ class Engine:
             try:
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
+            except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang
+                log.warning("%s: step failed: %s", self.loaded.name, exc)
+                for req, _ in rows:
+                    self.outputs.fail(req, f"model {self.loaded.name} is unavailable: {exc}", unavailable=True)
             except Exception as exc:  # a bug or out of memory: fail these rows, keep serving
                 log.exception("step failed")
                 for req, _ in rows:

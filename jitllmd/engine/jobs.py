@@ -81,4 +81,4 @@ class PlacementJobs:
 
     def spendable_driver(self, device: str) -> int:
         """The device's free memory (the CPU's less what the host page budget may still read in)."""
-        return spendable_bytes(device, self.placement().pager.unspent_bytes())
+        return spendable_bytes(device, self.placement().pager.unspent_bytes(), self.loaded.cluster)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,6 +17,8 @@ _ALIGN = 64
 # ... and keeps this many positions more than its window needs, so a session rewound a little (a regenerated reply,
 # prefix reuse) still finds the keys its next query sees
 _REWIND = 64
+_KEYS = itertools.count(1)  # a session KV's key, by which another rank holding some of its layers knows it
+META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
 
 
 class RoomError(ValueError):
@@ -32,7 +36,9 @@ class SessionKV:
     holding position `offsets[i]`; when its storage is full it drops the positions older than its window (moving the
     rest to the front), so a long generation does not grow it past about its window. `nbytes` counts the positions
     reserved either way. Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries the
-    filled positions across.
+    filled positions across. A layer whose block is on another rank is on the `meta` device here: its bookkeeping
+    (offsets, slots) goes on as for any layer, and its K/V are that rank's (`remotes`: engine/remote.py's proxies of
+    the ranks holding some of this cache's layers, told of a copy).
     """
 
     def __init__(
@@ -65,6 +71,8 @@ class SessionKV:
         self._allocated = 0  # positions reserved in every full-attention layer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.key = next(_KEYS)
+        self.remotes: set[Any] = set()
 
     def bytes_per_position(self) -> int:
         """One position's K/V in every layer."""
@@ -79,7 +87,9 @@ class SessionKV:
         return sum(self.layer_nbytes(i) for i in range(self.num_layers))
 
     def layer_nbytes(self, layer: int) -> int:
-        """Bytes of one layer's K/V storage now."""
+        """Bytes of one layer's K/V storage now (on this rank: none where another holds it)."""
+        if self.devices[layer] == META:
+            return 0
         if self.windows[layer] is None:
             return self._allocated * self._layer_bytes  # the positions reserved (a CPU layer maps only those it writes)
         return self.k[layer].shape[1] * self._layer_bytes if layer < len(self.k) else 0
@@ -134,19 +144,38 @@ class SessionKV:
         """Where the first layer's K/V are (the masks of a forward are built there)."""
         return self.devices[0]
 
-    def move(self, layer: int, device: torch.device) -> None:
+    def move(self, layer: int, device: torch.device, filled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Carry one layer's K/V (the positions filled) to `device`, where its block now runs: a full-attention
-        layer's storage there for the positions reserved, a window layer's as it was."""
-        if self.devices[layer] == device:
+        layer's storage there for the positions reserved, a window layer's as it was. `filled`: the K/V another rank
+        held (the layer was on `meta` here); to `meta` nothing is copied (the other rank was sent them)."""
+        if self.devices[layer] == device and filled is None:
             return
+        source = self.devices[layer]
         self.devices[layer] = device
         if layer < len(self.k):
             slots = self.k[layer].shape[1] if self.windows[layer] is not None else self._allocated
             k, v = self._storage(device, slots)
-            filled = self.length - self.offsets[layer]
-            k[:, :filled] = self.k[layer][:, :filled]
-            v[:, :filled] = self.v[layer][:, :filled]
+            n = self.length - self.offsets[layer]
+            if filled is not None:
+                n = min(n, filled[0].shape[1])
+                k[:, :n] = filled[0][:, :n].to(device)
+                v[:, :n] = filled[1][:, :n].to(device)
+            elif device != META and source != META:
+                k[:, :n] = self.k[layer][:, :n]
+                v[:, :n] = self.v[layer][:, :n]
             self.k[layer], self.v[layer] = k, v
+
+    def filled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V positions filled, [Hkv, n, D] each (empty before the first reservation)."""
+        if layer >= len(self.k):
+            empty = torch.empty((self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
+            return empty, empty
+        n = self.length - self.offsets[layer]
+        return self.k[layer][:, :n], self.v[layer][:, :n]
+
+    def slots_of(self, layer: int) -> int:
+        """Positions one layer's storage holds (0 before the first reservation)."""
+        return self.k[layer].shape[1] if layer < len(self.k) else 0
 
     def reusable(self, length: int) -> int:
         """How much of a prefix of `length` positions the cache can go on from: all of it where every window layer
@@ -176,9 +205,12 @@ class SessionKV:
         self.reset()
         self.reserve(length)
         for i in range(self.num_layers):
-            self.k[i][:, :length] = src.k[i][:, :length]
-            self.v[i][:, :length] = src.v[i][:, :length]
+            if self.devices[i] != META:
+                self.k[i][:, :length] = src.k[i][:, :length]
+                self.v[i][:, :length] = src.v[i][:, :length]
         self.length = length
+        for remote in src.remotes:  # the layers other ranks hold are copied there
+            remote.copy_kv(src, self, length)
 
     def slot(self, layer: int, position: int) -> int:
         """Where `position` is in layer's storage."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from .chat import ChatTemplate
-from .devices import compute_dtype, device_info, trim_heap
+from .devices import compute_dtype, device_info, is_remote, trim_heap
 from .grammar import Grammars
 from .jlm import JLMFile
 from .kv import SessionKV
@@ -27,6 +27,7 @@ from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from .cluster import Cluster
     from .relocation import Relocation
 
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class LoadedModel:
     devices: list[str]  # the devices it was loaded with: its blocks may be placed on these (empty: host only)
     placement: Placement | None = None  # a decoder's blocks on their places; an encoder runs whole on its device
     runner: ModelRunner | None = None  # a decoder's forward over its placed blocks
+    cluster: Cluster | None = None  # rank 0's, where the model may have blocks on other ranks
 
     @property
     def device_ids(self) -> list[str]:
@@ -150,6 +152,8 @@ def load_model(
     on_progress: Callable[[int, int], None] | None = None,
     kv_dtype: torch.dtype | None = None,
     relocation: Relocation | None = None,
+    cluster: Cluster | None = None,
+    shared: tuple[str, str | None] | None = None,
 ) -> LoadedModel:
     """Open a .jlm and place its blocks: on `devices` (names from the device grammar, `cpu` included) from the head
     backwards, at most `gpu_layers` of them (-1: as many as fit beside the KV of `sessions` sessions), the rest on the
@@ -157,14 +161,15 @@ def load_model(
     (`read_ahead`, the next one while this one runs; None: only where the CPU has cores torch's pool leaves free).
     An encoder runs whole on the first device, or the host. `kv_dtype`: the sessions' K/V (None: the model's own
     choice, f16 for a kept-quantized model, else its compute dtype). `relocation`: the server's (engine/relocation.py):
-    the devices' room within -device-mem, and idle models demoted to make it. Raises JLMError / ValueError with one-line
-    messages."""
+    the devices' room within -device-mem, and idle models demoted to make it. `cluster`: rank 0's (engine/cluster.py),
+    where `devices` name other ranks' (`1:cpu`); `shared`: how those ranks find the file in their own -models (the .jlm's
+    path, and the .gguf it was converted from, if any). Raises JLMError / ValueError with one-line messages."""
     path = Path(path)
     devices = list(devices or [])
     name = name or path.name.removesuffix(".jlm")
     jlm = JLMFile(path)
     meta = jlm.meta
-    first = torch.device(devices[0] if devices else "cpu")
+    first = torch.device(next((d for d in devices if not is_remote(d)), "cpu"))  # another rank's device computes there
     quantized = meta.get("quantization") or {}
     # a quantized model computes in f32 around its projections (its float tensors, norms and biases, are f32)
     # the blocks' weights' dtype (a family may keep its norms in f32 beside bf16 weights: Gemma's 1 + w)
@@ -193,7 +198,8 @@ def load_model(
         sizing = model.new_kv(context)  # storage only as it is reserved: its arithmetic, with the windows it keeps
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
         kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
-        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, relocation)
+        remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
+        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, relocation, remote, cluster)
         runner = ModelRunner(model, placement)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
@@ -208,18 +214,26 @@ def load_model(
         devices=devices,
         placement=placement,
         runner=runner,
+        cluster=cluster,
     )
 
 
+def _remote_opener(cluster: Cluster, shared: tuple[str, str | None], jlm: JLMFile, model: Any) -> Callable[[int], Any]:
+    """Opens the model on another rank, from that rank's own copy (engine/remote.py)."""
+    from .remote import RemoteModel
+
+    return lambda rank: RemoteModel.open(cluster.link(rank), shared[0], shared[1], jlm, model.dtype, model.kv_dtype)
+
+
 def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool | None,
-           on_progress, relocation: Relocation | None) -> Placement:
+           on_progress, relocation: Relocation | None, remote: Callable[[int], Any] | None = None, cluster: Cluster | None = None) -> Placement:
     if read_ahead is None:
         # From the page cache a read is a memcpy: on a CPU whose every core runs torch's pool, a reader thread only
         # competes with the step (measured, bench/pager.py on 2 cores: 10% resident 16.5 tok/s without, 13.3 with).
         read_ahead = (os.cpu_count() or 1) > torch.get_num_threads()
     pager = Pager(BlockReader(jlm), model.layouts, budget=page_budget, read_ahead=read_ahead)
-    placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes)
-    driver: Callable[[str], int] = lambda d: spendable_bytes(d, pager.unspent_bytes())  # noqa: E731
+    placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes, remote)
+    driver: Callable[[str], int] = lambda d: spendable_bytes(d, pager.unspent_bytes(), cluster)  # noqa: E731
     spendable = driver
     if relocation is not None:
         spendable = lambda d: relocation.room(d, driver(d))  # noqa: E731
@@ -229,14 +243,19 @@ def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, 
     try:
         placement.apply(places, [], on_progress)
     except BaseException:
-        pager.close()
+        placement.close()
         raise
     return placement
 
 
-def spendable_bytes(device: str, unspent_budget: int) -> int:
+def spendable_bytes(device: str, unspent_budget: int, cluster: Cluster | None = None) -> int:
     """Free memory a device can take blocks into: the driver's figure; the CPU's, less what the host page budget
-    may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure)."""
+    may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure). Another rank's:
+    what it last said was free (it pages nothing)."""
+    if is_remote(device):
+        if cluster is None:
+            raise ValueError(f"{device} names another host, and this server is not in a cluster")
+        return int(cluster.device(device)[1]["free"])
     info = device_info(device)
     if info.kind == "cuda":  # what torch's allocator holds freed (a block moved off, say) is this process's to reuse
         return info.free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -149,13 +149,13 @@ class Outputs:
         req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded),
                       self._prompt_scores(req)))
 
-    def fail(self, req: Request, message: str) -> None:
+    def fail(self, req: Request, message: str, unavailable: bool = False) -> None:
         if req.finished:
             return
         req.session.reset()  # its cache may be half written
         self._end(req)
         self.stats.finished(failed=True, seconds=time.perf_counter() - req.t_arrival)
-        req.emit(Failed(message))
+        req.emit(Failed(message, unavailable))
 
     def _end(self, req: Request) -> None:
         if req.state is not RequestState.WAITING:  # admitted: it holds its session

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .devices import synchronize
-from .kv import SessionKV
+from .devices import is_remote, synchronize
+from .kv import META, SessionKV
 from .pager import ROW_BLOCKS, Pager
+
+if TYPE_CHECKING:
+    from .remote import RemoteModel
 
 __all__ = ["HOST", "BlockCosts", "Placement", "plan_places"]
 
@@ -19,10 +22,12 @@ HOST = "host"
 _RECENT = 0.2  # weight of the newest step in the running cost figures
 
 
-def plan_places(block_bytes: list[int], kv_bytes: list[int], devices: list[tuple[str, int]], gpu_layers: int) -> list[str]:
+def plan_places(block_bytes: list[int], kv_bytes: list[int], devices: list[tuple[str, int]], gpu_layers: int,
+                local_only: frozenset[int] = frozenset()) -> list[str]:
     """A place per block: from the head backwards onto the devices in the order given, each block while its weights
     and the KV reserved for it fit in what is left of that device's spendable bytes; the rest (a prefix, so seams stay
-    few) on the host. `gpu_layers` caps the blocks on devices; -1 places as many as fit."""
+    few) on the host. `gpu_layers` caps the blocks on devices; -1 places as many as fit. The blocks `local_only` (embed
+    and head: sampling is on rank 0) never go to another rank's device: where one would, it stays on the host."""
     if len(block_bytes) != len(kv_bytes):
         raise ValueError("block_bytes and kv_bytes must have one entry per block")
     places = [HOST] * len(block_bytes)
@@ -39,6 +44,8 @@ def plan_places(block_bytes: list[int], kv_bytes: list[int], devices: list[tuple
             if d == len(devices):
                 return places
             left = devices[d][1]
+        if i in local_only and is_remote(devices[d][0]):
+            continue
         places[i] = devices[d][0]
         left -= need
         placed += 1
@@ -79,6 +86,10 @@ class BlockCosts:
             self.copy_bytes_per_s = _mean(self.copy_bytes_per_s, nbytes / seconds)
 
 
+def _rank(place: str) -> int:
+    return int(place.split(":", 1)[0])
+
+
 def _mean(old: float | None, new: float) -> float:
     return new if old is None else old + _RECENT * (new - old)
 
@@ -91,11 +102,14 @@ def layer_of(name: str) -> int | None:
 class Placement:
     """The blocks of one model on their places: device blocks held built on their device, host blocks in the pager.
 
-    Only the engine thread calls `walk`, `apply`, `move`: a move happens between steps, never inside one.
+    Only the engine thread calls `walk`, `apply`, `move`: a move happens between steps, never inside one. Blocks on
+    another rank's device (`1:cpu`) are held there (engine/remote.py, opened by `remote` on first use); their KV layers
+    are `meta` here.
     """
 
     def __init__(
-        self, names: list[str], pager: Pager, build: Callable[[str, dict[str, Any], torch.device, bool], Any], devices: list[str], kv_layer_bytes: int
+        self, names: list[str], pager: Pager, build: Callable[[str, dict[str, Any], torch.device, bool], Any], devices: list[str], kv_layer_bytes: int,
+        remote: Callable[[int], RemoteModel] | None = None,
     ):
         self.names = names
         self.pager = pager
@@ -111,11 +125,16 @@ class Placement:
         self.gpu_layers = -1  # the cap on device blocks the placement was last made with (-1: none)
         self._device_bytes = 0
         self.costs = BlockCosts()
+        self._open_remote = remote
+        self.remotes: dict[int, RemoteModel] = {}  # rank -> the model there
 
     # -- what is where --------------------------------------------------------------------------
 
     @staticmethod
     def torch_device(place: str) -> torch.device:
+        """The torch device a place computes on here: another rank's is `meta` (its shapes are here, its data there)."""
+        if is_remote(place):
+            return META
         return torch.device("cpu" if place == HOST else place)
 
     def device_of(self, index: int) -> torch.device:
@@ -140,9 +159,11 @@ class Placement:
         return self.places[0] != HOST and len(set(self.places)) == 1
 
     def synchronize(self) -> None:
-        """Wait for the work queued on every device holding blocks (a clock read after it times the work, not its queueing)."""
+        """Wait for the work queued on every device holding blocks (a clock read after it times the work, not its queueing;
+        another rank's work is done when it answers)."""
         for device in self.device_ids:
-            synchronize(device)
+            if not is_remote(device):
+                synchronize(device)
 
     def kv_devices(self) -> list[torch.device]:
         """Where each layer's KV lives: on its block's place."""
@@ -163,9 +184,23 @@ class Placement:
 
     def walk(self) -> Generator[tuple[Any, torch.device], None, None]:
         """Each block in model order with the device it runs on; a paged block is read for its turn and let go after.
-        A host block's wait and compute are timed into `costs` (the host computes in order: the clock is the work)."""
-        for i, name in enumerate(self.names):
-            place = self.places[i]
+        A host block's wait and compute are timed into `costs` (the host computes in order: the clock is the work). A run of
+        layers on one other rank's device comes as one RemoteRun (one call over the seam), on `meta`."""
+        from .remote import RemoteRun
+
+        i = 0
+        while i < len(self.names):
+            name, place = self.names[i], self.places[i]
+            if is_remote(place):
+                j = i
+                while j + 1 < len(self.names) and self.places[j + 1] == place:
+                    j += 1
+                first, last = layer_of(name), layer_of(self.names[j])
+                assert first is not None and last is not None  # only layers go to another rank
+                yield RemoteRun(self.remotes[_rank(place)], first, last), META
+                i = j + 1
+                continue
+            index, i = i, i + 1
             if place != HOST:
                 yield self.held[name], self.torch_device(place)
                 continue
@@ -176,7 +211,7 @@ class Placement:
                 yield block, self.torch_device(HOST)
             finally:
                 self.pager.release(name)
-                self.costs.host_block(self.block_bytes[i], t1 - t0, time.perf_counter() - t1)
+                self.costs.host_block(self.block_bytes[index], t1 - t0, time.perf_counter() - t1)
 
     def device_weight_bytes(self) -> int:
         """Weight bytes on devices (read every step, for BlockCosts: set when blocks move)."""
@@ -214,15 +249,29 @@ class Placement:
             loaded = ", ".join(self.devices) or "no device"
             raise ValueError(f"{place!r} is not one of the model's devices ({loaded}): a block goes to host or to a device the model was loaded with")
 
+    def _local_only(self) -> frozenset[int]:
+        """The blocks that stay on rank 0 (embed and head: tokens come in and are sampled there)."""
+        return frozenset(i for i, n in enumerate(self.names) if layer_of(n) is None)
+
     def apply(self, places: list[str], kvs: list[SessionKV], progress: Callable[[int, int], None] | None = None) -> None:
         """Put each block on its new place, carrying every session's KV of the blocks that move."""
         if len(places) != len(self.names):
             raise ValueError(f"a placement needs {len(self.names)} places, got {len(places)}")
         for p in set(places):
             self.check_place(p)
+        pinned = [self.names[i] for i in self._local_only() if is_remote(places[i])]
+        if pinned:
+            raise ValueError(f"{', '.join(pinned)} stay on this host (tokens are embedded and sampled on rank 0): only layers go to another rank")
+        old = list(self.places)
+        remote_held = self._hold_remote(places)  # before anything here changes: a rank that fails leaves the placement as it was
+        drops: dict[int, list[str]] = {}
         for i, name in enumerate(self.names):  # free device memory before anything is read
-            if self.places[i] != HOST and places[i] != self.places[i]:
-                del self.held[name], self._held_parts[name]
+            if old[i] != HOST and places[i] != old[i]:
+                del self.held[name]
+                self._held_parts.pop(name, None)
+                if is_remote(old[i]) and not (is_remote(places[i]) and _rank(places[i]) == _rank(old[i])):
+                    drops.setdefault(_rank(old[i]), []).append(name)
+        self.held.update(remote_held)
         self.places = list(places)
         self._device_bytes = sum(b for b, p in zip(self.block_bytes, places) if p != HOST)
         done, total = 0, len(self.names)
@@ -253,7 +302,45 @@ class Placement:
             layer = layer_of(name)
             if layer is not None:
                 for kv in kvs:
-                    kv.move(layer, self.device_of(i))
+                    self._carry(kv, layer, old[i], places[i])
+        for rank, names in drops.items():  # their KV came back first
+            self.remotes[rank].drop(names)
+
+    def _hold_remote(self, places: list[str]) -> dict[str, Any]:
+        """Blocks going to another rank's device are read and built there (from its own copy of the .jlm). -> the
+        model there, by the names it now holds."""
+        out: dict[str, Any] = {}
+        runs: dict[str, list[int]] = {}
+        for i, place in enumerate(places):
+            if is_remote(place) and self.places[i] != place:
+                runs.setdefault(place, []).append(i)
+        for place, indices in runs.items():
+            remote = self._remote(_rank(place))
+            remote.hold([self.names[i] for i in indices], place.split(":", 1)[1], sum(self.block_bytes[i] for i in indices))
+            for i in indices:
+                out[self.names[i]] = remote
+        return out
+
+    def _remote(self, rank: int) -> RemoteModel:
+        if rank not in self.remotes:
+            if self._open_remote is None:
+                raise ValueError(f"rank {rank} names another host, and this model was loaded without a cluster")
+            self.remotes[rank] = self._open_remote(rank)
+        return self.remotes[rank]
+
+    def _carry(self, kv: SessionKV, layer: int, src: str, dst: str) -> None:
+        """One layer's K/V of a session from its block's old place to its new one, across ranks where it must be."""
+        if not is_remote(src) and not is_remote(dst):
+            kv.move(layer, self.torch_device(dst))
+            return
+        if src == dst:
+            return
+        filled = self.remotes[_rank(src)].take_kv(kv, layer) if is_remote(src) else None
+        if is_remote(dst):
+            self._remote(_rank(dst)).put_kv(kv, layer, filled if filled is not None else kv.filled(layer), dst.split(":", 1)[1])
+            kv.move(layer, META)
+        else:
+            kv.move(layer, self.torch_device(dst), filled)
 
     def move(self, first: int, last: int, to: str, kvs: list[SessionKV]) -> None:
         """Blocks first..last (inclusive; 0 is embed) to `to`: host or one of the model's devices."""
@@ -261,6 +348,9 @@ class Placement:
         if not 0 <= first <= last <= last_index:
             raise ValueError(f"blocks {first}:{last} are out of range: give FIRST:LAST with 0 <= FIRST <= LAST <= {last_index}")
         self.check_place(to)
+        if is_remote(to) and (first == 0 or last == last_index):
+            raise ValueError(f"blocks {first}:{last} include {'embed (0)' if first == 0 else f'head ({last_index})'}, which stays on this host: "
+                             f"only layers (1:{last_index - 1}) go to another rank")
         places = list(self.places)
         places[first : last + 1] = [to] * (last - first + 1)
         self.apply(places, kvs)
@@ -274,7 +364,7 @@ class Placement:
         for d in devices:
             mine = sum(b for b, p in zip(self.block_bytes, self.places) if p == d)
             room.append((d, spendable(d) + mine))
-        return plan_places(self.block_bytes, kv, room, gpu_layers)
+        return plan_places(self.block_bytes, kv, room, gpu_layers, self._local_only())
 
     def wants(self, devices: list[str], gpu_layers: int, spendable: Callable[[str], int]) -> dict[str, int]:
         """Bytes each device would hold (blocks and their KV) were `spendable` its room: what a re-placement asks."""
@@ -314,4 +404,7 @@ class Placement:
         self.held.clear()
         self._held_parts.clear()
         self.pager.close()
+        for remote in self.remotes.values():
+            remote.close()
+        self.remotes.clear()
 

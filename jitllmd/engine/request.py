@@ -59,6 +59,7 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    unavailable: bool = False  # the model cannot run now (another rank of its blocks is gone): a 503, not a bug
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from .joint import JointSteps
 from .kv import RowSpan, SessionKV
 from .layers import chunk_tokens
 from .placement import Placement
+from .remote import RemoteRun
 from .request import Request, RequestState
 
 __all__ = ["Batch", "ModelRunner"]
@@ -67,9 +68,15 @@ class ModelRunner:
             # The last block computes only the tokens whose logits are asked for (a prompt's last), as llama.cpp does.
             at = logits_at.tolist() if logits_at is not None else None
             keep = at if at is not None and len(at) < x.shape[0] and at == sorted(set(at)) else None
-            for layer in range(num_layers):
+            layer = 0
+            while layer < num_layers:
                 block, dev = next(walk)
+                if isinstance(block, RemoteRun):  # layers on another rank: the whole batch crosses to it and back as one tensor
+                    x = block(x, positions, rows, keep if block.last == num_layers - 1 else None)
+                    layer = block.last + 1
+                    continue
                 x = block(x.to(dev), state, rows, keep if layer == num_layers - 1 else None)  # over a seam, if there is one
+                layer += 1
             for row in rows:
                 row.kv.length += row.num_tokens
             chunk = chunk_tokens(rows, token_ids.shape[0])  # a prompt chunk's tokens stay exact up to their logits

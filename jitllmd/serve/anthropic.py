@@ -24,7 +24,7 @@ __all__ = ["Anthropic", "content_blocks", "error_response"]
 
 _ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "authentication_error", "forbidden": "permission_error",
                 "not_found": "not_found_error", "timeout": "invalid_request_error", "too_large": "request_too_large",
-                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "server": "api_error"}
+                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "unavailable": "api_error", "server": "api_error"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -26,11 +26,12 @@ class APIError(Exception):
     """A client error: each dialect renders it in its own error shape.
 
     kind: "invalid_request" (400), "unauthorized" (401), "forbidden" (403), "not_found" (404), "timeout" (408),
-    "too_large" (413), "media_type" (415), "http_version" (426: gRPC over HTTP/1.1); "server" (500) is only for bugs.
+    "too_large" (413), "media_type" (415), "http_version" (426: gRPC over HTTP/1.1); "unavailable" (503: the model
+    cannot run now, another rank of its blocks being gone); "server" (500) is only for bugs.
     """
 
     STATUS = {"invalid_request": 400, "unauthorized": 401, "forbidden": 403, "not_found": 404, "timeout": 408, "too_large": 413,
-              "media_type": 415, "http_version": 426, "server": 500}
+              "media_type": 415, "http_version": 426, "unavailable": 503, "server": 500}
 
     def __init__(self, message: str, *, param: str | None = None, kind: str = "invalid_request", code: str | None = None):
         super().__init__(message)

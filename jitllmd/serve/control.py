@@ -14,8 +14,9 @@ from connectrpc.errors import ConnectError
 
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
+from ..engine.cluster import RankError
 from ..engine.convert import ConvertError, convert
-from ..engine.devices import available_devices, cpu_name, device_info, host_memory, parse_devices
+from ..engine.devices import available_devices, cpu_name, device_info, host_memory, is_remote
 from ..engine.jlm import JLMError, JLMFile
 from ..engine.kernels import describe as describe_kernels
 from ..engine.kv import RoomError
@@ -72,6 +73,8 @@ def _connect_error(exc: Exception, ctx: Any) -> ConnectError:
         return exc
     if isinstance(exc, RoomError):
         return ConnectError(Code.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, RankError):  # another rank is gone or does not answer
+        return ConnectError(Code.UNAVAILABLE, str(exc))
     if isinstance(exc, FileNotFoundError):
         return ConnectError(Code.NOT_FOUND, str(exc))
     if isinstance(exc, PermissionError):
@@ -252,6 +255,8 @@ class Devices(DeviceService):
         return sum(p.budget or 0 for p in budgeted), sum(p.unspent_bytes() for p in budgeted)
 
     def _device(self, device_id: str) -> dev.Device:
+        if is_remote(device_id):
+            return self._remote_device(device_id)
         info = device_info(device_id)
         unspent = self._budgets()[1]  # the pager may still read this much into host memory
         spendable = max(0, info.free_bytes - unspent) if info.kind == "cpu" else info.free_bytes
@@ -259,6 +264,21 @@ class Devices(DeviceService):
         out = dev.Device(
             id=info.id, kind=info.kind, name=info.name, total_bytes=info.total_bytes, free_bytes=info.free_bytes,
             spendable_bytes=relocation.room(info.id, spendable), opened=info.id in self.catalog.devices, held_bytes=relocation.used(info.id),
+        )
+        out.reachable = True
+        if relocation.device_mem is not None:
+            out.budget_bytes = relocation.device_mem
+        return out
+
+    def _remote_device(self, device_id: str) -> dev.Device:
+        """Another rank's device, with the memory it last reported (engine/cluster.py asks every few seconds)."""
+        assert self.catalog.cluster is not None
+        link, info = self.catalog.cluster.device(device_id)
+        relocation = self.catalog.relocation
+        out = dev.Device(
+            id=device_id, kind=info["kind"], name=info["name"], total_bytes=info["total"], free_bytes=info["free"],
+            spendable_bytes=relocation.room(device_id, info["free"]) if link.alive else 0, opened=device_id in self.catalog.devices,
+            held_bytes=relocation.used(device_id), rank=link.rank, host=link.host, reachable=link.alive,
         )
         if relocation.device_mem is not None:
             out.budget_bytes = relocation.device_mem
@@ -271,11 +291,11 @@ class Devices(DeviceService):
         budget = self._budgets()[0]
         if budget is not None:
             host.page_budget_bytes = budget
-        return dev.ListDevicesResponse(devices=[self._device(d) for d in available_devices()], host=host)
+        return dev.ListDevicesResponse(devices=[self._device(d) for d in self.catalog.all_devices()], host=host)
 
     async def get_device(self, request: dev.GetDeviceRequest, ctx: Any) -> dev.GetDeviceResponse:
-        if request.device not in available_devices():
-            raise _not_found(f"no device {request.device!r} here (devices: {', '.join(available_devices())})")
+        if request.device not in self.catalog.all_devices():
+            raise _not_found(f"no device {request.device!r} here (devices: {', '.join(self.catalog.all_devices())})")
         return dev.GetDeviceResponse(device=self._device(request.device))
 
     async def get_memory_topology(self, request: dev.GetMemoryTopologyRequest, ctx: Any) -> dev.GetMemoryTopologyResponse:
@@ -286,6 +306,14 @@ class Devices(DeviceService):
             if d.startswith("cuda:"):
                 info = device_info(d)
                 domains.append(dev.MemoryDomain(name=d, device_ids=[d], total_bytes=info.total_bytes, free_bytes=info.free_bytes))
+        cluster = self.catalog.cluster
+        for rank, link in sorted(cluster.links.items()) if cluster is not None else []:  # each other rank's host memory, then its GPUs
+            cpus = [r for r in link.devices if r["kind"] in ("cpu", "mps")]
+            if cpus:
+                domains.append(dev.MemoryDomain(name=f"{rank}:host", device_ids=[f"{rank}:{r['id']}" for r in cpus], total_bytes=cpus[0]["total"], free_bytes=cpus[0]["free"]))
+            for r in link.devices:
+                if r["kind"] == "cuda":
+                    domains.append(dev.MemoryDomain(name=f"{rank}:{r['id']}", device_ids=[f"{rank}:{r['id']}"], total_bytes=r["total"], free_bytes=r["free"]))
         return dev.GetMemoryTopologyResponse(domains=domains)
 
 
@@ -299,7 +327,7 @@ class Sessions(SessionService):
     async def create_session(self, request: ses.CreateSessionRequest, ctx: Any) -> ses.CreateSessionResponse:
         served = model_of(self.catalog, request.model)
         loaded = served.engine.loaded
-        asked = parse_devices(request.devices) if request.devices else []
+        asked = self.catalog.parse_devices(request.devices) if request.devices else []
         if any(d not in loaded.devices for d in asked):
             where = ", ".join(loaded.devices) or "no device"
             raise ConnectError(

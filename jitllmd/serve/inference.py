@@ -85,7 +85,7 @@ class Inference(InferenceService):
                     run.remember("".join(parts))
                     yield inf.GenerateResponse(finished=_finished(ev))
                 elif isinstance(ev, Failed):
-                    raise RuntimeError(ev.message)
+                    raise ConnectError(Code.UNAVAILABLE, ev.message) if ev.unavailable else RuntimeError(ev.message)
         finally:  # also when the client went away while this generator waited at a yield
             self.running.pop(req.request_id, None)
             if not req.finished:
@@ -106,7 +106,7 @@ class Inference(InferenceService):
                     run.remember(text)
                     return inf.CompleteResponse(request_id=req.request_id, text=text, token_ids=ids, finished=_finished(ev))
                 elif isinstance(ev, Failed):
-                    raise RuntimeError(ev.message)
+                    raise ConnectError(Code.UNAVAILABLE, ev.message) if ev.unavailable else RuntimeError(ev.message)
         finally:
             self.running.pop(req.request_id, None)
         raise RuntimeError("the engine ended the request without a final event")

@@ -44,7 +44,7 @@ __all__ = ["OpenAI", "error_response"]
 
 _ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "invalid_request_error", "forbidden": "invalid_request_error",
                 "not_found": "invalid_request_error", "timeout": "invalid_request_error", "too_large": "invalid_request_error",
-                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "server": "server_error"}
+                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "unavailable": "server_error", "server": "server_error"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -13,6 +13,7 @@ from ..engine.engine import Engine
 from ..engine.figures import request_figures
 from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason, Request
 from ..engine.sampler import SamplingParams, TokenLogprobs
+from .body import APIError
 
 __all__ = ["Outbox", "embed", "end_streams", "until_disconnect"]
 
@@ -93,6 +94,8 @@ class Outbox:
             elif isinstance(ev, Done):
                 return "".join(parts), ev
             elif isinstance(ev, Failed):
+                if ev.unavailable:  # another rank of the model is gone: the client may try again later
+                    raise APIError(ev.message, kind="unavailable")
                 raise RuntimeError(ev.message)
         raise RuntimeError("the engine ended the request without a final event")
 

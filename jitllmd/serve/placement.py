@@ -9,7 +9,6 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from ..engine.catalog import Catalog, ServedModel
-from ..engine.devices import parse_devices
 from ..engine.placement import HOST, layer_of
 from ..engine.relocation import Move, Relocation, block_held
 from ..engine.sessions import Session
@@ -97,7 +96,7 @@ class Placement(PlacementService):
 
     async def set_placement(self, request: plc.SetPlacementRequest, ctx: Any) -> plc.SetPlacementResponse:
         served, session = self._target(request.session_id, request.model)
-        devices = parse_devices(request.devices)  # the grammar; an unknown device is a ValueError naming what exists
+        devices = self.catalog.parse_devices(request.devices)  # the grammar; an unknown device is a ValueError naming what exists
         gpu_layers = request.gpu_layers if request.HasField("gpu_layers") else -1
         if gpu_layers < -1:
             raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {gpu_layers}")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Device(_message.Message):
-    __slots__ = ("id", "kind", "name", "total_bytes", "free_bytes", "spendable_bytes", "opened", "budget_bytes", "held_bytes")
+    __slots__ = ("id", "kind", "name", "total_bytes", "free_bytes", "spendable_bytes", "opened", "budget_bytes", "held_bytes", "rank", "host", "reachable")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,9 @@ class Device(_message.Message):
     OPENED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     name: str
@@ -26,7 +29,10 @@ class Device(_message.Message):
     opened: bool
     budget_bytes: int
     held_bytes: int
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., spendable_bytes: _Optional[int] = ..., opened: _Optional[bool] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    rank: int
+    host: str
+    reachable: bool
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., spendable_bytes: _Optional[int] = ..., opened: _Optional[bool] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class HostMemory(_message.Message):
     __slots__ = ("total_bytes", "available_bytes", "page_budget_bytes", "num_cpus", "cpu_name", "kernels")

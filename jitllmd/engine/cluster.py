@@ -1,0 +1,342 @@
+"""Several hosts as one server, through torch.distributed: rank 0 (the server) holds a TCPStore at the -cluster
+address; each other rank (`jitllmd worker`) joins it and gets a gloo pair group with rank 0, over which rank 0 sends
+it commands (open a model, hold blocks, run them on a hidden state, carry KV) and it answers each in turn.
+
+A pair group per worker, not one world group: a worker that dies takes only its own link down, and a restarted one
+joins again (a new generation of its rank) while the server and the other ranks go on. Every wait has a timeout: a
+rank that stops answering fails the call that waits on it (RankError) and its link stays down until it rejoins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Cluster", "ClusterAddress", "Link", "RankError", "RemoteError", "cluster_address", "join_store", "recv_message", "send_message"]
+
+log = logging.getLogger("jitllmd.cluster")
+_PREFIX = "jitllmd"
+_POLL_S = 0.2  # how often rank 0 looks for a rank that (re)joins
+_PING_S = 2.0  # how often an idle link is asked for its devices' memory (and so found dead)
+_ALIGN = 16  # each tensor of a message starts at a multiple of this many bytes (any dtype's view of it is aligned)
+FOREVER = timedelta(days=3650)  # a worker waits this long for rank 0's next command (rank 0 going away ends it at once)
+
+
+class RankError(RuntimeError):
+    """A rank died or stopped answering: what waited on it fails (a 503 to clients), never hangs."""
+
+
+class RemoteError(ValueError):
+    """A rank answered, with an error: the command was wrong for it (a model file it lacks, say)."""
+
+
+@dataclass(frozen=True)
+class ClusterAddress:
+    host: str
+    port: int
+    agent_store: bool = False  # torchrun's agent hosts the store: every rank, rank 0 too, connects to it
+
+
+def cluster_address(url: str) -> ClusterAddress:
+    """`tcp://HOST:PORT` (as torch.distributed's init_method), or `env://`: torch's MASTER_ADDR and MASTER_PORT (as
+    torchrun sets them). ValueError says what is wrong."""
+    if url == "env://":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port or not port.isdigit():
+            raise ValueError("-cluster env:// needs MASTER_ADDR and MASTER_PORT in the environment (torchrun sets them)")
+        return ClusterAddress(host, int(port), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    parsed = urlparse(url)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"-cluster {url}: give tcp://HOST:PORT (rank 0's address) or env:// (torchrun's MASTER_ADDR and MASTER_PORT)")
+    return ClusterAddress(parsed.hostname, parsed.port)
+
+
+def join_store(address: ClusterAddress, *, master: bool, timeout: float) -> dist.TCPStore:
+    """The cluster's TCPStore: served by rank 0 (unless torchrun's agent serves it), joined by the others, which retry
+    until `timeout` while rank 0 is not up yet."""
+    hosting = master and not address.agent_store
+    try:
+        return dist.TCPStore(address.host, address.port, None, hosting, timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True)
+    except (RuntimeError, dist.DistError) as exc:
+        what = f"cannot listen on {address.host}:{address.port}" if hosting else f"cannot reach rank 0's store at {address.host}:{address.port} within {timeout:g} s"
+        raise ValueError(f"-cluster: {what}: {_first_line(exc)}") from None
+
+
+# -- the wire: a message is a header [payload bytes] and a payload (a JSON document, then its tensors' bytes) ------------
+
+
+def send_message(pg: Any, peer: int, doc: dict[str, Any], tensors: list[torch.Tensor] = (), timeout: timedelta | None = None) -> None:  # type: ignore[assignment]
+    """One message to `peer`: `doc` (JSON) and `tensors` (any dtype, any device: sent from host memory)."""
+    parts: list[torch.Tensor] = []
+    specs = []
+    offset = 0
+    for t in tensors:
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        specs.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        parts.append(flat)
+        pad = -flat.numel() % _ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+        offset += flat.numel() + pad
+    head = json.dumps({**doc, "tensors": specs}, separators=(",", ":")).encode()
+    lead = len(head) + 4
+    lead += -lead % _ALIGN
+    prefix = torch.zeros(lead, dtype=torch.uint8)
+    prefix[:4] = torch.frombuffer(bytearray(struct.pack("<I", len(head))), dtype=torch.uint8)
+    prefix[4 : 4 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    payload = torch.cat([prefix, *parts]) if parts else prefix
+    _wait(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], peer, 0), timeout)
+    _wait(pg.send([payload], peer, 1), timeout)
+
+
+def recv_message(pg: Any, peer: int, timeout: timedelta | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The next message from `peer`: its JSON document and its tensors (on the CPU)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait(pg.recv([size], peer, 0), timeout)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(pg.recv([payload], peer, 1), timeout)
+    (n,) = struct.unpack("<I", payload[:4].numpy().tobytes())
+    doc = json.loads(payload[4 : 4 + n].numpy().tobytes())
+    lead = n + 4
+    lead += -lead % _ALIGN
+    out = []
+    for dtype_name, shape, offset in doc.pop("tensors"):
+        dtype = getattr(torch, dtype_name)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(payload[lead + offset : lead + offset + nbytes].view(dtype).view(shape))
+    return doc, out
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error of gloo or the store in one line: its message without gloo's source location and advice."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = text.split("] ", 1)[-1] if text.startswith("[") else text  # gloo's "[file:line] message"
+    return text.split(". This is typically", 1)[0]
+
+
+# -- rank 0's side ----------------------------------------------------------------------------------------------------
+
+
+class Link:
+    """Rank 0's pair group with one worker: one call at a time (a command and its answer); any failure ends it."""
+
+    def __init__(self, rank: int, generation: int, pg: Any, hello: dict[str, Any], timeout: float):
+        self.rank = rank
+        self.generation = generation
+        self.pg = pg
+        self.host = str(hello.get("host", "?"))
+        self.pid = int(hello.get("pid", 0))
+        self.devices: list[dict[str, Any]] = list(hello.get("devices", []))  # what the worker has: id, kind, name, total, free
+        self.timeout = timeout
+        self.error: str | None = None
+        self.lock = threading.Lock()
+        self.last_answer = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def call(self, op: str, doc: dict[str, Any] | None = None, tensors: list[torch.Tensor] = (), timeout: float | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:  # type: ignore[assignment]
+        """Send a command, wait for its answer (at most `timeout` s, default the cluster's). RankError if the rank is
+        gone or does not answer in time (the link is then down); RemoteError if it answered with an error."""
+        wait = timedelta(seconds=timeout if timeout is not None else self.timeout)
+        with self.lock:
+            if self.error is not None:
+                raise RankError(f"rank {self.rank} ({self.host}) is unreachable: {self.error}")
+            try:
+                send_message(self.pg, 1, {"op": op, **(doc or {})}, list(tensors), wait)
+                answer, out = recv_message(self.pg, 1, wait)
+            except (RuntimeError, dist.DistError) as exc:
+                self.error = _first_line(exc)
+                log.warning("rank %d (%s) is unreachable: %s", self.rank, self.host, self.error)
+                raise RankError(f"rank {self.rank} ({self.host}) is unreachable: {self.error}") from None
+            self.last_answer = time.monotonic()
+        if "error" in answer:
+            raise RemoteError(f"rank {self.rank}: {answer['error']}")
+        return answer, out
+
+    def ping(self) -> None:
+        """Refresh the devices' memory figures, unless a call is under way (which says the rank answers)."""
+        if not self.alive or not self.lock.acquire(blocking=False):
+            return
+        self.lock.release()
+        try:
+            answer, _ = self.call("info", timeout=min(self.timeout, 10.0))
+            self.devices = answer["devices"]
+        except (RankError, RemoteError):
+            pass
+
+    def close(self, why: str = "closed") -> None:
+        """End the link: a live worker is told to stop (a worker whose rank rejoined, or that is gone, is not)."""
+        if self.alive:
+            try:
+                self.call("bye", timeout=min(self.timeout, 5.0))
+            except (RankError, RemoteError):
+                pass
+        self.error = self.error or why
+        try:
+            self.pg.abort()
+        except Exception:  # already broken: nothing more to let go of
+            pass
+
+
+class Cluster:
+    """Rank 0's view of the cluster: the store, and a link to each worker rank that joined (kept up to date: a rank
+    that comes back replaces its old link)."""
+
+    def __init__(self, url: str, world: int, timeout: float = 30.0, join_timeout: float = 60.0):
+        if world < 2:
+            raise ValueError(f"-world {world}: a cluster has rank 0 and at least one worker (give 2 or more)")
+        if timeout <= 0 or join_timeout <= 0:
+            raise ValueError("-cluster-timeout must be a positive number of seconds")
+        self.url = url
+        self.world = world
+        self.timeout = timeout
+        self.address = cluster_address(url)
+        self.store = join_store(self.address, master=True, timeout=join_timeout)
+        self.store.set(f"{_PREFIX}/world", str(world))
+        self.links: dict[int, Link] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._accept, args=(r,), name=f"cluster-accept-{r}", daemon=True) for r in range(1, world)]
+        self._threads.append(threading.Thread(target=self._watch, name="cluster-ping", daemon=True))
+        for t in self._threads:
+            t.start()
+        self._wait_for_all(join_timeout)
+
+    def _wait_for_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self.links) < self.world - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [str(r) for r in range(1, self.world) if r not in self.links]
+                    self.close()
+                    ranks = "rank " + missing[0] if len(missing) == 1 else "ranks " + ", ".join(missing)
+                    raise ValueError(f"-cluster {self.url}: {ranks} did not join within {timeout:g} s (start `jitllmd worker -cluster {self.url} "
+                                     f"-rank {missing[0]}` on its host, with the same -models)")
+                self._changed.wait(min(left, 0.5))
+
+    def _accept(self, rank: int) -> None:
+        """Wait for `rank` to join (again): a worker takes the next generation of its rank, says hello, and both sides
+        build their pair group under that generation's prefix."""
+        seen = 0
+        while not self._closed:
+            try:
+                generation = int(self.store.add(f"{_PREFIX}/{rank}/gen", 0))
+            except (RuntimeError, dist.DistError):
+                return  # the store is gone: the server is stopping
+            if generation <= seen:
+                time.sleep(_POLL_S)
+                continue
+            seen = generation
+            try:
+                self.store.wait([f"{_PREFIX}/{rank}/hello/{generation}"], timedelta(seconds=self.timeout))
+                hello = json.loads(self.store.get(f"{_PREFIX}/{rank}/hello/{generation}"))
+                prefixed = dist.PrefixStore(f"{_PREFIX}/{rank}/{generation}/", self.store)
+                pg = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=self.timeout))
+            except (RuntimeError, dist.DistError, ValueError) as exc:
+                log.warning("rank %d (generation %d) did not finish joining: %s", rank, generation, _first_line(exc))
+                continue
+            link = Link(rank, generation, pg, hello, self.timeout)
+            with self._changed:
+                old = self.links.get(rank)
+                self.links[rank] = link
+                self._changed.notify_all()
+            if old is not None:
+                old.error = old.error or "it joined again as a new process: load the model again to use it"
+                old.close()
+            log.info("rank %d joined from %s (pid %d): %s", rank, link.host, link.pid, ", ".join(f"{rank}:{d['id']}" for d in link.devices))
+
+    def _watch(self) -> None:
+        while not self._closed:
+            time.sleep(_PING_S)
+            for link in list(self.links.values()):
+                link.ping()
+
+    def link(self, rank: int) -> Link:
+        """The current link to `rank` (RankError if it never joined or is down)."""
+        link = self.links.get(rank)
+        if link is None:
+            raise RankError(f"rank {rank} has not joined the cluster")
+        if not link.alive:
+            raise RankError(f"rank {rank} ({link.host}) is unreachable: {link.error}")
+        return link
+
+    def devices(self) -> list[str]:
+        """Every remote device a spec may name: `R:ID` for each device of each rank that joined, live or not."""
+        return [f"{r}:{d['id']}" for r, link in sorted(self.links.items()) for d in link.devices]
+
+    def device(self, place: str) -> tuple[Link, dict[str, Any]]:
+        """The link and the last known figures of a remote device `R:ID`."""
+        rank, local = split_place(place)
+        link = self.links.get(rank)
+        if link is None:
+            raise RankError(f"rank {rank} has not joined the cluster")
+        for d in link.devices:
+            if d["id"] == local:
+                return link, d
+        raise ValueError(f"rank {rank} has no device {local!r} (it has {', '.join(d['id'] for d in link.devices)})")
+
+    def close(self) -> None:
+        """Let every link go (the workers see rank 0 leave and stop)."""
+        self._closed = True
+        for link in list(self.links.values()):
+            link.close()
+
+
+def split_place(place: str) -> tuple[int, str]:
+    """`1:cuda:0` -> (1, 'cuda:0'); a local place -> (0, place)."""
+    head, sep, rest = place.partition(":")
+    if sep and head.isdigit():
+        return int(head), rest
+    return 0, place
+
+
+def hello_info(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "devices": devices}
+
+
+def worker_link(url: str, rank: int, timeout: float, on_joined: Callable[[int], None] | None = None) -> tuple[Any, int, dist.TCPStore]:
+    """A worker's side of joining: the store (rank 0's, retried until `timeout`), the world it announced (the rank must
+    be in it), a new generation of this rank, hello, and the pair group with rank 0. -> (pair group, generation, store)."""
+    from .devices import local_device_figures
+
+    address = cluster_address(url)
+    store = join_store(address, master=False, timeout=timeout)
+    try:
+        store.wait([f"{_PREFIX}/world"], timedelta(seconds=timeout))
+        world = int(store.get(f"{_PREFIX}/world"))
+    except (RuntimeError, dist.DistError) as exc:
+        raise ValueError(f"-cluster {url}: rank 0 did not announce the cluster within {timeout:g} s: {_first_line(exc)}") from None
+    if not 1 <= rank < world:
+        raise ValueError(f"-rank {rank}: the cluster at {url} has ranks 1..{world - 1} for workers (rank 0 is the server; -world {world})")
+    generation = int(store.add(f"{_PREFIX}/{rank}/gen", 1))
+    store.set(f"{_PREFIX}/{rank}/hello/{generation}", json.dumps(hello_info(local_device_figures())))
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}/{rank}/{generation}/", store), 1, 2, timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        raise ValueError(f"-cluster {url}: rank 0 did not take rank {rank} within {timeout:g} s: {_first_line(exc)}") from None
+    if on_joined is not None:
+        on_joined(generation)
+    return pg, generation, store
