@@ -18,7 +18,10 @@ def devices(
     api_key: ApiKey = None,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the answer as one JSON object.")] = False,
 ) -> None:
-    """List the devices a running server can place blocks on, with total, free and spendable memory, and the host's memory."""
+    """List the devices a running server can place blocks on, with total, free and spendable memory, and the host's memory.
+
+    In a cluster (serve -cluster), other ranks' devices come with their rank first (1:cpu) and their host.
+    """
     client = connect(addr, api_key)
 
     from connectrpc.errors import ConnectError
@@ -34,15 +37,19 @@ def devices(
     if as_json:
         print(json.dumps(to_dict(resp)))
         return
+    cluster = any(d.rank for d in resp.devices)  # other ranks' devices: which host each is on, and whether it answers
     table = Table(box=None, pad_edge=False)
     table.add_column("id", no_wrap=True)
+    if cluster:
+        table.add_column("host")
     table.add_column("kind")
     table.add_column("name")
     for name in ("total GB", "free GB", "spendable GB"):
         table.add_column(name, justify="right")
     table.add_column("opened")
     for d in resp.devices:
-        cells = (d.id, d.kind, d.name, _gb(d.total_bytes), _gb(d.free_bytes), _gb(d.spendable_bytes), "yes" if d.opened else "no")
+        where = (d.host or "this host") + ("" if d.reachable or not d.rank else " (unreachable)")
+        cells = (d.id, *([where] if cluster else []), d.kind, d.name, _gb(d.total_bytes), _gb(d.free_bytes), _gb(d.spendable_bytes), "yes" if d.opened else "no")
         table.add_row(*map(Text, cells))
     console.print(table)
     for d in resp.devices:
