@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-__all__ = ["Cluster", "ClusterAddress", "Link", "RankError", "RemoteError", "cluster_address", "join_store", "recv_message", "send_message"]
+__all__ = ["Channel", "Cluster", "ClusterAddress", "Link", "RankError", "RemoteError", "cluster_address", "join_store"]
 
 log = logging.getLogger("jitllmd.cluster")
 _PREFIX = "jitllmd"
@@ -75,49 +75,64 @@ def join_store(address: ClusterAddress, *, master: bool, timeout: float) -> dist
         raise ValueError(f"-cluster: {what}: {_first_line(exc)}") from None
 
 
-# -- the wire: a message is a header [payload bytes] and a payload (a JSON document, then its tensors' bytes) ------------
+# -- the wire: one message each way per command where it fits the receiver's buffer ---------------------------------
 
 
-def send_message(pg: Any, peer: int, doc: dict[str, Any], tensors: list[torch.Tensor] = (), timeout: timedelta | None = None) -> None:  # type: ignore[assignment]
-    """One message to `peer`: `doc` (JSON) and `tensors` (any dtype, any device: sent from host memory)."""
-    parts: list[torch.Tensor] = []
-    specs = []
-    offset = 0
-    for t in tensors:
-        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        specs.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-        parts.append(flat)
-        pad = -flat.numel() % _ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += flat.numel() + pad
-    head = json.dumps({**doc, "tensors": specs}, separators=(",", ":")).encode()
-    lead = len(head) + 4
-    lead += -lead % _ALIGN
-    prefix = torch.zeros(lead, dtype=torch.uint8)
-    prefix[:4] = torch.frombuffer(bytearray(struct.pack("<I", len(head))), dtype=torch.uint8)
-    prefix[4 : 4 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    payload = torch.cat([prefix, *parts]) if parts else prefix
-    _wait(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], peer, 0), timeout)
-    _wait(pg.send([payload], peer, 1), timeout)
+class Channel:
+    """One side of a pair group, to `peer`: a message is a JSON document and tensors, sent as one byte buffer
+    ([total bytes, JSON bytes], the JSON, each tensor's bytes at a multiple of _ALIGN). The receiver posts one buffer of
+    `INBOX` bytes (gloo takes a shorter message into a longer buffer); a longer message sends its rest after it."""
+
+    INBOX = 1 << 20
+
+    def __init__(self, pg: Any, peer: int):
+        self.pg = pg
+        self.peer = peer
+        self._inbox = torch.empty(self.INBOX, dtype=torch.uint8)
+
+    def send(self, doc: dict[str, Any], tensors: list[torch.Tensor] = (), timeout: timedelta | None = None) -> None:  # type: ignore[assignment]
+        """One message: `doc` and `tensors` (any dtype, any device: sent from host memory)."""
+        flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        specs, offset = [], 0
+        for t, f in zip(tensors, flat):
+            specs.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+            offset += _aligned(f.numel())
+        head = json.dumps({**doc, "tensors": specs}, separators=(",", ":")).encode()
+        lead = _aligned(12 + len(head))
+        total = lead + offset
+        buf = torch.empty(total, dtype=torch.uint8)
+        view = buf.numpy()
+        view[:12] = memoryview(struct.pack("<QI", total, len(head)))
+        view[12 : 12 + len(head)] = memoryview(head)
+        at = lead
+        for f in flat:
+            buf[at : at + f.numel()] = f
+            at += _aligned(f.numel())
+        _wait(self.pg.send([buf[: self.INBOX]], self.peer, 0), timeout)
+        if total > self.INBOX:
+            _wait(self.pg.send([buf[self.INBOX :]], self.peer, 1), timeout)
+
+    def recv(self, timeout: timedelta | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The next message: its JSON document and its tensors (on the CPU, their own memory)."""
+        _wait(self.pg.recv([self._inbox], self.peer, 0), timeout)
+        total, n = struct.unpack("<QI", self._inbox[:12].numpy().tobytes())
+        payload = self._inbox
+        if total > self.INBOX:
+            rest = torch.empty(total - self.INBOX, dtype=torch.uint8)
+            _wait(self.pg.recv([rest], self.peer, 1), timeout)
+            payload = torch.cat([self._inbox, rest])
+        doc = json.loads(payload[12 : 12 + n].numpy().tobytes())
+        lead = _aligned(12 + n)
+        out = []
+        for dtype_name, shape, offset in doc.pop("tensors"):
+            dtype = getattr(torch, dtype_name)
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            out.append(payload[lead + offset : lead + offset + nbytes].view(dtype).view(shape).clone())  # the inbox is reused
+        return doc, out
 
 
-def recv_message(pg: Any, peer: int, timeout: timedelta | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The next message from `peer`: its JSON document and its tensors (on the CPU)."""
-    size = torch.zeros(1, dtype=torch.int64)
-    _wait(pg.recv([size], peer, 0), timeout)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(pg.recv([payload], peer, 1), timeout)
-    (n,) = struct.unpack("<I", payload[:4].numpy().tobytes())
-    doc = json.loads(payload[4 : 4 + n].numpy().tobytes())
-    lead = n + 4
-    lead += -lead % _ALIGN
-    out = []
-    for dtype_name, shape, offset in doc.pop("tensors"):
-        dtype = getattr(torch, dtype_name)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append(payload[lead + offset : lead + offset + nbytes].view(dtype).view(shape))
-    return doc, out
+def _aligned(n: int) -> int:
+    return n + (-n % _ALIGN)
 
 
 def _wait(work: Any, timeout: timedelta | None) -> None:
@@ -144,6 +159,7 @@ class Link:
         self.rank = rank
         self.generation = generation
         self.pg = pg
+        self.channel = Channel(pg, 1)
         self.host = str(hello.get("host", "?"))
         self.pid = int(hello.get("pid", 0))
         self.devices: list[dict[str, Any]] = list(hello.get("devices", []))  # what the worker has: id, kind, name, total, free
@@ -164,8 +180,8 @@ class Link:
             if self.error is not None:
                 raise RankError(f"rank {self.rank} ({self.host}) is unreachable: {self.error}")
             try:
-                send_message(self.pg, 1, {"op": op, **(doc or {})}, list(tensors), wait)
-                answer, out = recv_message(self.pg, 1, wait)
+                self.channel.send({"op": op, **(doc or {})}, list(tensors), wait)
+                answer, out = self.channel.recv(wait)
             except (RuntimeError, dist.DistError) as exc:
                 self.error = _first_line(exc)
                 log.warning("rank %d (%s) is unreachable: %s", self.rank, self.host, self.error)

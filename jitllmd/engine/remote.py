@@ -8,7 +8,9 @@ import hashlib
 import itertools
 import json
 import threading
+import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +32,25 @@ def fingerprint(jlm: JLMFile) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
+@dataclass
+class SeamFigures:
+    """What the calls over one host seam cost: how many, their time there and back, the part the rank computed, and
+    the hidden-state bytes each way (bench/pipeline.py reads them)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    compute_seconds: float = 0.0
+    bytes_out: int = 0
+    bytes_back: int = 0
+
+    def crossed(self, seconds: float, compute: float, out: int, back: int) -> None:
+        self.calls += 1
+        self.seconds += seconds
+        self.compute_seconds += compute
+        self.bytes_out += out
+        self.bytes_back += back
+
+
 class RemoteModel:
     """One loaded model's blocks on one other rank. Only the model's engine thread calls it (the link serializes it
     with other models' calls to that rank); `forget` may run on any thread (a session KV collected)."""
@@ -40,6 +61,7 @@ class RemoteModel:
         self._forgotten: list[int] = []
         self._lock = threading.Lock()
         self._known: set[int] = set()  # KV keys the rank may hold layers of
+        self.seam = SeamFigures()
 
     @classmethod
     def open(cls, link: Link, path: str, source: str | None, jlm: JLMFile, dtype: torch.dtype, kv_dtype: torch.dtype) -> RemoteModel:
@@ -69,7 +91,9 @@ class RemoteModel:
             self._note(r.kv)
             spec.append([r.kv.key, r.start, r.num_tokens, r.kv.length, r.prompt, r.kv.capacity])
         doc = {"model": self.handle, "first": first, "last": last, "rows": spec, "keep": keep, "free": self._take_forgotten()}
-        _, (out,) = self.link.call("run", doc, [x, positions])
+        t0 = time.perf_counter()
+        answer, (out,) = self.link.call("run", doc, [x, positions])
+        self.seam.crossed(time.perf_counter() - t0, float(answer.get("seconds", 0.0)), x.nbytes + positions.nbytes, out.nbytes)
         return out
 
     def put_kv(self, kv: SessionKV, layer: int, filled: tuple[torch.Tensor, torch.Tensor], device: str) -> None:

@@ -5,13 +5,14 @@ Commands come one at a time over the pair group with rank 0 (engine/cluster.py);
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .cluster import FOREVER, _first_line, recv_message, send_message
+from .cluster import FOREVER, Channel, _first_line
 from .devices import local_device_figures, release_host_memory
 from .jlm import JLMFile
 from .kv import META, RowSpan, SessionKV
@@ -63,10 +64,11 @@ class Worker:
 
     def serve(self, pg: Any) -> str:
         """Answer commands one at a time. -> why it stopped (rank 0 left, or stopped answering)."""
+        channel = Channel(pg, 0)
         try:
             while True:
                 try:
-                    doc, tensors = recv_message(pg, 0, FOREVER)
+                    doc, tensors = channel.recv(FOREVER)
                 except RuntimeError as exc:
                     return _first_line(exc)
                 try:
@@ -78,7 +80,7 @@ class Worker:
                     answer, out = {"error": _first_line(exc) if isinstance(exc, (ValueError, OSError)) else f"internal error: {type(exc).__name__}: {exc}"}, []
                 self.commands += 1
                 try:
-                    send_message(pg, 0, answer, out, timedelta(seconds=self.timeout))
+                    channel.send(answer, out, timedelta(seconds=self.timeout))
                 except RuntimeError as exc:
                     return _first_line(exc)
                 if doc.get("op") == "bye":
@@ -108,7 +110,9 @@ class Worker:
             release_host_memory()
             return {}, []
         if op == "run":
-            return {}, [self._run(m, doc, tensors[0], tensors[1])]
+            t0 = time.perf_counter()
+            out = self._run(m, doc, tensors[0], tensors[1])
+            return {"seconds": time.perf_counter() - t0}, [out]  # the compute: rank 0 tells the seam's cost from it
         if op == "kv_put":
             kv = m.kv(doc["key"], doc["capacity"])
             length, layer = int(doc["length"]), int(doc["layer"])
