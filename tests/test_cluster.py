@@ -337,8 +337,23 @@ def test_kv_of_a_layer_comes_back_exactly(models_dir: Path, cluster: Cluster) ->
         engine.stop()
 
 
+_ECHO = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from jitllmd.engine.cluster import Channel
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True)
+channel = Channel(dist.ProcessGroupGloo(dist.PrefixStore("t/", store), 1, 2, timedelta(seconds=60)), 0)
+while True:
+    doc, tensors = channel.recv()
+    channel.send(doc, tensors)
+    if doc.get("op") == "stop":
+        break
+"""
+
+
 def test_channel_carries_any_dtype_and_long_messages() -> None:
-    """The wire format over a real gloo pair (two threads here): a message shorter than the inbox in one piece, a
+    """The wire format over a real gloo pair with an echoing process: a message shorter than the inbox in one piece, a
     longer one (a KV move) in two; every dtype the engine sends, bit for bit."""
     from datetime import timedelta
 
@@ -346,30 +361,18 @@ def test_channel_carries_any_dtype_and_long_messages() -> None:
 
     from jitllmd.engine.cluster import Channel
 
-    store = dist.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=30), wait_for_workers=False, multi_tenant=True)
-    groups: dict[int, object] = {}
-
-    def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t/", store), rank, 2, timedelta(seconds=30))
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    a, b = Channel(groups[0], 1), Channel(groups[1], 0)
-    tensors = [torch.randn(3, 5), torch.randn(2, 7).bfloat16(), torch.randn(4).half(), torch.arange(9), torch.randn(2, Channel.INBOX // 4 + 3)]
-    for sent in (tensors[:4], tensors):  # one piece, then past the inbox
-        box: dict[str, tuple] = {}
-        reader = threading.Thread(target=lambda: box.setdefault("got", b.recv()))  # a send completes once the peer takes it
-        reader.start()
-        a.send({"op": "x", "n": len(sent)}, sent)
-        reader.join()
-        doc, got = box["got"]
-        assert doc == {"op": "x", "n": len(sent)}
-        assert all(g.dtype == s.dtype and torch.equal(g, s) for g, s in zip(got, sent)) and len(got) == len(sent)
-    reader = threading.Thread(target=lambda: box.setdefault("empty", a.recv()))
-    reader.start()
-    b.send({"empty": True})
-    reader.join()
-    assert box["empty"] == ({"empty": True}, [])
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True)
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(port)])
+    try:
+        a = Channel(dist.ProcessGroupGloo(dist.PrefixStore("t/", store), 0, 2, timedelta(seconds=60)), 1)
+        tensors = [torch.randn(3, 5), torch.randn(2, 7).bfloat16(), torch.randn(4).half(), torch.arange(9), torch.randn(2, Channel.INBOX // 4 + 3)]
+        for sent in (tensors[:4], tensors, []):  # one piece, past the inbox, none
+            a.send({"op": "x", "n": len(sent)}, sent)
+            doc, got = a.recv()
+            assert doc == {"op": "x", "n": len(sent)} and len(got) == len(sent)
+            assert all(g.dtype == s.dtype and torch.equal(g, s) for g, s in zip(got, sent))
+        a.send({"op": "stop"})
+        a.recv()
+    finally:
+        assert echo.wait(60) == 0

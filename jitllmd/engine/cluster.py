@@ -234,8 +234,8 @@ class Cluster:
         self.links: dict[int, Link] = {}
         self._changed = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._accept, args=(r,), name=f"cluster-accept-{r}", daemon=True) for r in range(1, world)]
-        self._threads.append(threading.Thread(target=self._watch, name="cluster-ping", daemon=True))
+        self._threads = [threading.Thread(target=self._accept, name="cluster-accept", daemon=True),
+                         threading.Thread(target=self._watch, name="cluster-ping", daemon=True)]
         for t in self._threads:
             t.start()
         self._wait_for_all(join_timeout)
@@ -253,36 +253,43 @@ class Cluster:
                                      f"-rank {missing[0]}` on its host, with the same -models)")
                 self._changed.wait(min(left, 0.5))
 
-    def _accept(self, rank: int) -> None:
-        """Wait for `rank` to join (again): a worker takes the next generation of its rank, says hello, and both sides
-        build their pair group under that generation's prefix."""
-        seen = 0
+    def _accept(self) -> None:
+        """Wait for ranks to join (again): a worker takes the next generation of its rank, says hello, and both sides
+        build their pair group under that generation's prefix. One thread for every rank: the store's client is one
+        connection, and a wait on it holds it."""
+        seen = dict.fromkeys(range(1, self.world), 0)
         while not self._closed:
-            try:
-                generation = int(self.store.add(f"{_PREFIX}/{rank}/gen", 0))
-            except (RuntimeError, dist.DistError):
-                return  # the store is gone: the server is stopping
-            if generation <= seen:
+            joined = False
+            for rank in seen:
+                try:
+                    generation = int(self.store.add(f"{_PREFIX}/{rank}/gen", 0))
+                except (RuntimeError, dist.DistError):
+                    return  # the store is gone: the server is stopping
+                if generation > seen[rank]:
+                    seen[rank] = generation
+                    self._join(rank, generation)
+                    joined = True
+            if not joined:
                 time.sleep(_POLL_S)
-                continue
-            seen = generation
-            try:
-                self.store.wait([f"{_PREFIX}/{rank}/hello/{generation}"], timedelta(seconds=self.timeout))
-                hello = json.loads(self.store.get(f"{_PREFIX}/{rank}/hello/{generation}"))
-                prefixed = dist.PrefixStore(f"{_PREFIX}/{rank}/{generation}/", self.store)
-                pg = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=self.timeout))
-            except (RuntimeError, dist.DistError, ValueError) as exc:
-                log.warning("rank %d (generation %d) did not finish joining: %s", rank, generation, _first_line(exc))
-                continue
-            link = Link(rank, generation, pg, hello, self.timeout)
-            with self._changed:
-                old = self.links.get(rank)
-                self.links[rank] = link
-                self._changed.notify_all()
-            if old is not None:
-                old.error = old.error or "it joined again as a new process: load the model again to use it"
-                old.close()
-            log.info("rank %d joined from %s (pid %d): %s", rank, link.host, link.pid, ", ".join(f"{rank}:{d['id']}" for d in link.devices))
+
+    def _join(self, rank: int, generation: int) -> None:
+        try:
+            self.store.wait([f"{_PREFIX}/{rank}/hello/{generation}"], timedelta(seconds=min(self.timeout, 10.0)))  # set just after gen
+            hello = json.loads(self.store.get(f"{_PREFIX}/{rank}/hello/{generation}"))
+            prefixed = dist.PrefixStore(f"{_PREFIX}/{rank}/{generation}/", self.store)
+            pg = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=self.timeout))
+        except (RuntimeError, dist.DistError, ValueError) as exc:
+            log.warning("rank %d (generation %d) did not finish joining: %s", rank, generation, _first_line(exc))
+            return
+        link = Link(rank, generation, pg, hello, self.timeout)
+        with self._changed:
+            old = self.links.get(rank)
+            self.links[rank] = link
+            self._changed.notify_all()
+        if old is not None:
+            old.error = old.error or "it joined again as a new process: load the model again to use it"
+            old.close()
+        log.info("rank %d joined from %s (pid %d): %s", rank, link.host, link.pid, ", ".join(f"{rank}:{d['id']}" for d in link.devices))
 
     def _watch(self) -> None:
         while not self._closed:
