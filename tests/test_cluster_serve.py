@@ -107,6 +107,12 @@ def test_blocks_cross_to_rank_1_and_the_conversation_goes_on(cluster) -> None:
         assert say(sid, f"turn {turn}") == say(ref, f"turn {turn}")
         ok("place", "-session", sid, "-move", move[0], "-to", move[1], "-addr", addr)
     assert say(sid, "last") == say(ref, "last")
+    # SetPlacement over the other rank alone: its layers go there, embed and head stay on rank 0 (on the host)
+    ok("place", "-session", sid, "-devices", "1:cpu", "-addr", addr)
+    assert places(addr, "tiny") == ["host", "1:cpu", "1:cpu", "1:cpu", "1:cpu", "host"]
+    assert say(sid, "again") == say(ref, "again")
+    ok("place", "-session", sid, "-devices", "cpu", "-addr", addr)
+    assert places(addr, "tiny") == ["cpu"] * 6
 
 
 def test_layers_only_go_to_another_rank(cluster) -> None:
@@ -165,10 +171,16 @@ def test_a_worker_that_dies_fails_its_model_only(models: Path, fault: str) -> No
         first = reply(server.url, "local", "Hello there")
         ok("place", "-model", "tiny", "-move", "1:4", "-to", "1:cpu", "-addr", addr)
 
+        during: dict[str, object] = {}
+
         def hit() -> None:
             worker.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            # while tiny's engine waits on rank 1 (up to -cluster-timeout when it is stopped), the server answers
+            during["healthz"] = httpx.get(server.url + "/healthz", timeout=30).status_code
+            during["local"] = reply(server.url, "local", "Hello there")
 
         events, seconds = _stream_until_broken(server.url, "tiny", hit)
+        assert during == {"healthz": 200, "local": first}
         assert "error" in events[-1] and "rank 1" in events[-1]["error"]["message"], events[-1]
         assert seconds < 4 * TIMEOUT + 30  # bounded by -cluster-timeout, not a hang (a generous bound: a busy machine)
         assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
