@@ -158,7 +158,7 @@ def test_plan_keeps_embed_and_head_on_rank_0() -> None:
 
 def test_a_rank_that_never_joins_is_named() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    with pytest.raises(ValueError, match=r"rank 1 did not join within 1 s \(start `jitllmd worker -cluster tcp://127\.0\.0\.1:\d+ -rank 1`"):
+    with pytest.raises(ValueError, match=r"rank 1 did not join within 1 s of -join-timeout \(start `jitllmd worker -cluster tcp://127\.0\.0\.1:\d+ -rank 1`"):
         Cluster(url, 2, timeout=1.0, join_timeout=1.0)
 
 

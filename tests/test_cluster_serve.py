@@ -211,7 +211,7 @@ def test_a_worker_that_dies_fails_its_model_only(models: Path, fault: str) -> No
 
 def test_serve_names_the_rank_that_never_joined(models: Path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    p = jitllmd("serve", "-addr", "127.0.0.1:0", "-models", str(models), "-load", "tiny.jlm", "-cluster", url, "-world", "2", "-cluster-timeout", "2")
+    p = jitllmd("serve", "-addr", "127.0.0.1:0", "-models", str(models), "-load", "tiny.jlm", "-cluster", url, "-world", "2", "-join-timeout", "2")
     assert p.returncode == 1
     assert "rank 1 did not join within 2 s" in p.stderr and "jitllmd worker -cluster" in p.stderr and "Traceback" not in p.stderr
     p = jitllmd("worker", "-cluster", url, "-rank", "0")

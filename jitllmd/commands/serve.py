@@ -38,7 +38,8 @@ def serve(
     relocate_horizon: Annotated[int, typer.Option("-relocate-horizon", "--relocate-horizon", metavar="TOKENS", help="With relocation: a host block comes back to a device when the time it saves a step, measured, repays its copy within this many tokens.")] = 256,
     cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Be rank 0 of a cluster: tcp://HOST:PORT, the address this server listens on for its workers (`jitllmd worker`), or env:// (torch's MASTER_ADDR and MASTER_PORT). Other ranks' devices are named with their rank first (1:cpu, 1:cuda:0). Default: env:// under torchrun (RANK and WORLD_SIZE set), else none.")] = None,
     world: Annotated[int | None, typer.Option("-world", "--world", metavar="N", show_default=False, help="Ranks in the cluster, this server included; it waits for ranks 1..N-1 to join at start-up. Default: WORLD_SIZE under torchrun.")] = None,
-    cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for each rank to join, and for a rank's answer: a rank that stops answering fails its models' requests (503) after this long.")] = 60.0,
+    cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for a rank's answer: a rank that stops answering fails its models' requests (503) after this long.")] = 60.0,
+    join_timeout: Annotated[float, typer.Option("-join-timeout", "--join-timeout", metavar="SECONDS", help="How long to wait at start-up for ranks 1..N-1 to join (a worker under torchrun: for rank 0 to come up).")] = 300.0,
 ) -> None:
     """Serve a model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) on one address.
 
@@ -55,7 +56,7 @@ def serve(
     if rank > 0:  # torchrun started this command on every rank: the others are workers
         from .worker import run_worker
 
-        run_worker(models, cluster_url or "env://", rank, cluster_timeout)
+        run_worker(models, cluster_url or "env://", rank, cluster_timeout, join_timeout)
         return
     try:
         host, port = parse_addr(addr)
@@ -113,8 +114,8 @@ def serve(
         if cluster_url is not None:
             from ..engine.cluster import Cluster
 
-            err_console.print(f"cluster {cluster_url}: waiting for ranks 1..{world_size - 1} to join (-cluster-timeout {cluster_timeout:g} s)", style="dim")
-            ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=cluster_timeout)
+            err_console.print(f"cluster {cluster_url}: waiting for ranks 1..{world_size - 1} to join (-join-timeout {join_timeout:g} s)", style="dim")
+            ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=join_timeout)
             for r, link in sorted(ranks.links.items()):
                 err_console.print(f"  rank {r}: {link.host} (pid {link.pid}): {', '.join(f'{r}:' + d['id'] for d in link.devices)}", style="dim")
         catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir(), ranks)

@@ -20,7 +20,8 @@ def worker(
     models: Annotated[Path | None, typer.Option("-models", "--models", help="Model directory: the same files at the same paths as rank 0's -models (a .gguf rank 0 converted is converted here too, into -models/.cache).", show_default=False)] = None,
     cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Rank 0's -cluster address, tcp://HOST:PORT, or env:// (torch's MASTER_ADDR and MASTER_PORT). Default: env:// under torchrun.")] = None,
     rank: Annotated[int | None, typer.Option("-rank", "--rank", metavar="N", show_default=False, help="This host's rank, 1..N-1 of rank 0's -world N; its devices are named N:cpu, N:cuda:0. Default: RANK under torchrun.")] = None,
-    cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to try to reach rank 0, and to wait for it to take an answer.")] = 60.0,
+    cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for rank 0 to take an answer.")] = 60.0,
+    join_timeout: Annotated[float, typer.Option("-join-timeout", "--join-timeout", metavar="SECONDS", help="How long to keep trying to reach rank 0 at start-up (it may come up after this worker).")] = 300.0,
 ) -> None:
     """Join a cluster as a worker rank: rank 0 places blocks on this host's devices and runs them here.
 
@@ -37,15 +38,15 @@ def worker(
         if not env_rank.isdigit():
             raise fail("give -rank N, this host's rank (1..N-1 of rank 0's -world N)")
         rank = int(env_rank)
-    run_worker(models, cluster, rank, cluster_timeout)
+    run_worker(models, cluster, rank, cluster_timeout, join_timeout)
 
 
-def run_worker(models: Path | None, cluster: str, rank: int, timeout: float) -> None:
+def run_worker(models: Path | None, cluster: str, rank: int, timeout: float, join_timeout: float = 300.0) -> None:
     """Join `cluster` as `rank` and answer rank 0 until it goes away (on a thread: Ctrl-C stops the wait at once)."""
     if rank < 1:
         raise fail(f"-rank {rank}: rank 0 is the server (`jitllmd serve -cluster`); a worker is rank 1 or more")
-    if timeout <= 0:
-        raise fail("-cluster-timeout must be a positive number of seconds")
+    if timeout <= 0 or join_timeout <= 0:
+        raise fail("-cluster-timeout and -join-timeout must be positive numbers of seconds")
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
     from ..embedded import cache_dir
@@ -57,7 +58,7 @@ def run_worker(models: Path | None, cluster: str, rank: int, timeout: float) -> 
     models_dir = models if models is not None else Path.cwd()
     err_console.print(f"rank {rank}: joining {cluster}", style="dim")
     try:
-        pg, generation, _store = worker_link(cluster, rank, timeout)
+        pg, generation, _store = worker_link(cluster, rank, join_timeout)
     except ValueError as exc:
         raise fail(str(exc)) from None
     err_console.print(f"rank {rank}: joined (generation {generation}); serving rank 0's blocks from {models_dir}", style="dim")

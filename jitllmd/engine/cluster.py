@@ -224,7 +224,7 @@ class Cluster:
         if world < 2:
             raise ValueError(f"-world {world}: a cluster has rank 0 and at least one worker (give 2 or more)")
         if timeout <= 0 or join_timeout <= 0:
-            raise ValueError("-cluster-timeout must be a positive number of seconds")
+            raise ValueError("-cluster-timeout and -join-timeout must be positive numbers of seconds")
         self.url = url
         self.world = world
         self.timeout = timeout
@@ -249,7 +249,7 @@ class Cluster:
                     missing = [str(r) for r in range(1, self.world) if r not in self.links]
                     self.close()
                     ranks = "rank " + missing[0] if len(missing) == 1 else "ranks " + ", ".join(missing)
-                    raise ValueError(f"-cluster {self.url}: {ranks} did not join within {timeout:g} s (start `jitllmd worker -cluster {self.url} "
+                    raise ValueError(f"-cluster {self.url}: {ranks} did not join within {timeout:g} s of -join-timeout (start `jitllmd worker -cluster {self.url} "
                                      f"-rank {missing[0]}` on its host, with the same -models)")
                 self._changed.wait(min(left, 0.5))
 
