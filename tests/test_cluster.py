@@ -5,7 +5,6 @@ sliding-window one past its window."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,10 @@ from jitllmd.engine.request import Delta, Done, Failed
 from jitllmd.engine.sampler import SamplingParams
 
 from .conftest import write_tiny_llama
+from .test_client_verbs import free_port
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = [[5, 6, 7, 8, 9], [12, 11, 10], [30, 31, 32, 33, 34, 35, 36], [40]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(models: Path, url: str, rank: int, timeout: float = 60.0) -> subprocess.Popen[str]:

@@ -17,10 +17,10 @@ import pytest
 
 from jitllmd.engine.jlm import JLMFile
 from tests.serving import Server, wait_for
-from tests.test_client_verbs import as_json, jitllmd, ok
+from tests.test_client_verbs import as_json, free_port, jitllmd, ok
 
 from .conftest import write_tiny_llama
-from .test_cluster import free_port, start_worker
+from .test_cluster import start_worker
 
 TIMEOUT = 5  # -cluster-timeout of these servers: how long a rank that stops answering is waited for
 
