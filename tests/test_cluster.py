@@ -370,3 +370,33 @@ def test_channel_carries_any_dtype_and_long_messages() -> None:
         a.recv()
     finally:
         assert echo.wait(60) == 0
+
+
+def test_a_gguf_is_converted_by_each_rank(tmp_path: Path) -> None:
+    """rank 0 loads a .gguf (converted into its -models/.cache); rank 1 has only the .gguf in its own -models, and
+    converts it there when it is asked for layers: the two conversions agree (the fingerprint), and so do the tokens."""
+    from jitllmd.engine.catalog import Catalog
+    from jitllmd.engine.config import EngineConfig
+
+    from .conftest import write_tiny_gguf
+
+    hf, model = write_tiny_llama(tmp_path / "hf", max_position_embeddings=512, num_hidden_layers=4)
+    mine, theirs = tmp_path / "models", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    write_tiny_gguf(mine / "tiny.gguf", hf, model, q8_0=True)
+    (theirs / "tiny.gguf").write_bytes((mine / "tiny.gguf").read_bytes())
+    url = f"tcp://127.0.0.1:{free_port()}"
+    worker = start_worker(theirs, url, 1)
+    c = Cluster(url, 2, timeout=60.0, join_timeout=120.0)
+    catalog = Catalog(mine, EngineConfig(devices="cpu,1:cpu", max_seq=256), mine / ".cache", c)
+    try:
+        engine = catalog.load("tiny.gguf", id="tiny").engine
+        want = generate(engine, PROMPTS[0])
+        engine.relocate(1, 4, "1:cpu").result()
+        assert generate(engine, PROMPTS[0]) == want
+        assert list((theirs / ".cache").glob("tiny-*.jlm"))  # rank 1's own conversion
+    finally:
+        catalog.stop()
+        c.close()
+        worker.wait(30)
