@@ -99,6 +99,10 @@ def serve(
     except OSError as exc:
         raise fail(str(exc) if isinstance(exc, FileNotFoundError) else f"cannot listen on {addr}: {exc.strerror or exc}") from None
 
+    if cluster_url is not None:
+        from .worker import quiet_c10d
+
+        quiet_c10d()
     from ..engine import kernels
     from ..engine.catalog import Catalog
     from ..engine.cluster import RankError

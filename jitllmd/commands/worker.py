@@ -13,7 +13,7 @@ import typer
 
 from ..console import err_console, fail
 
-__all__ = ["run_worker", "worker"]
+__all__ = ["quiet_c10d", "run_worker", "worker"]
 
 
 def worker(
@@ -41,6 +41,12 @@ def worker(
     run_worker(models, cluster, rank, cluster_timeout, join_timeout)
 
 
+def quiet_c10d() -> None:
+    """torch.distributed's C++ side logs every retry of a connection, with a stack trace, on stderr; the cluster's own
+    messages say what failed. Before torch is imported; TORCH_CPP_LOG_LEVEL, if given, wins."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def run_worker(models: Path | None, cluster: str, rank: int, timeout: float, join_timeout: float = 300.0) -> None:
     """Join `cluster` as `rank` and answer rank 0 until it goes away (on a thread: Ctrl-C stops the wait at once)."""
     if rank < 1:
@@ -49,6 +55,7 @@ def run_worker(models: Path | None, cluster: str, rank: int, timeout: float, joi
         raise fail("-cluster-timeout and -join-timeout must be positive numbers of seconds")
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
+    quiet_c10d()
     from ..embedded import cache_dir
     from ..engine import kernels
     from ..engine.cluster import worker_link
