@@ -20,7 +20,7 @@ __all__ = ["models"]
 def models(
     load: Annotated[str | None, typer.Option("-load", "--load", help="Load this .jlm (or .gguf) of the server's model directory.", show_default=False)] = None,
     model_id: Annotated[str | None, typer.Option("-id", "--id", help="With -load: the id clients send, as in qwen3 or Qwen/Qwen2.5-0.5B-Instruct (see serve -id). Default: generated.", show_default=False)] = None,
-    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="With -load: devices to place it on (cpu, cuda:0, cuda:0,cuda:1). Default: the server's -devices.", show_default=False)] = None,
+    devices: Annotated[str | None, typer.Option("-devices", "--devices", help="With -load: devices to place it on (cpu, cuda:0, cuda:0,cuda:1; another rank's as 1:cpu). Default: the server's -devices.", show_default=False)] = None,
     gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -load: blocks to put on the devices. Default: the server's -gpu-layers.", show_default=False)] = None,
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="With -load: default KV capacity of its sessions. Default: the server's -max-seq.", show_default=False)] = None,
     unload: Annotated[str | None, typer.Option("-unload", "--unload", help="Unload this model: its requests end as cancelled, its sessions close.", show_default=False)] = None,
