@@ -16,7 +16,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +23,8 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+
+from .devices import local_device_figures, split_place
 
 __all__ = ["Channel", "Cluster", "ClusterAddress", "Link", "RankError", "RemoteError", "cluster_address", "join_store"]
 
@@ -166,7 +167,6 @@ class Link:
         self.timeout = timeout
         self.error: str | None = None
         self.lock = threading.Lock()
-        self.last_answer = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -186,7 +186,6 @@ class Link:
                 self.error = _first_line(exc)
                 log.warning("rank %d (%s) is unreachable: %s", self.rank, self.host, self.error)
                 raise RankError(f"rank {self.rank} ({self.host}) is unreachable: {self.error}") from None
-            self.last_answer = time.monotonic()
         if "error" in answer:
             raise RemoteError(f"rank {self.rank}: {answer['error']}")
         return answer, out
@@ -328,23 +327,13 @@ class Cluster:
             link.close()
 
 
-def split_place(place: str) -> tuple[int, str]:
-    """`1:cuda:0` -> (1, 'cuda:0'); a local place -> (0, place)."""
-    head, sep, rest = place.partition(":")
-    if sep and head.isdigit():
-        return int(head), rest
-    return 0, place
-
-
 def hello_info(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "devices": devices}
 
 
-def worker_link(url: str, rank: int, timeout: float, on_joined: Callable[[int], None] | None = None) -> tuple[Any, int, dist.TCPStore]:
+def worker_link(url: str, rank: int, timeout: float) -> tuple[Any, int, dist.TCPStore]:
     """A worker's side of joining: the store (rank 0's, retried until `timeout`), the world it announced (the rank must
     be in it), a new generation of this rank, hello, and the pair group with rank 0. -> (pair group, generation, store)."""
-    from .devices import local_device_figures
-
     address = cluster_address(url)
     store = join_store(address, master=False, timeout=timeout)
     try:
@@ -360,6 +349,4 @@ def worker_link(url: str, rank: int, timeout: float, on_joined: Callable[[int], 
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}/{rank}/{generation}/", store), 1, 2, timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError) as exc:
         raise ValueError(f"-cluster {url}: rank 0 did not take rank {rank} within {timeout:g} s: {_first_line(exc)}") from None
-    if on_joined is not None:
-        on_joined(generation)
     return pg, generation, store

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceInfo", "available_devices", "is_remote", "local_device_figures", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
+__all__ = ["DeviceInfo", "available_devices", "is_remote", "local_device_figures", "split_place", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
 
 
 def _cpu_flags() -> set[str]:
@@ -76,11 +76,11 @@ def parse_devices(spec: str, remote: list[str] | None = None) -> list[str]:
         return accelerators
     out: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
-        rank, sep, local = part.partition(":")
-        if sep and rank.isdigit() and int(rank) > 0:
-            names = _remote_names(spec, int(rank), local, remote)
+        rank, local = split_place(part)
+        if rank > 0:
+            names = _remote_names(spec, rank, local, remote)
         else:
-            part = local if sep and rank.isdigit() else part  # 0:cpu is cpu
+            part = local  # 0:cpu is cpu
             if part == "cuda":
                 names = [d for d in exists if d.startswith("cuda:")]
                 if not names:
@@ -110,10 +110,17 @@ def _remote_names(spec: str, rank: int, local: str, remote: list[str] | None) ->
     return names
 
 
+def split_place(place: str) -> tuple[int, str]:
+    """`1:cuda:0` -> (1, 'cuda:0'); a place of this host -> (0, place)."""
+    head, sep, rest = place.partition(":")
+    if sep and head.isdigit():
+        return int(head), rest
+    return 0, place
+
+
 def is_remote(place: str) -> bool:
     """A device of another rank (`1:cpu`), which this process reaches through the cluster."""
-    head, sep, _ = place.partition(":")
-    return bool(sep) and head.isdigit() and int(head) > 0
+    return split_place(place)[0] > 0
 
 
 def local_device_figures() -> list[dict[str, Any]]:

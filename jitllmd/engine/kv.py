@@ -173,10 +173,6 @@ class SessionKV:
         n = self.length - self.offsets[layer]
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
-    def slots_of(self, layer: int) -> int:
-        """Positions one layer's storage holds (0 before the first reservation)."""
-        return self.k[layer].shape[1] if layer < len(self.k) else 0
-
     def reusable(self, length: int) -> int:
         """How much of a prefix of `length` positions the cache can go on from: all of it where every window layer
         still holds the keys a query at `length` sees, else none (a shorter prefix needs older keys still)."""

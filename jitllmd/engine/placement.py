@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .devices import is_remote, synchronize
+from .devices import is_remote, split_place, synchronize
 from .kv import META, SessionKV
 from .pager import ROW_BLOCKS, Pager
-
-if TYPE_CHECKING:
-    from .remote import RemoteModel
+from .remote import RemoteModel, RemoteRun
 
 __all__ = ["HOST", "BlockCosts", "Placement", "plan_places"]
 
@@ -84,10 +82,6 @@ class BlockCosts:
     def copied(self, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
             self.copy_bytes_per_s = _mean(self.copy_bytes_per_s, nbytes / seconds)
-
-
-def _rank(place: str) -> int:
-    return int(place.split(":", 1)[0])
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -162,8 +156,7 @@ class Placement:
         """Wait for the work queued on every device holding blocks (a clock read after it times the work, not its queueing;
         another rank's work is done when it answers)."""
         for device in self.device_ids:
-            if not is_remote(device):
-                synchronize(device)
+            synchronize(device)
 
     def kv_devices(self) -> list[torch.device]:
         """Where each layer's KV lives: on its block's place."""
@@ -186,8 +179,6 @@ class Placement:
         """Each block in model order with the device it runs on; a paged block is read for its turn and let go after.
         A host block's wait and compute are timed into `costs` (the host computes in order: the clock is the work). A run of
         layers on one other rank's device comes as one RemoteRun (one call over the seam), on `meta`."""
-        from .remote import RemoteRun
-
         i = 0
         while i < len(self.names):
             name, place = self.names[i], self.places[i]
@@ -197,7 +188,7 @@ class Placement:
                     j += 1
                 first, last = layer_of(name), layer_of(self.names[j])
                 assert first is not None and last is not None  # only layers go to another rank
-                yield RemoteRun(self.remotes[_rank(place)], first, last), META
+                yield RemoteRun(self.remotes[split_place(place)[0]], first, last), META
                 i = j + 1
                 continue
             index, i = i, i + 1
@@ -269,8 +260,9 @@ class Placement:
             if old[i] != HOST and places[i] != old[i]:
                 del self.held[name]
                 self._held_parts.pop(name, None)
-                if is_remote(old[i]) and not (is_remote(places[i]) and _rank(places[i]) == _rank(old[i])):
-                    drops.setdefault(_rank(old[i]), []).append(name)
+                rank = split_place(old[i])[0]
+                if rank > 0 and split_place(places[i])[0] != rank:  # not to another device of the same rank
+                    drops.setdefault(rank, []).append(name)
         self.held.update(remote_held)
         self.places = list(places)
         self._device_bytes = sum(b for b, p in zip(self.block_bytes, places) if p != HOST)
@@ -315,8 +307,9 @@ class Placement:
             if is_remote(place) and self.places[i] != place:
                 runs.setdefault(place, []).append(i)
         for place, indices in runs.items():
-            remote = self._remote(_rank(place))
-            remote.hold([self.names[i] for i in indices], place.split(":", 1)[1], sum(self.block_bytes[i] for i in indices))
+            rank, device = split_place(place)
+            remote = self._remote(rank)
+            remote.hold([self.names[i] for i in indices], device, sum(self.block_bytes[i] for i in indices))
             for i in indices:
                 out[self.names[i]] = remote
         return out
@@ -335,9 +328,10 @@ class Placement:
             return
         if src == dst:
             return
-        filled = self.remotes[_rank(src)].take_kv(kv, layer) if is_remote(src) else None
+        filled = self.remotes[split_place(src)[0]].take_kv(kv, layer) if is_remote(src) else None
         if is_remote(dst):
-            self._remote(_rank(dst)).put_kv(kv, layer, filled if filled is not None else kv.filled(layer), dst.split(":", 1)[1])
+            rank, device = split_place(dst)
+            self._remote(rank).put_kv(kv, layer, filled if filled is not None else kv.filled(layer), device)
             kv.move(layer, META)
         else:
             kv.move(layer, self.torch_device(dst), filled)

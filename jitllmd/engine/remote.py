@@ -72,10 +72,6 @@ class RemoteModel:
         link.call("open", doc, timeout=max(link.timeout, 900.0))  # a .gguf converts there first (minutes for a big one)
         return cls(link, handle)
 
-    @property
-    def rank(self) -> int:
-        return self.link.rank
-
     def hold(self, names: list[str], device: str, nbytes: int) -> None:
         """Read and build blocks `names` on the rank's `device` (its own name there: cpu, cuda:0)."""
         self.link.call("hold", {"model": self.handle, "blocks": names, "device": device}, timeout=self.link.timeout + nbytes / _READ_RATE)
