@@ -217,24 +217,47 @@ def test_scheduler_validates():
         Scheduler(prompt_chunk=0)
 
 
-def test_max_batch_and_prompt_chunk_zero_are_measured(tiny_serve_jlm, tiny_llama):
-    from jitllmd.engine.calibrate import CHUNKS, calibrate
-    from jitllmd.engine.loader import load_model
+def test_max_batch_and_prompt_chunk_zero_are_decided_from_counts():
+    from jitllmd.engine.batching import PREFILL_CHUNK, decide
 
-    loaded = load_model(tiny_llama[2], max_seq=256)
-    cal = calibrate(loaded.runner, max_rows=0, row_limit=8, prompt_chunk=0, chunk_limit=256)
-    assert cal.max_rows in (1, 2, 4, 8) and set(cal.decode_tokens_per_second) <= {1, 2, 4, 8, 16}
-    assert cal.prompt_chunk in CHUNKS and cal.prompt_chunk <= 256 and all(r > 0 for r in cal.prefill_tokens_per_second.values())
-    kept = calibrate(loaded.runner, max_rows=3, row_limit=8, prompt_chunk=0, chunk_limit=40)
-    assert kept.max_rows == 3 and kept.prompt_chunk == 32 and not kept.decode_tokens_per_second
+    b = decide(max_batch=0, sessions=16, prompt_chunk=0, device_kind="cpu", max_seq=1024)
+    assert (b.max_rows, b.prompt_chunk) == (16, PREFILL_CHUNK["cpu"])
+    assert "-sessions 16" in b.rows_why and "cpu prefill chunk" in b.chunk_why
+    short = decide(max_batch=0, sessions=3, prompt_chunk=0, device_kind="cuda", max_seq=100)
+    assert (short.max_rows, short.prompt_chunk) == (3, 100) and "session room 100" in short.chunk_why
+    kept = decide(max_batch=2, sessions=16, prompt_chunk=7, device_kind="cpu", max_seq=1024)
+    assert (kept.max_rows, kept.prompt_chunk) == (2, 7) and kept.rows_why == "-max-batch 2" and kept.chunk_why == "-prompt-chunk 7"
+    with pytest.raises(ValueError):
+        decide(max_batch=-1, sessions=1, prompt_chunk=0, device_kind="cpu", max_seq=8)
 
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "4", "-max-seq", "512")
+
+def test_defaults_batch_every_session_the_same_at_every_load(tiny_serve_jlm):
+    """-max-batch 0 is -sessions rows, and the choice is the same at each start while a busy loop runs beside the
+    server (nothing at load is timed); the start line and stats say what was chosen and why."""
+    import multiprocessing
+
+    busy = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    busy.start()
     try:
-        deadline = time.monotonic() + 120  # the line after the one Server waits for
-        while "measured:" not in server.log:
-            assert time.monotonic() < deadline, server.log
-            time.sleep(0.05)
-        stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=10).json()["models"][0]
-        assert stats["maxRows"] in (1, 2, 4) and stats["promptChunk"] in CHUNKS
+        seen = []
+        for _ in range(2):
+            server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "6", "-max-seq", "512")
+            try:
+                deadline = time.monotonic() + 120  # the line after the one Server waits for
+                while "batching:" not in server.log:
+                    assert time.monotonic() < deadline, server.log
+                    time.sleep(0.05)
+                assert "batching: 6 rows per step (-max-batch 0: one per session, -sessions 6), prompt chunk 512 tokens" in server.log, server.log
+                stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=10).json()["models"][0]
+                seen.append((stats["maxRows"], stats["promptChunk"], stats["rowsWhy"], stats["promptChunkWhy"]))
+            finally:
+                server.stop()
+        assert seen[0] == seen[1] and seen[0][:2] == (6, 512), seen
     finally:
-        server.stop()
+        busy.terminate()
+        busy.join()
+
+
+def _spin() -> None:
+    while True:
+        pass

@@ -26,9 +26,9 @@ def serve(
     max_seq: Annotated[int | None, typer.Option("-max-seq", "--max-seq", help="KV capacity per session, in positions. Default: the model's context, capped to a quarter of free memory.", show_default=False)] = None,
     host_concurrency: Annotated[int, typer.Option("-host-concurrency", "--host-concurrency", help="Requests a host model runs at once; more wait in line.")] = 1,
     device_concurrency: Annotated[int, typer.Option("-device-concurrency", "--device-concurrency", help="Sessions that may run at once on a model split over several devices with no host block (one wholly on a device batches its sessions instead; one with host blocks follows -host-concurrency).")] = 1,
-    max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 measures the widest step worth running at load, 1 turns batching off.")] = 0,
-    prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 measures a device model's chunk at load (a host model takes 512).")] = 0,
-    joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and keeps the faster; always or never force it.")] = "auto",
+    max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 is the widest step, one row per session (-sessions); 1 turns batching off.")] = 0,
+    prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is one device prefill chunk: 512 on the CPU, 2048 on an accelerator, at most the session room.")] = 0,
+    joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
     api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
     api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
     allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
@@ -213,7 +213,7 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def _print_served(served, url: str) -> None:
-    """The 'serving' line of one model, then its pager and what load measured."""
+    """The 'serving' line of one model, then its pager and its batching, with why."""
     loaded = served.engine.loaded
     names = ", ".join((served.id, *served.aliases))
     relocation = ", relocation on" if served.engine.relocation is not None and served.engine.relocation.enabled(served.id) else ""
@@ -222,8 +222,13 @@ def _print_served(served, url: str) -> None:
     if pager is not None and pager.host and pager.budget is not None:
         paged = sum(n not in pager.resident for n in pager.host)
         err_console.print(f"  host pager: budget {pager.budget / 2**20:.0f} MiB, {pager.resident_bytes() / 2**20:.0f} MiB resident, {paged} blocks read for their turn", style="dim")
-    if served.engine.calibration is not None:
-        err_console.print(f"  measured: {served.engine.scheduler.max_batch} rows per step, prompt chunk {served.engine.scheduler.prompt_chunk} tokens", style="dim")
+    engine = served.engine
+    if engine.batching is not None and loaded.placement is not None:
+        if loaded.placement.one_device:
+            err_console.print(f"  batching: {engine.batching.describe()}, -joint-steps {engine.joint.mode}", style="dim")
+        else:
+            err_console.print(f"  {engine.scheduler.max_batch} request{'s' * (engine.scheduler.max_batch > 1)} at a time (-host-concurrency or "
+                              f"-device-concurrency: blocks off one device), prompt chunk {engine.batching.prompt_chunk} tokens ({engine.batching.chunk_why})", style="dim")
 
 
 def _api_key(key: str | None, path: Path | None) -> str | None:

@@ -94,6 +94,8 @@ def _table(resp: GetStatsResponse) -> RenderableType:
             Text(m.model), f"{m.rows_per_step:.2f}", f"{m.prompt_tokens_per_step:.1f}", f"{m.weight_bytes / 1e6:.1f}",
             f"{m.kv_bytes / 1e6:.1f}", _joint(m),
         )
+    why = [f"{m.model}: at most {m.max_rows} rows a step ({m.rows_why}), prompt chunk {m.prompt_chunk} ({m.prompt_chunk_why})" for m in resp.models if m.rows_why]
     relocating = [f"{m.model} {m.demotions} moves to the host, {m.promotions} back" for m in resp.models if m.relocation or m.demotions or m.promotions]
     lines = [Text("relocation: " + ", ".join(relocating), overflow="fold")] if relocating else []
+    lines += [Text(line, overflow="fold") for line in why]
     return Group(traffic, Text(""), steps, *lines, Text(caption))

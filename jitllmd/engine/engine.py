@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from .calibrate import Calibration, calibrate
+from .batching import Batching, decide
 from .cluster import RankError
 from .devices import trim_heap
 from .figures import decode_bytes, where
@@ -39,7 +39,6 @@ __all__ = ["Engine"]
 
 log = logging.getLogger("jitllmd.engine")
 T = TypeVar("T")
-_DEFAULT_PROMPT_CHUNK = 512  # prompt tokens per step of a model with host blocks (a device model measures its own)
 _TRIM_EVERY_S = 5.0  # at most this often, an engine that falls idle hands the heap's free pages back to the OS
 
 
@@ -60,7 +59,7 @@ class Engine:
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.calibration: Calibration | None = None  # what load measured for -max-batch 0 / -prompt-chunk 0
+        self.batching: Batching | None = None  # what load decided for the step's rows and prompt chunk, and why
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
         self._weight_bytes = decode_bytes(loaded)
         self._jobs: list[Job] = []  # placement changes waiting for their session's generation to end
@@ -84,10 +83,10 @@ class Engine:
         Torch's CPU thread pool belongs to the thread that first uses it: loading on one thread and stepping
         on another leaves two pools fighting over the cores (measured: decode 2x slower on 2 cores).
         load_kw go to `load_model` (name, devices, gpu_layers, sessions, max_seq, page_budget, on_progress); its
-        errors raise here. A model wholly on one device batches up to max_batch rows: 0 measures the widest decode
-        step worth running (at most `row_limit` rows); prompt_chunk 0 measures the prefill chunk (engine/calibrate.py),
-        on this same thread. A model with host blocks runs `host_rows` requests at once (default max_batch); one split
-        over several devices with none on the host, `split_rows` (-device-concurrency; default host_rows).
+        errors raise here. A model wholly on one device batches up to max_batch rows, 0 for `row_limit` (-sessions: the
+        widest step); prompt_chunk 0 is one prefill chunk of the device (engine/batching.py), decided from counts. A
+        model with host blocks runs `host_rows` requests at once (default max_batch); one split over several devices
+        with none on the host, `split_rows` (-device-concurrency; default host_rows).
         """
         box: dict = {}
         ready = threading.Event()
@@ -95,16 +94,11 @@ class Engine:
         def main() -> None:
             try:
                 loaded = load_model(path, **load_kw)
-                calibration = None
-                rows, chunk = max_batch, prompt_chunk
-                on_device = loaded.placement is not None and loaded.placement.one_device
-                if (rows == 0 or chunk == 0) and on_device:
-                    assert loaded.runner is not None
-                    calibration = calibrate(loaded.runner, max_rows=rows, row_limit=row_limit, prompt_chunk=chunk, chunk_limit=loaded.max_seq)
-                    rows, chunk = calibration.max_rows, calibration.prompt_chunk
-                rows = rows or row_limit
-                engine = cls(loaded, max_batch=rows, prompt_chunk=chunk or _DEFAULT_PROMPT_CHUNK, joint_steps=joint_steps, host_rows=host_rows, split_rows=split_rows)
-                engine.calibration = calibration
+                kind = loaded.runner.device.type if loaded.runner is not None else "cpu"
+                batching = decide(max_batch=max_batch, sessions=max(1, row_limit), prompt_chunk=prompt_chunk, device_kind=kind, max_seq=loaded.max_seq)
+                engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
+                             split_rows=split_rows)
+                engine.batching = batching
                 engine._owns_model = True
             except BaseException as exc:  # handed to the caller
                 box["error"] = exc
@@ -390,6 +384,14 @@ class Engine:
     def move_blocks(self, first: int, last: int, to: str) -> None:
         """On the engine thread, between steps: blocks first..last to `to`, with every session's KV."""
         self.moves.relocate(first, last, to)()
+
+    def rows_why(self) -> str:
+        """Why a step holds at most `scheduler.max_batch` rows now: the batching load decided, or the flag that limits
+        a model whose blocks are not all on one device."""
+        placement = self.loaded.placement
+        if placement is None or placement.one_device:
+            return self.batching.rows_why if self.batching is not None else f"max_batch {self.device_rows}"
+        return "-device-concurrency: split over devices" if HOST not in placement.places else "-host-concurrency: blocks on the host"
 
     def _rows_now(self) -> int:
         placement = self.loaded.placement

@@ -1,7 +1,9 @@
 """Joint steps: whether a step runs its rows as one packed forward or one after another, per row count.
 
-`auto` times both for each row count it meets (decode-only steps, a few of each, interleaved) and keeps the faster;
-`always` and `never` force it. One row is always a single forward.
+`auto` times both for each row count it meets (decode-only steps, a few of each, interleaved) and runs the rows one
+after another only where that is clearly faster: a joint step reads the weights once for every row, so it wins
+wherever a step is bound by its weights, and a noisy second on a shared machine must not turn a server's batching off
+for good. `always` and `never` force it. One row is always a single forward.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["JointSteps", "Timing"]
 
-SAMPLES = 3  # timed steps of each kind per row count before auto decides
+SAMPLES = 5  # timed steps of each kind per row count before auto decides (medians: one descheduled step moves nothing)
+SEQUENTIAL_WINS = 0.75  # the rows one after another are chosen only at this fraction of the joint step's median time or less
 
 
 @dataclass
@@ -49,7 +52,8 @@ class JointSteps:
         return len(t.joint_ms) <= len(t.sequential_ms)
 
     def record(self, num_rows: int, joint: bool, seconds: float, decode_only: bool) -> None:
-        """A step's wall time; auto decides once it has SAMPLES of each kind for this row count."""
+        """A step's wall time; auto decides once it has SAMPLES of each kind for this row count: joint unless the rows
+        one after another took at most SEQUENTIAL_WINS of its median."""
         if self.mode != "auto" or num_rows <= 1 or not decode_only:
             return
         t = self.timings.setdefault(num_rows, Timing())
@@ -58,7 +62,7 @@ class JointSteps:
         (t.joint_ms if joint else t.sequential_ms).append(seconds * 1000)
         if len(t.joint_ms) >= SAMPLES and len(t.sequential_ms) >= SAMPLES:
             joint_ms, sequential_ms = t.summary()
-            t.choice = "joint" if joint_ms <= sequential_ms else "sequential"
+            t.choice = "sequential" if sequential_ms <= SEQUENTIAL_WINS * joint_ms else "joint"
 
     def choices(self) -> dict[int, tuple[str, float, float]]:
         """Row count -> (choice or "measuring", joint ms, sequential ms)."""

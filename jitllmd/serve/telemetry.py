@@ -78,6 +78,7 @@ class Telemetry(TelemetryService):
                 sessions=len(sessions), max_rows=engine.scheduler.max_batch, joint_steps=engine.joint.mode, prompt_chunk=engine.scheduler.prompt_chunk,
                 joint=[tel.JointStep(rows=n, choice=c, joint_ms=j, sequential_ms=q) for n, (c, j, q) in engine.joint.choices().items()],
                 relocation=relocation.enabled(m.id), demotions=moved["demote"], promotions=moved["promote"],
+                rows_why=engine.rows_why(), prompt_chunk_why=engine.batching.chunk_why if engine.batching is not None else "",
             ))
         return tel.GetStatsResponse(
             uptime_s=time.time() - self.info.started,
