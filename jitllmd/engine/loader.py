@@ -17,8 +17,10 @@ import torch
 from .chat import ChatTemplate
 from .devices import compute_dtype, device_info, is_remote, trim_heap
 from .grammar import Grammars
+from . import kernels
 from .jlm import JLMFile
 from .kv import SessionKV
+from .layers.quant import short_feed
 from .models import DecoderModel, EncoderModel, build_model, family_for
 from .pager import BlockReader, Pager
 from .placement import Placement
@@ -200,7 +202,8 @@ def load_model(
         kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
         placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, relocation, remote, cluster)
-        runner = ModelRunner(model, placement)
+        types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
+        runner = ModelRunner(model, placement, short_feed(types, kernels.variant()))
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
         name=name,

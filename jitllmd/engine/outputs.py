@@ -65,6 +65,7 @@ class Outputs:
                 continue
             f.session.kv.copy_from(leader.session.kv, len(leader.prompt_ids))
             f.session.token_ids[:] = leader.prompt_ids
+            f.session.short = leader.session.short  # and how they were made
             f.fed = f.cached = len(f.prompt_ids)  # held, not fed: the leader fed it
             f.t_first_step = leader.t_first_step
             f.prompt_scores = list(leader.prompt_scores)

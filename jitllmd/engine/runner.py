@@ -34,9 +34,10 @@ class ModelRunner:
     """Runs a decoder family's blocks where the placement holds them. The family builds blocks and knows its maths; it
     knows nothing of where a block lives. Only the engine thread calls it."""
 
-    def __init__(self, model: Any, placement: Placement):
+    def __init__(self, model: Any, placement: Placement, short_feed: int = 0):
         self.model = model
         self.placement = placement
+        self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py)
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +111,8 @@ class ModelRunner:
             start, pos = len(b.tokens), req.session.kv.length
             b.tokens.extend(ids)
             b.positions.extend(range(pos, pos + len(ids)))
-            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=req.state is not RequestState.DECODE))
+            prompt = req.state is not RequestState.DECODE
+            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=prompt, short=self._short(req, pos, len(ids)) if prompt else 0))
             req.session.token_ids.extend(ids)
             if req.state is not RequestState.DECODE and req.prompt_logprobs is not None:
                 b.logits_at.extend(range(start, len(b.tokens)))  # each scores the prompt's next token (the last: the first sampled)
@@ -122,6 +124,23 @@ class ModelRunner:
                 req.fed += len(ids)
                 b.num_prompt += len(ids)
         return b
+
+    def _short(self, req: Request, pos: int, n: int) -> int:
+        """How many of a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run
+        the integer kernel (short_feed > 0): all of a feed of at most short_feed new tokens (a follow-up turn, a short
+        prompt: the integer kernel is the faster), else none; decided from the request's own counts. But a feed of
+        one token is a prompt cached but for its last (a request repeated, regenerated): that token is made the way
+        it was made the first time (`Session.short`), so its first sampled token is the one that run sampled (a near
+        tie of a small model's logits can turn on the int8 rounding of its activations)."""
+        feed = len(req.prompt_ids) - req.cached
+        if not self.short_feed or feed > self.short_feed:
+            return 0
+        session = req.session
+        a, b = session.short
+        if feed == 1 and not a <= pos < b:
+            return 0
+        session.short = (a if req.fed > req.cached else pos, pos + n)  # a feed the chunk budget split goes on where it was
+        return n
 
     def run(self, b: Batch, joint: JointSteps) -> torch.Tensor:
         """The batch as one packed forward or its rows one after another, as `joint` says; the step timed for it."""
@@ -153,5 +172,5 @@ class ModelRunner:
         for span in b.spans:
             end = span.start + span.num_tokens
             at = [i - span.start for i in b.logits_at if span.start <= i < end]
-            out.append(self._forward(b.tokens[span.start : end], b.positions[span.start : end], [RowSpan(0, span.num_tokens, span.kv)], at))
+            out.append(self._forward(b.tokens[span.start : end], b.positions[span.start : end], [RowSpan(0, span.num_tokens, span.kv, span.prompt, span.short)], at))
         return torch.cat(out) if out else torch.empty(0)

@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "KV_DTYPES", "MAX_ROWS", "bf16_attention", "bf16_round", "bf16_runs", "bf16_units", "QUANT_TYPES", "QuantLayer", "attend_chunk", "attend_rows", "check_quant_weight", "configure", "decode_layer", "dequant_rows", "describe", "pack_panels",
-    "panel_linear", "quant_rows", "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "gated_rows", "use_variant", "variants",
+    "panel_linear", "quant_rows", "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_kernel", "rows_linear", "gated_rows", "use_variant", "variant", "variants",
 ]
 
 log = logging.getLogger("jitllmd.kernels")
@@ -159,6 +159,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 def rows_kernel() -> ctypes.CDLL | None:
     """The compiled kernels (rows.c, panels.c, quant.c), or None where they cannot run here."""
     return _load()[0]
+
+
+def variant() -> str | None:
+    """The kernel variant in use (one of `variants()`), or None where torch's ops run instead. Builds them if need be."""
+    lib, text = _load()
+    return None if lib is None else text.split(" ", 1)[0]
 
 
 def describe() -> str:

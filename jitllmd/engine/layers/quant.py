@@ -8,8 +8,10 @@ Q4_K_M file mixes Q4_K and Q6_K rows): a projection is a list of segments, one p
 
 Where rounding happens: the tokens of a step's single-token rows (decode rows) are multiplied llama.cpp's way (kernels/quant.c), each x row quantized to int8 per 32 inputs and dotted in integers, so
 |y - x @ W.T| <= sum_k |W[o, k]| * d_k / 2 with d_k that block's amax / 127, nothing else rounding but f32 sums; the
-tokens of a longer row (a prompt chunk, whatever its size: a server's calibrated chunk must not change a prompt's
-numbers) are multiplied against the weights dequantized a panel at a time: where the kernels have bf16 units
+tokens of a longer row (a prompt chunk, whatever its size: a server's prompt chunk must not change a prompt's
+numbers) are multiplied against the weights dequantized a panel at a time, unless the row's prompt feeds so few new
+tokens (a follow-up turn) that the integer kernel is the faster (QFormat.short, short_feed): then they are multiplied as
+decode rows are, decided from that row's own feed: where the kernels have bf16 units
 (kernels.bf16_units: AMX or AVX512_BF16) x and those weights are rounded to bf16 (to nearest even) and the products
 summed in f32, a bf16 model's rounding at 3-4x f32's speed; elsewhere in f32, exact up to f32 sums. A token's path
 depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU)
@@ -18,7 +20,7 @@ dequantizes and multiplies in f32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,35 +41,56 @@ from ..kernels import (
 )
 from ..kv import RowSpan
 
-__all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for"]
+__all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_tokens", "dequantize", "quantize", "quantizable", "segments_for", "short_feed"]
 
 
 @dataclass(frozen=True)
 class QFormat:
-    """A GGUF block format: `block` weights in `nbytes` bytes; `ggml` is ggml's type id (the kernels' too)."""
+    """A GGUF block format: `block` weights in `nbytes` bytes; `ggml` is ggml's type id (the kernels' too). `short`:
+    per kernel variant, the most tokens of a prompt feed whose product the decode rows' integer kernel still runs no
+    slower than the prompt chunks' exact path (bench/short_prompt.py measures them; see SHORT_FEED)."""
 
     name: str
     ggml: int
     block: int
     nbytes: int
+    short: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.nbytes
 
 
+def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
+    return {"avx2+fma": avx2, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
+
+
+# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-01,
+# rounded down to the token counts measured. Without bf16 units the exact path dequantizes f32 panels, so the integer
+# kernel wins far longer; AMX was not on that CPU: its tiles are faster than vdpbf16ps, so it takes bf16's figures.
 FORMATS: dict[str, QFormat] = {
     f.name: f
     for f in (
-        QFormat("Q4_0", 2, 32, 18),
-        QFormat("Q4_1", 3, 32, 20),
-        QFormat("Q5_0", 6, 32, 22),
-        QFormat("Q5_1", 7, 32, 24),
-        QFormat("Q8_0", 8, 32, 34),
-        QFormat("Q4_K", 12, 256, 144),
-        QFormat("Q5_K", 13, 256, 176),
-        QFormat("Q6_K", 14, 256, 210),
+        QFormat("Q4_0", 2, 32, 18, _short(48, 32, 8, 8)),
+        QFormat("Q4_1", 3, 32, 20, _short(64, 64, 8, 8)),
+        QFormat("Q5_0", 6, 32, 22, _short(32, 64, 8, 8)),
+        QFormat("Q5_1", 7, 32, 24, _short(64, 48, 8, 8)),
+        QFormat("Q8_0", 8, 32, 34, _short(24, 64, 8, 8)),
+        QFormat("Q4_K", 12, 256, 144, _short(64, 64, 16, 16)),
+        QFormat("Q5_K", 13, 256, 176, _short(48, 64, 16, 16)),
+        QFormat("Q6_K", 14, 256, 210, _short(32, 64, 8, 8)),
     )
 }
+
+
+def short_feed(types: set[str] | list[str], variant: str | None) -> int:
+    """The most new prompt tokens a row may feed and still take the decode rows' integer kernel, for a model whose
+    quantized tensors are of `types`, under kernel `variant` (None: no kernels, 0): the least of its formats' figures,
+    so no projection runs a short feed slower than its exact path would. A float model: 0 (its few-row kernels need
+    no marking)."""
+    kinds = [FORMATS[t] for t in types if t in FORMATS]
+    if variant is None or not kinds:
+        return 0
+    return min(f.short.get(variant, 0) for f in kinds)
 
 
 @dataclass(frozen=True)
@@ -280,13 +303,14 @@ _PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weight
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
     """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
-    token alone), which quantized projections multiply exactly; None where there are none."""
-    long = [r for r in rows if r.num_tokens > 1 or r.prompt]
+    token alone), which quantized projections multiply exactly, but for those a row marks `short` (RowSpan.exact_tokens);
+    None where there are none."""
+    long = [r for r in rows if r.exact_tokens]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     for r in long:
-        mask[r.start : r.start + r.num_tokens] = True
+        mask[r.start : r.start + r.exact_tokens] = True
     return mask
 
 

@@ -156,10 +156,8 @@ class DecoderBlock:
         forward's RoPE tables (`LlamaModel.begin`)."""
         T = x.shape[0]
         tables = rope[self.rope_index]
-        if self.fused is not None and keep is None and T == len(rows) and not any(r.prompt for r in rows):  # single-token rows: the layer in one kernel call
-            i, window = self.attn.layer, self.attn.window
-            return decode_layer(self.fused, x.contiguous(), *tables.on(x.device), [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows],
-                                [r.kv.slot(i, r.kv.length) + 1 for r in rows], [r.kv.slot(i, r.key_start(window)) for r in rows])
+        if self.fused is not None and not any(r.exact_tokens or (r.prompt and self.attn.bf16) for r in rows):
+            return self._fused_step(x, tables, rows, keep)  # decode rows and short feeds (but AMX's bf16 prompt attention): one kernel call
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
         if self.fold:
@@ -194,6 +192,21 @@ class DecoderBlock:
                 out[t : t + MLP_ROWS] = self.mlp(x[t : t + MLP_ROWS], None if chunk is None else chunk[t : t + MLP_ROWS])
             return out
         return self.mlp(x, chunk)
+
+    def _fused_step(self, x: torch.Tensor, tables: RopeTables, rows: list[RowSpan], keep: list[int] | None) -> torch.Tensor:
+        """The layer in one decode_layer call, each token a row of its own: a short feed's token j attends to its
+        session's keys up to its own position (the kernel writes every token's K/V before any attends), which is the
+        causal chunk attention. -> [T, hidden], or the `keep` tokens'."""
+        i, window = self.attn.layer, self.attn.window
+        keys, values, lengths, starts = [], [], [], []
+        for r in rows:
+            for pos in range(r.kv.length, r.kv.length + r.num_tokens):
+                keys.append(r.kv.k[i])
+                values.append(r.kv.v[i])
+                lengths.append(r.kv.slot(i, pos) + 1)
+                starts.append(r.kv.slot(i, max(0, pos - window + 1) if window else 0))
+        y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), keys, values, lengths, starts)
+        return y if keep is None else y[keep]
 
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
         """x + the MLP of a prompt chunk's rows [T, hidden] f32 in bf16, MLP_COLUMNS of the intermediate at a time: gate

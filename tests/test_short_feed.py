@@ -1,0 +1,101 @@
+"""Short prompt feeds (a follow-up turn's few new tokens) run through the decode rows' integer kernels: the same bits as
+feeding those tokens one decode step at a time, under every kernel variant this CPU runs; the engine marks a feed short
+from its own count of new tokens, never from its neighbours."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitllmd.engine import kernels
+from jitllmd.engine.engine import Engine
+from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.layers.quant import FORMATS, short_feed
+from jitllmd.engine.sampler import SamplingParams
+from tests.test_engine import collect
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(params=kernels.variants() or [None])
+def variant(request):
+    kernels.use_variant(request.param)
+    yield request.param
+    kernels.use_variant(None)
+
+
+def _history(loaded, n: int):
+    kv = loaded.new_kv(256)
+    ids = torch.arange(3, 3 + n) % loaded.model.cfg.vocab_size
+    loaded.runner.forward(ids, torch.arange(n), [RowSpan(0, n, kv)], torch.tensor([n - 1]))
+    return kv
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm"])
+def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, variant, model: str) -> None:
+    """llama's layers take it in one fused call per layer, each token a row attending up to its own position: the
+    logits and K/V of feeding the tokens one at a time, exactly. Gemma's (a window of 8, crossed here) go through the
+    Python path, whose chunk attention sums in its own order: the same up to f32 rounding."""
+    from jitllmd.engine.loader import load_model
+
+    from jitllmd.engine.models import llama
+
+    fused_rows: list[int] = []
+    layer = llama.decode_layer
+    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: fused_rows.append(x.shape[0]) or layer(q, x, *a))
+    loaded = load_model(request.getfixturevalue(model), max_seq=256)
+    new = [17, 5, 30, 9, 2, 41]
+    a, b = _history(loaded, 12), _history(loaded, 12)
+    n = len(new)
+    fed = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, a, prompt=True, short=n)], torch.arange(n))
+    one_by_one = torch.cat([loaded.runner.forward(torch.tensor([t]), torch.tensor([12 + j]), [RowSpan(0, 1, b)]) for j, t in enumerate(new)])
+    if model == "tiny_serve_q8_jlm" and variant is not None:  # the path under test: one call of six rows per layer
+        assert fused_rows.count(len(new)) == loaded.model.cfg.num_layers, fused_rows
+    same = torch.equal if model == "tiny_serve_q8_jlm" else lambda x, y: torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-5)
+    assert same(fed, one_by_one), (variant, (fed - one_by_one).abs().max())
+    for layer in range(loaded.model.cfg.num_layers):
+        sa, sb = a.slot(layer, 12 + n), b.slot(layer, 12 + n)
+        assert same(a.k[layer][:, :sa], b.k[layer][:, :sb]) and same(a.v[layer][:, :sa], b.v[layer][:, :sb]), layer
+    exact = _history(loaded, 12)  # the same feed as a prompt chunk: the exact path, close but its own bits
+    chunked = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, exact, prompt=True)], torch.arange(n))
+    assert torch.allclose(chunked, fed, atol=0.05 * fed.abs().max().item())
+
+
+def test_the_table_takes_the_least_of_a_models_formats() -> None:
+    assert short_feed({"Q4_K", "Q6_K"}, "avx2+fma") == min(FORMATS["Q4_K"].short["avx2+fma"], FORMATS["Q6_K"].short["avx2+fma"])
+    assert short_feed({"Q8_0"}, None) == 0  # no kernels: nothing to mark
+    assert short_feed(set(), "avx2+fma") == 0  # a float model's few-row kernels need no marking
+    for f in FORMATS.values():  # every format has a figure for every variant
+        assert set(f.short) == {"avx2+fma", "avx512+vnni", "avx512+bf16", "avx512+amx"} and all(v >= 0 for v in f.short.values())
+
+
+def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm, monkeypatch) -> None:
+    """A session's first turn (a long prompt) runs exactly, its follow-up of a few new tokens runs short; decode rows
+    are no prompt rows; a scored prompt follows the same rule. A repeated request, which feeds only its prompt's last
+    token, makes it as the first run did (exactly after a long prompt, short after a short one), and gives the tokens
+    the first gave."""
+    engine = Engine.load(tiny_serve_q8_jlm, max_batch=2, max_seq=256)
+    engine.loaded.runner.short_feed = 8
+    seen: list[tuple[int, bool, int]] = []
+    forward = engine.loaded.runner.forward
+
+    def spy(token_ids, positions, rows, logits_at=None):
+        seen.extend((r.num_tokens, r.prompt, r.short) for r in rows)
+        return forward(token_ids, positions, rows, logits_at)
+
+    monkeypatch.setattr(engine.loaded.runner, "forward", spy)
+    try:
+        s = engine.new_session()
+        collect(engine.generate(list(range(3, 23)), GREEDY, max_tokens=3, ignore_eos=True, session=s))
+        assert seen[0] == (20, True, 0) and all(not p for _, p, _ in seen[1:]), seen
+        seen.clear()
+        collect(engine.generate([7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s))
+        assert seen[0][1] and seen[0][2] == seen[0][0] <= 8 and all(not p for _, p, _ in seen[1:]), seen
+        seen.clear()
+        collect(engine.generate([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+        assert seen[0][1:] == (True, seen[0][0]), seen
+        for prompt, short in ((list(range(40, 70)), 0), (list(range(80, 86)), 1)):  # a long prompt, then a short one
+            first, again = (collect(engine.generate(prompt, GREEDY, max_tokens=8, ignore_eos=True)) for _ in range(2))
+            assert again.done.fed_tokens == 1 and seen[-8] == (1, True, short) and again.ids == first.ids, (prompt, seen[-16:])
+    finally:
+        engine.stop()
