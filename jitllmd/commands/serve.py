@@ -109,7 +109,7 @@ def serve(
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
     from ..engine.loader import cached_conversion
-    from ..serve.app import build_app
+    from ..serve.app import Health, build_app
     from ..serve.telemetry import ServerInfo
 
     kernels.configure(cache_dir() / "kernels")
@@ -128,41 +128,48 @@ def serve(
         if ranks is not None:
             ranks.close()
         raise fail(_flag_names(str(exc))) from None
-    try:
-        if gguf is not None:
-            with progress_bar("preparing the default model (once)", as_bytes=True) as update:
-                jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
-            with progress_bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
-                catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
-        for i, file in enumerate(loads):
-            with progress_bar(f"preparing {Path(file).name}", as_bytes=True) as update:
-                jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
-            with progress_bar(f"loading {jlm.name}") as update:
-                catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
-        sock.listen(512)
-    except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
-        catalog.stop()
-        sock.close()
-        if ranks is not None:
-            ranks.close()
-        raise fail(_flag_names(str(exc))) from None
-
+    sock.listen(512)  # /healthz answers while the models load: 503 until they are served
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{url_host}:{bound_port}"
-    for served in catalog.loaded():
-        _print_served(served, url)
-    err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
-    err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
-    if key is not None:
-        err_console.print("  API key required of every route but /healthz", style="dim")
-    elif not is_loopback(host):
-        where = "every interface" if host in ("0.0.0.0", "::") else host
-        err_console.print(f"[yellow]warning:[/] listening on {where} ({addr}) with no API key: anyone who can reach this machine can generate, "
-                          f"load and unload models and read its sessions; set -api-key (or JITLLMD_API_KEY), or -addr 127.0.0.1:{bound_port} to keep it local")
+    health = Health("starting")
+    first = Path(loads[0]).name if loads else DEFAULT_NAME
+    err_console.print(f"loading {first}{f' and {len(loads) - 1} more' if len(loads) > 1 else ''}: {url}/healthz answers 503 until it is served", style="dim")
+
+    def load_all() -> None:
+        """The start-up models, converted where they are .gguf files and loaded, while /healthz says so."""
+        try:
+            if gguf is not None:
+                health.loading = f"converting {gguf.name} (once)"
+                with progress_bar("preparing the default model (once)", as_bytes=True) as update:
+                    jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
+                health.loading = f"loading {DEFAULT_NAME}"
+                with progress_bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
+                    catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
+            for i, file in enumerate(loads):
+                health.loading = f"preparing {Path(file).name}"
+                with progress_bar(f"preparing {Path(file).name}", as_bytes=True) as update:
+                    jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
+                health.loading = f"loading {jlm.name}"
+                with progress_bar(f"loading {jlm.name}") as update:
+                    catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
+        except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
+            raise fail(_flag_names(str(exc))) from None
+        for served in catalog.loaded():
+            _print_served(served, url)
+        err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
+        err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
+        if key is not None:
+            err_console.print("  API key required of every route but /healthz", style="dim")
+        elif not is_loopback(host):
+            where = "every interface" if host in ("0.0.0.0", "::") else host
+            err_console.print(f"[yellow]warning:[/] listening on {where} ({addr}) with no API key: anyone who can reach this machine can generate, "
+                              f"load and unload models and read its sessions; set -api-key (or JITLLMD_API_KEY), or -addr 127.0.0.1:{bound_port} to keep it local")
+        health.loading = None
+
     try:
         info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
-        run_server(build_app(catalog, info, api_key=key, allowed_hosts=hosts), sock, cancel_all=catalog.cancel_all)
+        run_server(build_app(catalog, info, api_key=key, allowed_hosts=hosts, health=health), sock, cancel_all=catalog.cancel_all, startup=load_all)
     finally:
         catalog.stop(timeout=STOP_SECONDS)
         sock.close()
@@ -227,8 +234,9 @@ def _print_served(served, url: str) -> None:
         if loaded.placement.one_device:
             err_console.print(f"  batching: {engine.batching.describe()}, -joint-steps {engine.joint.mode}", style="dim")
         else:
-            err_console.print(f"  {engine.scheduler.max_batch} request{'s' * (engine.scheduler.max_batch > 1)} at a time (-host-concurrency or "
-                              f"-device-concurrency: blocks off one device), prompt chunk {engine.batching.prompt_chunk} tokens ({engine.batching.chunk_why})", style="dim")
+            n = engine.scheduler.max_batch
+            err_console.print(f"  {n} request{'s' * (n > 1)} at a time ({engine.rows_why()}), prompt chunk {engine.batching.prompt_chunk} tokens "
+                              f"({engine.batching.chunk_why})", style="dim")
 
 
 def _api_key(key: str | None, path: Path | None) -> str | None:

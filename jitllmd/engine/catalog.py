@@ -23,13 +23,17 @@ from .sessions import Session
 if TYPE_CHECKING:
     from .cluster import Cluster
 
-__all__ = ["Catalog", "ModelEntry", "ServedModel", "check_id"]
+__all__ = ["Catalog", "ModelEntry", "ModelLoading", "ServedModel", "check_id"]
 
 # A model id: parts of letters, digits and . _ : - joined by '/' (org/name, as Hugging Face and vLLM name models), each
 # part starting with a letter or digit, so no id reads as a path that leaves a directory ('/x', 'a/../b', 'a//b', 'a/').
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*")
 _MAX_ID = 256
 _FILE_SUFFIXES = (".jlm", ".gguf")  # what names a file: never the end of an id
+
+
+class ModelLoading(LookupError):
+    """A request names a model that is still loading: it can run in a moment (a 503, not a 404)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Catalog:
         self.devices = self.parse_devices(config.devices)  # raises on unknown names, at start-up
         self.relocation = Relocation(config.device_mem, config.relocate_idle, config.relocate_horizon, config.relocate)
         self._models: dict[str, ServedModel] = {}
+        self._loading: dict[str, tuple[str, ...]] = {}  # id -> the names of a model being loaded
         self._lock = threading.Lock()
 
     def parse_devices(self, spec: str) -> list[str]:
@@ -120,6 +125,10 @@ class Catalog:
         for m in models:
             if name in m.aliases:
                 return m
+        with self._lock:
+            loading = next((i for i, names in self._loading.items() if name in names), None)
+        if loading is not None:
+            raise ModelLoading(f"model {name!r} is still loading" + (f" (as {loading})" if loading != name else "") + ": try again in a moment")
         loaded = "; ".join(m.id + (f" (also {', '.join(m.aliases)})" if m.aliases else "") for m in models) or "none"
         file = next((e.path.name for e in self.entries() if not e.loaded and name in (e.id, e.path.name)), None)
         if file is not None:
@@ -195,7 +204,28 @@ class Catalog:
         model_id = id or "m-" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
         with self._lock:
             self._names(model_id, (*aliases, path.stem))  # refuses a taken id before the load, which takes a while
-        engine = Engine.load(
+            if model_id in self._loading:
+                raise ValueError(f"a model named {model_id!r} is already being loaded")
+            self._loading[model_id] = (model_id, *aliases, path.stem)
+        try:
+            engine = self._engine(path, model_id, config, placed_on, file, on_load)
+        finally:
+            with self._lock:
+                del self._loading[model_id]
+        try:
+            with self._lock:
+                names = self._names(model_id, (*aliases, path.stem))  # again: another load may have finished meanwhile
+                served = ServedModel(model_id, names, engine)
+                self._models[model_id] = served
+                self.relocation.register(model_id, engine)
+        except ValueError:
+            engine.stop()
+            raise
+        return served
+
+    def _engine(self, path: Path, model_id: str, config: EngineConfig, placed_on: list[str], file: str | Path,
+                on_load: Callable[[int, int], None] | None) -> Engine:
+        return Engine.load(
             path,
             name=model_id,
             devices=placed_on,
@@ -214,16 +244,6 @@ class Catalog:
             cluster=self.cluster,
             shared=self._shared(file, path) if self.cluster is not None else None,
         )
-        try:
-            with self._lock:
-                names = self._names(model_id, (*aliases, path.stem))  # again: another load may have finished meanwhile
-                served = ServedModel(model_id, names, engine)
-                self._models[model_id] = served
-                self.relocation.register(model_id, engine)
-        except ValueError:
-            engine.stop()
-            raise
-        return served
 
     def _names(self, model_id: str, aliases: tuple[str, ...]) -> tuple[str, ...]:
         """The aliases a new model gets: those no loaded model answers to. ValueError when one answers to its id.

@@ -26,11 +26,19 @@ from .metrics import Metrics
 from .placement import Placement
 from .telemetry import ServerInfo, Telemetry
 
-__all__ = ["build_app"]
+__all__ = ["Health", "build_app"]
 
 
-async def healthz(request: Request) -> Response:
-    return PlainTextResponse("ok")
+class Health:
+    """What GET /healthz says: `ok`, or while the server still loads the models it was started with, a 503 that says
+    what it is doing (as llama-server's 503 while loading), so a probe waits for a server that can answer."""
+
+    def __init__(self, loading: str | None = None):
+        self.loading = loading  # e.g. "loading smol.jlm"; None once every start-up model is served
+
+    async def endpoint(self, request: Request) -> Response:
+        loading = self.loading
+        return PlainTextResponse("ok") if loading is None else PlainTextResponse(f"{loading}\n", status_code=503)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -46,12 +54,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return resp
 
 
-def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None, allowed_hosts: frozenset[str] | None = None) -> Starlette:
+def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None, allowed_hosts: frozenset[str] | None = None,
+              health: Health | None = None) -> Starlette:
     """Every route behind the Guard (jitllmd/serve/guard.py): api_key, when given, is asked of all but /healthz;
-    allowed_hosts, when given, are the only names a Host header may carry besides IP addresses."""
+    allowed_hosts, when given, are the only names a Host header may carry besides IP addresses. `health`: what
+    /healthz says (default: always ok)."""
     oa, an, metrics = openai.OpenAI(catalog), anthropic.Anthropic(catalog), Metrics(catalog)
     routes: list[BaseRoute] = [
-        Route("/healthz", healthz, methods=["GET"]),
+        Route("/healthz", (health or Health()).endpoint, methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),

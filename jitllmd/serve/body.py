@@ -13,6 +13,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..engine.catalog import ModelLoading
+
 __all__ = ["MAX_BODY", "APIError", "Fields", "dialect", "read_json"]
 
 log = logging.getLogger("jitllmd.serve")
@@ -56,6 +58,8 @@ def dialect(render: Callable[[APIError], Response]) -> Callable[[Handler], Handl
                 return await handler(self, request)
             except APIError as exc:
                 return render(exc)
+            except ModelLoading as exc:  # named a model still loading: a moment from now it answers
+                return render(APIError(str(exc), param="model", kind="unavailable"))
             except Exception:
                 log.exception("%s %s failed", request.method, request.url.path)
                 return render(APIError("internal server error (logged on the server)", kind="server"))

@@ -12,7 +12,7 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from ..engine.catalog import Catalog, ServedModel
+from ..engine.catalog import Catalog, ModelLoading, ServedModel
 from ..engine.chat import ChatTemplateError
 from ..engine.cluster import RankError
 from ..engine.convert import ConvertError, convert
@@ -73,7 +73,7 @@ def _connect_error(exc: Exception, ctx: Any) -> ConnectError:
         return exc
     if isinstance(exc, RoomError):
         return ConnectError(Code.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, RankError):  # another rank is gone or does not answer
+    if isinstance(exc, (RankError, ModelLoading)):  # another rank is gone or does not answer; a model still loading
         return ConnectError(Code.UNAVAILABLE, str(exc))
     if isinstance(exc, FileNotFoundError):
         return ConnectError(Code.NOT_FOUND, str(exc))

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import threading
 from collections.abc import Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
@@ -67,20 +68,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], None]) -> None:
+def run_server(app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], None], startup: Callable[[], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM. The first signal stops accepting and lets in-flight requests finish for
     GRACE_SECONDS; a second signal (or the end of the grace) cancels them, so every stream still ends properly: its
-    engine ends it within ENGINE_SECONDS, or the server does (an engine held inside a long step), with `cancelled`."""
+    engine ends it within ENGINE_SECONDS, or the server does (an engine held inside a long step), with `cancelled`.
+    `startup` (loading the start-up models) runs on its own thread while the server already answers; what it raises
+    stops the server, and is raised here once it has stopped."""
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here and closes it
     config.keep_alive_max_requests = 1 << 30  # the default 1000 drops an in-flight call every thousand requests
     config.graceful_timeout = GRACE_SECONDS + ENGINE_SECONDS + CLOSE_SECONDS
     config.accesslog = None
     config.errorlog = log
-    asyncio.run(_serve(app, config, cancel_all))
+    failed: list[BaseException] = []
+    asyncio.run(_serve(app, config, cancel_all, startup, failed))
+    if failed:
+        raise failed[0]
 
 
-async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None]) -> None:
+async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None], startup: Callable[[], None] | None,
+                 failed: list[BaseException]) -> None:
     from .outbox import end_streams  # the engine's side (torch): not before `serve` has checked its flags
 
     loop = asyncio.get_running_loop()
@@ -105,4 +112,14 @@ async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None]) -
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
+    if startup is not None:
+
+        def start() -> None:
+            try:
+                startup()
+            except BaseException as exc:  # handed to run_server's caller, once the server has stopped
+                failed.append(exc)
+                loop.call_soon_threadsafe(stop.set)
+
+        threading.Thread(target=start, name="startup", daemon=True).start()
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
