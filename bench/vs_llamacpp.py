@@ -1,14 +1,22 @@
-"""jitllmd against llama.cpp on the same GGUF file: prompt, decode at depth, batched decode, peak RSS, perplexity.
+"""jitllmd against llama.cpp on the same GGUF file: prompt, decode at depth, batched decode, peak RSS, perplexity; served.
 
-    python bench/vs_llamacpp.py                                        # three models, 3 rounds, 2 threads
+    python bench/vs_llamacpp.py                                        # every model, 3 rounds, 2 threads; then served
     python bench/vs_llamacpp.py --models smollm2-q8_0 --rounds 2
     python bench/vs_llamacpp.py --quick --models smollm2-q4_1          # smoke run: 1 round, depth 0, fewer tokens
+    python bench/vs_llamacpp.py --section served                       # served only: smollm2-q8_0, 1/8/16 clients
+    python bench/vs_llamacpp.py --section served --rounds 1 --clients 1,8 --served-tokens 32 --models smollm2-q4_1
 
 jitllmd reads the .jlm that `convert(gguf, out)` makes (default dtype "auto": the weights stay in the GGUF's quantized
 blocks); llama.cpp reads the GGUF itself, with `--repack 0` / `--no-repack` (the repack/AMX path stops with an illegal
 instruction in these VMs) and the same thread count. Each jitllmd measurement runs in its own subprocess (so its peak
 RSS is its own); the two engines run strictly one after the other, alternating which goes first each round, and
 the tables show medians over rounds with the ratio jitllmd / llama.cpp.
+
+The served section (bench/served.py) runs `llama-server -np 16 -c 16384` against `jitllmd serve -sessions 16 -max-seq
+1024` (its defaults otherwise) on the same GGUF, each started fresh a round, llama-server first in odd rounds: start
+to healthy (spawn until /health or /healthz answers 200; jitllmd's first, converting start untimed), then at each
+client count N concurrent streaming /v1/chat/completions requests of ~100-token prompts: aggregate tok/s, TTFT p50,
+and the server's peak RSS (VmHWM). Served defaults to smollm2-q8_0, the offline tables to every model; --models sets both.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.served import Served
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "bench" / "data" / "public_domain.txt"
@@ -395,12 +407,13 @@ def llama_ppl(bin_dir: Path, gguf: Path, st: Settings) -> dict:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """(seconds all cores spent busy since boot, from /proc/stat; CPU seconds of this script's finished children)."""
+    """(seconds all cores spent busy since boot, from /proc/stat; CPU seconds of this script and its finished children:
+    the served section's clients are threads of this script)."""
     vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     ticks = os.sysconf("SC_CLK_TCK")
     t = os.times()
     busy = sum(vals[:3]) + sum(vals[5:7])  # user nice system irq softirq: not idle, iowait, steal, or guest (inside user)
-    return busy / ticks, t.children_user + t.children_system
+    return busy / ticks, t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
@@ -482,6 +495,48 @@ def header(bin_dir: Path, st: Settings, info: dict | str) -> None:
           f"load average at start: {os.getloadavg()[0]:.2f}")
 
 
+def print_served(label: str, gguf: Path, threads: int, rounds: int, clients: tuple[int, ...], num_tokens: int, res: Served) -> None:
+    """The served table: a row a client count, then start to healthy and peak RSS; ratio = jitllmd / llama-server."""
+    got = res.got
+    prompts = [cell(got[e].get("prompt_tokens", []), ".0f")[0] for e in ("llama-server", "jitllmd")]
+    converted = f"{res.convert_s:.1f} s" if isinstance(res.convert_s, float) else f"failed: {res.convert_s}"
+    print(f"\n### served: {label}\n\n`{gguf}`: `llama-server -np 16 -c 16384 -t {threads} --no-repack` against `jitllmd serve -sessions 16 "
+          f"-max-seq 1024 -devices cpu` (its defaults otherwise; torch's own thread count on {os.cpu_count()} cores); N concurrent streaming "
+          f"/v1/chat/completions requests, prompts of {prompts[0]} (llama-server) / {prompts[1]} (jitllmd) tokens, max_tokens {num_tokens}, "
+          f"ignore_eos, temperature 0, after one warm-up request; median of {rounds} interleaved round(s), each server started fresh a "
+          f"round; ratio = jitllmd / llama-server. jitllmd converts the GGUF into its models dir's .cache on first use, in an untimed first "
+          f"start ({converted}); the start rows time later starts, which read the converted file.\n")
+    print("| clients | llama-server tok/s | jitllmd tok/s | ratio | llama TTFT p50 ms | jitllmd TTFT p50 ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def pair(key: str, fmt: str) -> str:
+        (ref, ref_v), (ours, ours_v) = (cell(got[e].get(key, []), fmt) for e in ("llama-server", "jitllmd"))
+        ratio = f"{ours_v / ref_v:.2f}x" if ours_v is not None and ref_v else "-"
+        return f"{ref} | {ours} | {ratio}"
+
+    for n in clients:
+        print(f"| {n} | {pair(f'tps_{n}', '.1f')} | {pair(f'ttft_ms_{n}', '.0f')} |")
+    print(f"| start to healthy s (spawn until /health, /healthz answer 200) | {pair('healthy_s', '.2f')} | | | |")
+    print(f"| peak RSS MB (VmHWM of the server's process tree, after every load) | {pair('rss_mb', '.0f')} | | | |")
+    print("\njitllmd's start lines on batching:" if res.jitllmd_notes else "\njitllmd printed no line on rows, chunks or kernels")
+    for line in res.jitllmd_notes:
+        print(f"    {line}")
+
+
+def served(model: str, bin_dir: Path, threads: int, rounds: int, clients: tuple[int, ...], num_tokens: int, quiet: Quiet) -> None:
+    from bench import served as section
+
+    label, make = MODELS[model]
+    try:
+        gguf = make()
+    except (RuntimeError, OSError) as exc:
+        print(f"\n### served: {label}\n\nfailed to prepare: {exc}")
+        return
+    res = section.measure(gguf, bin_dir, cache() / "served-models", threads, rounds, clients, num_tokens, quiet,
+                          lambda line: print(f"{model} {line}", file=sys.stderr, flush=True))
+    print_served(label, gguf, threads, rounds, clients, num_tokens, res)
+
+
 # -- main -----------------------------------------------------------------------------------------------------------
 
 
@@ -524,7 +579,10 @@ def measure(model: str, st: Settings, bin_dir: Path, rounds: int, quiet: Quiet) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(MODELS)} (default: all; served: smollm2-q8_0)")
+    ap.add_argument("--section", choices=("all", "offline", "served"), default="all", help="offline: the llama.cpp tools' tables; served: the servers'")
+    ap.add_argument("--clients", default="1,8,16", help="served: the concurrent client counts, comma-separated")
+    ap.add_argument("--served-tokens", type=int, default=128, help="served: max_tokens of each request (ignore_eos: all generated)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one round, depth 0 only, fewer tokens, two perplexity windows")
@@ -535,23 +593,37 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(json.loads(a.worker))))
         return
-    models = a.models.split(",")
+    models = a.models.split(",") if a.models else list(MODELS)
+    served_models = a.models.split(",") if a.models else ["smollm2-q8_0"]
     for m in models:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}: one of {', '.join(MODELS)}")
+    try:
+        clients = tuple(int(c) for c in a.clients.split(","))
+    except ValueError:
+        ap.error(f"--clients {a.clients}: comma-separated counts, as 1,8,16")
+    if not all(0 < c <= 16 for c in clients):  # both servers hold 16 sessions
+        ap.error(f"--clients {a.clients}: each count 1 to 16")
+    if a.served_tokens < 1:
+        ap.error(f"--served-tokens {a.served_tokens}: at least 1")
     st = Settings(threads=a.threads, kernel=a.kernel, **(QUICK if a.quick else {}))
     rounds = 1 if a.quick else a.rounds
     bin_dir = llama_bin()
-    if shutil.which("llama-bench", path=str(bin_dir)) is None:
-        sys.exit(f"no llama-bench in {bin_dir}")
+    for tool in ("llama-bench", "llama-server"):
+        if shutil.which(tool, path=str(bin_dir)) is None:
+            sys.exit(f"no {tool} in {bin_dir}")
     try:
         info: dict | str = run_jitllmd("info", ROOT, st)
     except Failed as exc:
         info = str(exc)
     header(bin_dir, st, info)
     quiet = Quiet(a.idle_wait)
-    for m in models:
-        measure(m, st, bin_dir, rounds, quiet)
+    if a.section != "served":
+        for m in models:
+            measure(m, st, bin_dir, rounds, quiet)
+    if a.section != "offline":
+        for m in served_models:
+            served(m, bin_dir, st.threads, rounds, clients, a.served_tokens, quiet)
     noisy = [o for o in quiet.others if o > 0.3]
     print(f"\n{len(noisy)} of {len(quiet.others)} measurements ran while other processes kept > 0.3 of {os.cpu_count()} cores busy "
           f"(on average over the measurement; the log on stderr gives each){': ' + ', '.join(f'{o:.1f}' for o in noisy) if noisy else ''}; "
