@@ -100,7 +100,7 @@ def followup(variant: str | None, rounds: int) -> None:
                 for turn in range(2 * rounds):
                     mode = "short" if turn % 2 == 0 else "exact"
                     engine.loaded.runner.short_feed = table if mode == "short" else 0
-                    ids = [(97 + 13 * turn + j) % 5000 + 100 for j in range(new - 1)]  # the last reply's token is fed too
+                    ids = [(97 + 13 * turn + j) % 5000 + 100 for j in range(new)]
                     r = collect(engine.generate(ids, greedy, max_tokens=9, ignore_eos=True, session=session))
                     assert r.done.fed_tokens == new, r.done.fed_tokens
                     times[mode].append(r.done.figures["prefill_ms"])
