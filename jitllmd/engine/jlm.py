@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import mmap
@@ -53,6 +55,9 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
     produce: Callable[[], torch.Tensor]
+    # (file, offset): its bytes already lie there as stored, so write_jlm copies them file to file (in the kernel,
+    # at the speed of a copy, through no memory of this process) and does not call `produce`
+    stored_at: tuple[Path, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -95,24 +100,63 @@ def write_jlm(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     fcntl.flock(fd, fcntl.LOCK_EX)  # held while this writer lives: a part no one holds is a dead writer's
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+        with contextlib.ExitStack() as files:
+            files.callback(os.close, fd)  # written through the descriptor: the kernel's copies append to it too
+            _write_all(fd, struct.pack("<Q", len(raw)) + raw)
+            opened: dict[Path, int] = {}
             for spec in specs:
-                t = spec.produce()
-                if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-                    raise JLMError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, declared {spec.dtype} {spec.shape}")
-                if t.numel():
-                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                if spec.stored_at is not None:
+                    file, at = spec.stored_at
+                    if file not in opened:
+                        opened[file] = files.enter_context(open(file, "rb")).fileno()
+                    _copy_range(opened[file], fd, at, spec.nbytes, spec.name)
+                else:
+                    t = spec.produce()
+                    if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                        raise JLMError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, declared {spec.dtype} {spec.shape}")
+                    if t.numel():
+                        _write_all(fd, t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    del t  # one produced tensor in memory at a time
                 if on_tensor is not None:
                     on_tensor(spec)
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]  # a write(2) may be short: Linux writes at most ~2 GiB at a time
+
+
+def _copy_range(src: int, dst: int, offset: int, count: int, name: str) -> None:
+    """Append `count` bytes at `offset` of `src` to `dst`: by copy_file_range where the kernel and the file systems
+    allow it, else read and written in bounded chunks."""
+    fast = hasattr(os, "copy_file_range")  # Linux
+    while count:
+        if fast:
+            try:
+                n = os.copy_file_range(src, dst, count, offset)
+            except OSError as exc:
+                if exc.errno not in _NO_COPY_RANGE:
+                    raise
+                fast = False
+                continue
+        else:
+            n = len(chunk := os.pread(src, min(count, _CHUNK), offset))
+            _write_all(dst, chunk)
+        if n == 0:
+            raise JLMError(f"{name}: its source file ends {count} bytes short of its data")
+        offset += n
+        count -= n
+
+
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM, errno.ETXTBSY}
+_CHUNK = 16 << 20
 
 
 def remove_stale_parts(path: str | Path) -> list[Path]:

@@ -14,7 +14,7 @@ import torch
 
 from ..jlm import TensorSpec, write_jlm
 from ..layers.quant import FORMATS, quantizable, quantize
-from .gguf import is_gguf, is_quantized_gguf, read_gguf
+from .gguf import is_gguf, read_gguf
 from .hf import is_hf_dir, read_hf
 from .source import ConvertError, Source
 
@@ -56,7 +56,7 @@ def read_source(src: Path, dtype: str = "auto") -> Source:
     elif not is_gguf(src):
         raise ConvertError(f"{src}: not a GGUF file (no GGUF magic) or a Hugging Face model directory")
     else:
-        source = read_gguf(src, float_dtype, keep=dtype == "auto" and is_quantized_gguf(src))
+        source = read_gguf(src, float_dtype, keep=dtype == "auto")  # a quantized file keeps its blocks
     if dtype in QUANT_DTYPES:
         if source.embeds:
             raise ConvertError(f"{src}: an embedding model is stored as floats (-dtype f32, bf16 or f16), not {dtype}")

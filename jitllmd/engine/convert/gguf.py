@@ -3,6 +3,7 @@ names, and fixes tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -14,12 +15,13 @@ import torch
 from ..jlm import TensorSpec
 from ..models import family_for_gguf
 from ..models.family import TensorFix
+from .gguf_reader import open_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ConvertError, Source, block_order, naming
 
 log = logging.getLogger("jitllmd.convert")
 
-__all__ = ["GGUF_TYPES", "is_gguf", "is_quantized_gguf", "read_gguf"]
+__all__ = ["GGUF_TYPES", "is_gguf", "read_gguf"]
 
 # Quantization types this converter reads (gguf.quants dequantizes each); those in layers/quant.py's FORMATS can be
 # kept as they are, the others (Q2_K, Q3_K) become f32, which loses nothing.
@@ -36,14 +38,8 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def is_quantized_gguf(path: Path) -> bool:
+def _quantized(reader: Any) -> bool:
     """Whether a GGUF file holds any quantized tensor (then `convert` keeps its quantization by default)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception:  # read_gguf reports a damaged file
-        return False
     return any(t.tensor_type.name not in FLOAT_TYPES for t in reader.tensors)
 
 
@@ -75,21 +71,22 @@ class _Meta:
 
 
 def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
-    """Open a GGUF file and describe the .jlm it becomes. `keep`: quantized tensors of a type the engine runs stay
-    as their blocks (rows of bytes, `quantization` says their type and shape) and the others become f32; else every
-    tensor is dequantized to `dtype` when written."""
+    """Open a GGUF file and describe the .jlm it becomes. `keep`, where the file holds a quantized tensor: those of a
+    type the engine runs stay as their blocks (rows of bytes, `quantization` says their type and shape) and the others
+    become f32; else every tensor is dequantized to `dtype` when written. Bytes that go into the .jlm as they are (kept
+    blocks, f32 tensors stored as f32) are copied file to file when written, not read into memory."""
     import gguf
 
     from ..layers.quant import FORMATS
 
-    if keep:
-        dtype = torch.float32  # beside kept blocks, the float tensors (norms, biases) are f32
-
     try:
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
     except Exception as exc:  # the gguf package raises many kinds on a damaged file
         log.debug("%s: %s: %s", path, type(exc).__name__, exc)
         raise ConvertError(f"{path}: not a readable GGUF file (its header, metadata or tensor table is damaged or cut short)") from None
+    keep = keep and _quantized(reader)
+    if keep:
+        dtype = torch.float32  # beside kept blocks, the float tensors (norms, biases) are f32
     size = path.stat().st_size
     arch_name = _field(reader, "general.architecture")
     family = naming(path, lambda: family_for_gguf(arch_name))
@@ -113,14 +110,18 @@ def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
 
     def produce(t: Any, fix: TensorFix | None) -> torch.Tensor:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy: F32 data is a read-only map
+        w = torch.from_numpy(np.require(data, np.float32, "W"))  # copied only where read-only (GGUFReader's map)
         if fix is not None:
             w = fix(w)
         return w.to(dtype)
 
     def raw(t: Any, fix: TensorFix | None) -> torch.Tensor:
-        w = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(meta.shapes[t.name][0], -1)  # [rows, row bytes], a copy
+        w = torch.from_numpy(np.require(t.data, np.uint8, "W")).reshape(meta.shapes[t.name][0], -1)  # [rows, row bytes]
         return w if fix is None else fix(w).contiguous()  # a row permutation moves whole rows of blocks
+
+    def copied(spec: TensorSpec, t: Any, fix: TensorFix | None) -> TensorSpec:
+        """`spec`, copied from the file when written, where the .jlm stores the tensor's bytes as they lie there."""
+        return spec if fix is not None or t.n_bytes != spec.nbytes else dataclasses.replace(spec, stored_at=(path, t.data_offset))
 
     specs: list[TensorSpec] = []
     quantization: dict[str, dict[str, Any]] = {}
@@ -135,17 +136,20 @@ def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
         kind, shape = t.tensor_type.name, meta.shapes[t.name]
         if keep and kind in FORMATS and len(shape) == 2:
             quantization[name] = {"type": kind, "shape": list(shape)}
-            specs.append(TensorSpec(name, torch.uint8, (shape[0], FORMATS[kind].row_bytes(shape[1])), functools.partial(raw, t, fix)))
+            spec = TensorSpec(name, torch.uint8, (shape[0], FORMATS[kind].row_bytes(shape[1])), functools.partial(raw, t, fix))
+            specs.append(copied(spec, t, fix))
             continue
         if keep and kind not in FLOAT_TYPES:
             notes[kind] = notes.get(kind, 0) + 1
-        specs.append(TensorSpec(name, dtype, shape, functools.partial(produce, t, fix)))
+        spec = TensorSpec(name, dtype, shape, functools.partial(produce, t, fix))
+        specs.append(copied(spec, t, fix) if kind == "F32" and dtype == torch.float32 else spec)  # F16 and BF16 are recast
     specs.sort(key=block_order)
     return Source(
         arch=gguf_source.archs[arch_name],
         config=config,
         tensors=specs,
         tokenizer_json=tok.tokenizer_json,
+        tokenizer=tok.tokenizer,
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
         eos_token_ids=tok.eos_token_ids,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import itertools
+import re
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -12,6 +15,8 @@ from ..models.family import SentencePieceQuirks
 
 if TYPE_CHECKING:
     import gguf
+
+    from .gguf_reader import GGUFFile
 
 __all__ = ["GGUFTokenizer", "tokenizer_from_gguf"]
 
@@ -75,11 +80,12 @@ class GGUFTokenizer:
     add_bos_token: bool
     add_eos_token: bool
     chat_template: str | None
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)  # tokenizer_json, built
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile | gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -99,6 +105,13 @@ def _derive_merges(vocab: dict[str, int], priority: dict[str, float]) -> list[tu
 
     Ties go to the longer left part, then to file order, which is what transformers does.
     """
+    ranks = list(priority.values())
+    if len(set(ranks)) == len(ranks) and not any(r != r for r in ranks):
+        # No two tokens rank alike (nor as NaN): the order below is each token's splits, longest left part first,
+        # best token first; built without a sort key per split, a third faster on Gemma's 515k
+        order = sorted(vocab, key=priority.__getitem__, reverse=True)
+        return [(left, right) for token in order for cut in range(len(token) - 1, 0, -1)
+                if (left := token[:cut]) in vocab and (right := token[cut:]) in vocab]
     ranked: list[tuple[float, int, int, int, str, str]] = []
     for token, token_id in vocab.items():
         size = len(token)
@@ -111,20 +124,19 @@ def _derive_merges(vocab: dict[str, int], priority: dict[str, float]) -> list[tu
 
 
 def _file_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        # A merge whose parts are not tokens would make the BPE model refuse to load.
-        if sep and left in vocab and right in vocab and left + right in vocab:
-            pairs.append((left, right))
-    return pairs
+    # A merge whose parts are not tokens would make the BPE model refuse to load.
+    return [(left, right) for left, sep, right in (merge.partition(" ") for merge in merges)
+            if sep and left in vocab and right in vocab and left + right in vocab]
 
 
 def _add_vocab_tokens(tokenizer: Tokenizer, vocab: dict[str, int], tokens: list[str], types: list[int],
                       special_ids: set[int]) -> None:
     """Make control/unknown tokens special and user-defined ones plain added tokens, matched whole."""
     special, plain = [], []
-    for i, (token, kind) in enumerate(zip(tokens, types)):
+    n = min(len(tokens), len(types))
+    marked = [i for i, kind in enumerate(types[:n]) if kind in (_CONTROL, _UNKNOWN, _USER_DEFINED)]
+    for i in sorted({*marked, *(i for i in special_ids if i < n)}):  # the few tokens that can be added, in order
+        token, kind = tokens[i], types[i]
         if vocab.get(token) != i:
             continue  # duplicate or respelled spelling: not a whole token of the text
         if kind in (_CONTROL, _UNKNOWN) or i in special_ids:
@@ -135,19 +147,25 @@ def _add_vocab_tokens(tokenizer: Tokenizer, vocab: dict[str, int], tokens: list[
     tokenizer.add_tokens(plain)
 
 
+def _outside(tokens: list[str], alphabet: set[str]) -> list[int]:
+    """The indices of the tokens with a character outside `alphabet`: one regex pass over them all, joined."""
+    outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")
+    ends = list(itertools.accumulate(map(len, tokens)))  # token i's characters end at ends[i] in the joined text
+    return sorted({bisect.bisect_right(ends, m.start()) for m in outside.finditer("".join(tokens))})
+
+
 def _byte_level(tokens: list[str], types: list[int], merges: list[str] | None, pre: str | None,
                 special_ids: set[int]) -> Tokenizer:
     """GPT-2 style byte-level BPE."""
     spell = _byte_to_char()
-    alphabet = set(spell.values())
-    vocab: dict[str, int] = {}
-    for i, (token, kind) in enumerate(zip(tokens, types)):
+    spelled = tokens[: len(types)]
+    for i in _outside(spelled, set(spell.values())):
         # Added tokens keep their raw text so they match in the input; a normal token outside the
         # byte alphabet is re-spelled so BPE can reach it.
-        whole = kind in (_CONTROL, _USER_DEFINED, _UNKNOWN) or i in special_ids
-        if not whole and not set(token) <= alphabet:
-            token = "".join(spell[b] for b in token.encode("utf-8"))
-        vocab[token] = i
+        whole = types[i] in (_CONTROL, _USER_DEFINED, _UNKNOWN) or i in special_ids
+        if not whole:
+            spelled[i] = "".join(spell[b] for b in spelled[i].encode("utf-8"))
+    vocab = dict(zip(spelled, range(len(spelled))))
     if merges is None:
         pairs = _derive_merges(vocab, {t: -i for t, i in vocab.items()})
     else:
@@ -172,7 +190,7 @@ def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], qui
     spelled = tokens
     if quirks.literal_spaces:
         spelled = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
-    vocab = {token: i for i, token in enumerate(spelled)}
+    vocab = dict(zip(spelled, range(len(spelled))))
     if quirks.ranked_by_position:
         priority = {token: -float(i) for token, i in vocab.items()}
     else:
@@ -203,7 +221,7 @@ def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) ->
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader, quirks: SentencePieceQuirks | None = None) -> GGUFTokenizer:
+def tokenizer_from_gguf(reader: GGUFFile | gguf.GGUFReader, quirks: SentencePieceQuirks | None = None) -> GGUFTokenizer:
     """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata; `quirks`: how the file's family
     spells a SentencePiece vocabulary (its GGUFSource says)."""
     model = _field(reader, "tokenizer.ggml.model")
@@ -253,4 +271,5 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, quirks: SentencePieceQuirks | N
         add_bos_token=add_bos,
         add_eos_token=add_eos,
         chat_template=_field(reader, "tokenizer.chat_template"),
+        tokenizer=tokenizer,
     )

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..jlm import TensorSpec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = ["ConvertError", "Source", "block_order", "naming"]
 
@@ -34,6 +37,9 @@ class Source:
     quantization: dict[str, dict[str, Any]] = field(default_factory=dict)  # tensor -> {"type", "shape"}: stored quantized
     embeds: bool = False  # an encoder (its tensors stay float)
     notes: list[str] = field(default_factory=list)  # what the conversion changed on the way, for its summary
+    # tokenizer_json as a Tokenizer: the reader's own where it built one, else parsed once when first needed (a
+    # 262k-token vocabulary takes a second to parse)
+    tokenizer: Tokenizer | None = field(default=None, repr=False)
 
     def meta(self) -> dict[str, Any]:
         """The .jlm metadata document (see docs/format.md)."""
@@ -65,9 +71,11 @@ class Source:
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
             return None
-        from tokenizers import Tokenizer
+        if self.tokenizer is None:
+            from tokenizers import Tokenizer
 
-        return Tokenizer.from_str(self.tokenizer_json).token_to_id(token)
+            self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        return self.tokenizer.token_to_id(token)
 
 
 def block_order(spec: TensorSpec) -> tuple[int, int, str]:
