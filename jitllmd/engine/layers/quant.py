@@ -65,7 +65,7 @@ def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
 
 
 # `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-01,
-# rounded down to the token counts measured. Without bf16 units the exact path dequantizes f32 panels, so the integer
+# the lesser of two runs (3 and 5 rounds), rounded down to the token counts measured. Without bf16 units the exact path dequantizes f32 panels, so the integer
 # kernel wins far longer; AMX was not on that CPU: its tiles are faster than vdpbf16ps, so it takes bf16's figures.
 FORMATS: dict[str, QFormat] = {
     f.name: f
@@ -75,8 +75,8 @@ FORMATS: dict[str, QFormat] = {
         QFormat("Q5_0", 6, 32, 22, _short(32, 64, 8, 8)),
         QFormat("Q5_1", 7, 32, 24, _short(64, 48, 8, 8)),
         QFormat("Q8_0", 8, 32, 34, _short(24, 64, 8, 8)),
-        QFormat("Q4_K", 12, 256, 144, _short(64, 64, 16, 16)),
-        QFormat("Q5_K", 13, 256, 176, _short(48, 64, 16, 16)),
+        QFormat("Q4_K", 12, 256, 144, _short(32, 64, 16, 16)),
+        QFormat("Q5_K", 13, 256, 176, _short(32, 48, 16, 16)),
         QFormat("Q6_K", 14, 256, 210, _short(32, 64, 8, 8)),
     )
 }
