@@ -73,7 +73,7 @@ FORMATS: dict[str, QFormat] = {
         QFormat("Q4_0", 2, 32, 18, _short(48, 32, 8, 8)),
         QFormat("Q4_1", 3, 32, 20, _short(64, 64, 8, 8)),
         QFormat("Q5_0", 6, 32, 22, _short(32, 64, 8, 8)),
-        QFormat("Q5_1", 7, 32, 24, _short(64, 48, 8, 8)),
+        QFormat("Q5_1", 7, 32, 24, _short(32, 48, 8, 8)),
         QFormat("Q8_0", 8, 32, 34, _short(24, 64, 8, 8)),
         QFormat("Q4_K", 12, 256, 144, _short(32, 64, 16, 16)),
         QFormat("Q5_K", 13, 256, 176, _short(32, 48, 16, 16)),
