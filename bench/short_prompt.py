@@ -6,7 +6,7 @@ path (bf16 panels where the variant has bf16 units, else f32 panels dequantized 
     python bench/short_prompt.py --variants avx2+fma --formats Q4_K,Q6_K --rounds 7
     python bench/short_prompt.py --followup            # a follow-up turn's prefill in decode steps, on SmolLM2 and Qwen
 
-The last column is the largest T at which the integer kernel is still no slower: layers/quant.py's SHORT_FEED table
+The last column is the largest T at which the integer kernel is still no slower: layers/quant.py's QFormat.short
 holds these figures, per variant and format, and a prompt feed of at most that many new tokens runs as decode rows do.
 """
 
@@ -150,7 +150,7 @@ def main() -> None:
             print(f"| {fmt} | {cells} | {limit} |" + ("" if wins == [t for t in TOKENS if t <= limit] else " (not monotone)"))
         print("\n(cells: integer ms / exact ms)")
     kernels.use_variant(None)
-    print("\nSHORT_FEED = {")
+    print("\nper variant, the crossover of each format (QFormat.short in layers/quant.py) = {")
     for variant, limits in summary.items():
         print(f"    {variant!r}: {limits!r},")
     print("}")

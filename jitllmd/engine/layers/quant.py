@@ -48,7 +48,7 @@ __all__ = ["FORMATS", "QFormat", "QuantLinear", "QuantTable", "Segment", "chunk_
 class QFormat:
     """A GGUF block format: `block` weights in `nbytes` bytes; `ggml` is ggml's type id (the kernels' too). `short`:
     per kernel variant, the most tokens of a prompt feed whose product the decode rows' integer kernel still runs no
-    slower than the prompt chunks' exact path (bench/short_prompt.py measures them; see SHORT_FEED)."""
+    slower than the prompt chunks' exact path (bench/short_prompt.py measures them; see short_feed)."""
 
     name: str
     ggml: int
@@ -64,20 +64,24 @@ def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
     return {"avx2+fma": avx2, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
 
 
-# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-01,
-# the lesser of two runs (3 and 5 rounds), rounded down to the token counts measured. Without bf16 units the exact path dequantizes f32 panels, so the integer
-# kernel wins far longer; AMX was not on that CPU: its tiles are faster than vdpbf16ps, so it takes bf16's figures.
+# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-01:
+# a projection's crossover, the lesser of two runs, rounded down to the token counts measured. Without bf16 units the
+# exact path dequantizes f32 panels, so the integer kernel wins far longer. With them a projection alone crosses at
+# 8-16 tokens, but a short feed runs the fused layer (no per-op dispatch): at the model (--followup) 16 tokens still
+# won on SmolLM2 Q4_1/Q8_0 (2.9 decode steps against 4.8) and Qwen Q4_K_M (2.9 against 6.2), 24 tied, so bf16 takes
+# 16. AMX was not on that CPU: its tiles are faster than vdpbf16ps (and the fused layer is off for its bf16 prompt
+# attention), so it takes the projections' 8.
 FORMATS: dict[str, QFormat] = {
     f.name: f
     for f in (
-        QFormat("Q4_0", 2, 32, 18, _short(48, 32, 8, 8)),
-        QFormat("Q4_1", 3, 32, 20, _short(64, 64, 8, 8)),
-        QFormat("Q5_0", 6, 32, 22, _short(32, 64, 8, 8)),
-        QFormat("Q5_1", 7, 32, 24, _short(32, 48, 8, 8)),
-        QFormat("Q8_0", 8, 32, 34, _short(24, 64, 8, 8)),
-        QFormat("Q4_K", 12, 256, 144, _short(32, 64, 16, 16)),
-        QFormat("Q5_K", 13, 256, 176, _short(32, 48, 16, 16)),
-        QFormat("Q6_K", 14, 256, 210, _short(32, 64, 8, 8)),
+        QFormat("Q4_0", 2, 32, 18, _short(48, 32, 16, 8)),
+        QFormat("Q4_1", 3, 32, 20, _short(64, 64, 16, 8)),
+        QFormat("Q5_0", 6, 32, 22, _short(32, 64, 16, 8)),
+        QFormat("Q5_1", 7, 32, 24, _short(32, 48, 16, 8)),
+        QFormat("Q8_0", 8, 32, 34, _short(24, 64, 16, 8)),
+        QFormat("Q4_K", 12, 256, 144, _short(32, 64, 16, 8)),
+        QFormat("Q5_K", 13, 256, 176, _short(32, 48, 16, 8)),
+        QFormat("Q6_K", 14, 256, 210, _short(32, 64, 16, 8)),
     )
 }
 
