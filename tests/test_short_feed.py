@@ -48,7 +48,7 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
     new = [17, 5, 30, 9, 2, 41]
     a, b = _history(loaded, 12), _history(loaded, 12)
     n = len(new)
-    fed = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, a, prompt=True, short=n)], torch.arange(n))
+    fed = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, a, prompt=True, short=True)], torch.arange(n))
     one_by_one = torch.cat([loaded.runner.forward(torch.tensor([t]), torch.tensor([12 + j]), [RowSpan(0, 1, b)]) for j, t in enumerate(new)])
     amx = kernels.bf16_units() == "amx"  # a prompt row attends in bf16 on AMX tiles: the Python path, its own rounding
     fused = model == "tiny_serve_q8_jlm" and variant is not None and not amx
@@ -85,7 +85,7 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
     the first gave."""
     engine = Engine.load(tiny_serve_q8_jlm, max_batch=2, max_seq=256)
     engine.loaded.runner.short_feed = 8
-    seen: list[tuple[int, bool, int]] = []
+    seen: list[tuple[int, bool, bool]] = []
     forward = engine.loaded.runner.forward
 
     def spy(token_ids, positions, rows, logits_at=None):
@@ -99,11 +99,11 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
         assert seen[0] == (20, True, 0) and all(not p for _, p, _ in seen[1:]), seen
         seen.clear()
         collect(engine.generate([7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s))
-        assert seen[0][1] and seen[0][2] == seen[0][0] <= 8 and all(not p for _, p, _ in seen[1:]), seen
+        assert seen[0][1:] == (True, True) and seen[0][0] <= 8 and all(not p for _, p, _ in seen[1:]), seen
         seen.clear()
         collect(engine.generate([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
-        assert seen[0][1:] == (True, seen[0][0]), seen
-        for prompt, short in ((list(range(40, 70)), 0), (list(range(80, 86)), 1)):  # a long prompt, then a short one
+        assert seen[0][1:] == (True, True), seen
+        for prompt, short in ((list(range(40, 70)), False), (list(range(80, 86)), True)):  # a long prompt, then a short one
             first, again = (collect(engine.generate(prompt, GREEDY, max_tokens=8, ignore_eos=True)) for _ in range(2))
             assert again.done.fed_tokens == 1 and seen[-8] == (1, True, short) and again.ids == first.ids, (prompt, seen[-16:])
     finally:

@@ -53,13 +53,13 @@ class Engine:
         self.device_rows = max_batch  # rows of a step while every block is on one device
         self.host_rows = max_batch if host_rows is None else host_rows  # requests at once while any block is on the host
         self.split_rows = self.host_rows if split_rows is None else split_rows  # ... while split over devices, none on the host
+        self.batching: Batching | None = None  # what load decided for the step's rows and prompt chunk, and why
         self.scheduler = Scheduler(self._rows_now(), prompt_chunk)
         self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.batching: Batching | None = None  # what load decided for the step's rows and prompt chunk, and why
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
         self._weight_bytes = decode_bytes(loaded)
         self._jobs: list[Job] = []  # placement changes waiting for their session's generation to end
@@ -388,16 +388,19 @@ class Engine:
     def rows_why(self) -> str:
         """Why a step holds at most `scheduler.max_batch` rows now: the batching load decided, or the flag that limits
         a model whose blocks are not all on one device."""
-        placement = self.loaded.placement
-        if placement is None or placement.one_device:
-            return self.batching.rows_why if self.batching is not None else f"max_batch {self.device_rows}"
-        return "-device-concurrency: split over devices" if HOST not in placement.places else "-host-concurrency: blocks on the host"
+        return self._row_limit()[1]
 
     def _rows_now(self) -> int:
+        return self._row_limit()[0]
+
+    def _row_limit(self) -> tuple[int, str]:
+        """The rows a step may hold where the blocks are now, and why."""
         placement = self.loaded.placement
         if placement is None or placement.one_device:
-            return self.device_rows
-        return self.split_rows if HOST not in placement.places else self.host_rows
+            return self.device_rows, self.batching.rows_why if self.batching is not None else f"max_batch {self.device_rows}"
+        if HOST not in placement.places:
+            return self.split_rows, "-device-concurrency: split over devices"
+        return self.host_rows, "-host-concurrency: blocks on the host"
 
     # -- placement: changes run on the engine thread, between steps -----------------------------
 

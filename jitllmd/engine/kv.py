@@ -225,14 +225,12 @@ class RowSpan:
     num_tokens: int
     kv: SessionKV
     prompt: bool = False  # tokens of a prompt (even one): quantized projections multiply them exactly
-    short: int = 0  # ... but its last `short` tokens multiply as decode rows do (all of a short feed's: runner.pack)
+    short: bool = False  # ... unless it is a short feed: its tokens multiply as decode rows do (runner.pack)
+    exact: bool = field(init=False)  # its tokens take the prompt chunks' exact products (a prompt's, or any row of several)
     _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 
-    @property
-    def exact_tokens(self) -> int:
-        """How many of its tokens, from the first, take the prompt chunks' exact products: a prompt's (or any row of
-        several tokens) but its last `short`."""
-        return max(0, (self.num_tokens if self.num_tokens > 1 or self.prompt else 0) - self.short)
+    def __post_init__(self) -> None:
+        self.exact = (self.num_tokens > 1 or self.prompt) and not self.short  # once: every layer of a forward asks
 
     def begin(self) -> None:
         """Before a forward: the masks of the last one no longer apply."""

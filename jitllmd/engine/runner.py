@@ -112,7 +112,7 @@ class ModelRunner:
             b.tokens.extend(ids)
             b.positions.extend(range(pos, pos + len(ids)))
             prompt = req.state is not RequestState.DECODE
-            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=prompt, short=self._short(req, pos, len(ids)) if prompt else 0))
+            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=prompt, short=prompt and self._short(req, pos, len(ids))))
             req.session.token_ids.extend(ids)
             if req.state is not RequestState.DECODE and req.prompt_logprobs is not None:
                 b.logits_at.extend(range(start, len(b.tokens)))  # each scores the prompt's next token (the last: the first sampled)
@@ -125,22 +125,22 @@ class ModelRunner:
                 b.num_prompt += len(ids)
         return b
 
-    def _short(self, req: Request, pos: int, n: int) -> int:
-        """How many of a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run
-        the integer kernel (short_feed > 0): all of a feed of at most short_feed new tokens (a follow-up turn, a short
-        prompt: the integer kernel is the faster), else none; decided from the request's own counts. But a feed of
+    def _short(self, req: Request, pos: int, n: int) -> bool:
+        """Whether a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run the
+        integer kernel (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short
+        prompt: the integer kernel is the faster); decided from the request's own counts. But a feed of
         one token is a prompt cached but for its last (a request repeated, regenerated): that token is made the way
         it was made the first time (`Session.short`), so its first sampled token is the one that run sampled (a near
         tie of a small model's logits can turn on the int8 rounding of its activations)."""
         feed = len(req.prompt_ids) - req.cached
         if not self.short_feed or feed > self.short_feed:
-            return 0
+            return False
         session = req.session
         a, b = session.short
         if feed == 1 and not a <= pos < b:
-            return 0
+            return False
         session.short = (a if req.fed > req.cached else pos, pos + n)  # a feed the chunk budget split goes on where it was
-        return n
+        return True
 
     def run(self, b: Batch, joint: JointSteps) -> torch.Tensor:
         """The batch as one packed forward or its rows one after another, as `joint` says; the step timed for it."""

@@ -199,7 +199,7 @@ class Worker:
                     if i < len(kv.k) and kv.length > kv.offsets[i]:
                         raise ValueError(f"session KV {key} has no K/V of layer {i} here")
                     kv.move(i, m.blocks[i][1])
-            rows.append(RowSpan(int(start), int(n), kv, bool(prompt), int(short)))
+            rows.append(RowSpan(int(start), int(n), kv, bool(prompt), bool(short)))
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)
             row.begin()

@@ -307,14 +307,14 @@ _PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weight
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
     """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
-    token alone), which quantized projections multiply exactly, but for those a row marks `short` (RowSpan.exact_tokens);
-    None where there are none."""
-    long = [r for r in rows if r.exact_tokens]
+    token alone), which quantized projections multiply exactly, but a short feed's (RowSpan.exact); None where there
+    are none."""
+    long = [r for r in rows if r.exact]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     for r in long:
-        mask[r.start : r.start + r.exact_tokens] = True
+        mask[r.start : r.start + r.num_tokens] = True
     return mask
 
 

@@ -156,7 +156,7 @@ class DecoderBlock:
         forward's RoPE tables (`LlamaModel.begin`)."""
         T = x.shape[0]
         tables = rope[self.rope_index]
-        if self.fused is not None and not any(r.exact_tokens or (r.prompt and self.attn.bf16) for r in rows):
+        if self.fused is not None and not any(r.exact or (r.prompt and self.attn.bf16) for r in rows):
             return self._fused_step(x, tables, rows, keep)  # decode rows and short feeds (but AMX's bf16 prompt attention): one kernel call
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
@@ -194,18 +194,12 @@ class DecoderBlock:
         return self.mlp(x, chunk)
 
     def _fused_step(self, x: torch.Tensor, tables: RopeTables, rows: list[RowSpan], keep: list[int] | None) -> torch.Tensor:
-        """The layer in one decode_layer call, each token a row of its own: a short feed's token j attends to its
-        session's keys up to its own position (the kernel writes every token's K/V before any attends), which is the
-        causal chunk attention. -> [T, hidden], or the `keep` tokens'."""
+        """The layer in one decode_layer call, each token a row of its own attending up to its own position (every K/V is
+        written before any attends): a short feed's causal attention. -> [T, hidden], or the `keep` tokens'."""
         i, window = self.attn.layer, self.attn.window
-        keys, values, lengths, starts = [], [], [], []
-        for r in rows:
-            for pos in range(r.kv.length, r.kv.length + r.num_tokens):
-                keys.append(r.kv.k[i])
-                values.append(r.kv.v[i])
-                lengths.append(r.kv.slot(i, pos) + 1)
-                starts.append(r.kv.slot(i, max(0, pos - window + 1) if window else 0))
-        y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), keys, values, lengths, starts)
+        tokens = [(r.kv, pos) for r in rows for pos in range(r.kv.length, r.kv.length + r.num_tokens)]
+        y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), [kv.k[i] for kv, _ in tokens], [kv.v[i] for kv, _ in tokens],
+                         [kv.slot(i, pos) + 1 for kv, pos in tokens], [kv.slot(i, max(0, pos - window + 1) if window else 0) for kv, pos in tokens])
         return y if keep is None else y[keep]
 
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
