@@ -388,19 +388,16 @@ class Engine:
     def rows_why(self) -> str:
         """Why a step holds at most `scheduler.max_batch` rows now: the batching load decided, or the flag that limits
         a model whose blocks are not all on one device."""
-        return self._row_limit()[1]
-
-    def _rows_now(self) -> int:
-        return self._row_limit()[0]
-
-    def _row_limit(self) -> tuple[int, str]:
-        """The rows a step may hold where the blocks are now, and why."""
         placement = self.loaded.placement
         if placement is None or placement.one_device:
-            return self.device_rows, self.batching.rows_why if self.batching is not None else f"max_batch {self.device_rows}"
-        if HOST not in placement.places:
-            return self.split_rows, "-device-concurrency: split over devices"
-        return self.host_rows, "-host-concurrency: blocks on the host"
+            return self.batching.rows_why if self.batching is not None else f"max_batch {self.device_rows}"
+        return "-device-concurrency: split over devices" if HOST not in placement.places else "-host-concurrency: blocks on the host"
+
+    def _rows_now(self) -> int:
+        placement = self.loaded.placement
+        if placement is None or placement.one_device:
+            return self.device_rows
+        return self.split_rows if HOST not in placement.places else self.host_rows
 
     # -- placement: changes run on the engine thread, between steps -----------------------------
 
