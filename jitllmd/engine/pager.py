@@ -1,9 +1,11 @@
 """The host pager: host blocks read from the .jlm with pread, up to a page budget of them kept resident, the rest read
 just in time for their turn and dropped after, so the host's resident set is measured and bounded (not left to the
-OS page cache, which holds the file outside the process)."""
+OS page cache, which holds the file outside the process). A kept block's quantized parts are the file's own pages,
+mapped and populated at once: resident all the same (in the process's RSS, counted in the budget), without a copy."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -20,6 +22,7 @@ __all__ = ["ROW_BLOCKS", "BlockReader", "Layout", "PagedRows", "Pager", "ReadSta
 
 Layout = dict[str, list[str]]  # part name -> the file's tensors concatenated along dim 0 into that part
 ROW_BLOCKS = ("embed",)  # blocks a forward reads by rows (token ids), so paging them reads only those rows
+_MADV_POPULATE_READ = 22  # Linux 5.14: map a range's pages now, read-only (a private mapping's stay the file's)
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ReadStats:
 class BlockReader:
     """Reads a block's tensors from the .jlm with pread into parts laid out as the model wants them (q, k, v rows
     concatenated into one qkv part, say), with no copy beyond the read and nothing left mapped."""
+
+    _populate = True  # whether this kernel populates a mapping on request (below: else kept parts are read)
 
     def __init__(self, jlm: JLMFile):
         self.jlm = jlm
@@ -82,6 +87,45 @@ class BlockReader:
             size += pos
         self._count(block, size, time.perf_counter() - t0)
         return out
+
+    def keep(self, block: str, layout: Layout) -> dict[str, torch.Tensor]:
+        """Every part of `layout` to keep in memory: a quantized part whose tensors lie end to end in the file is the
+        file's bytes, mapped privately (never written back) and populated now, so no step waits on a fault; others are
+        read as `read` reads them. Mapping Qwen2.5-1.5B's kept blocks takes ~0.07 s where reading them took ~0.6 s (the
+        reads fault in and fill fresh pages; the map takes the page cache's own); counted against `block` as a read."""
+        t0 = time.perf_counter()
+        out: dict[str, torch.Tensor] = {}
+        size = 0
+        for part, names in layout.items():
+            mapped = self._mapped(names)
+            out[part] = mapped if mapped is not None else self.read(block, {part: names})[part]
+            size += sum(self.jlm.locate(n)[3] for n in names) if mapped is not None else 0
+        if size:
+            self._count(block, size, time.perf_counter() - t0)
+        return out
+
+    def _mapped(self, names: list[str]) -> torch.Tensor | None:
+        """The part of `names` as a view of the file, or None where it cannot be: not quantized (a float part may be
+        rewritten in place into panels, which would copy every page), not one run of the file, or a kernel without
+        MADV_POPULATE_READ (mapped unpopulated, the first step would fault the whole model in)."""
+        if not BlockReader._populate:
+            return None
+        locs = [self.jlm.locate(n) for n in names]
+        if any(dtype != torch.uint8 for dtype, *_ in locs) or any(a[2] + a[3] != b[2] for a, b in zip(locs, locs[1:])):
+            return None
+        offset, nbytes = locs[0][2], sum(size for *_, size in locs)
+        if nbytes == 0:
+            return None
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self._fd, offset + nbytes - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        try:
+            m.madvise(_MADV_POPULATE_READ, 0, len(m))
+        except OSError:
+            BlockReader._populate = False
+            m.close()
+            return None
+        dtype, shape = self.part_spec(names)
+        return torch.frombuffer(m, dtype=dtype, count=nbytes, offset=offset - start).view(shape)  # the tensor holds the map
 
     def rows(self, block: str, name: str, ids: list[int]) -> torch.Tensor:
         """Rows `ids` of a 2-D tensor, read one by one (the token embedding of a paged embed block)."""
@@ -246,7 +290,7 @@ class Pager:
             elif name in ROW_BLOCKS and len(names) == 1 and not self._read_elsewhere(name, key):
                 out[part] = self.reader.jlm.tensor(names[0])
             else:
-                out[part] = self.reader.read(name, {part: names})[part]
+                out[part] = self.reader.keep(name, {part: names})[part]
         return out
 
     def _read_elsewhere(self, name: str, key: tuple[str, ...]) -> bool:

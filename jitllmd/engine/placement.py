@@ -388,9 +388,10 @@ class Placement:
             key = tuple(names)
             if key in shared:
                 out[part] = shared[key]
+            elif device.type == "cpu":  # kept in this process's memory: the file's pages where they can be
+                out[part] = self.pager.reader.keep(name, {part: names})[part]
             else:
-                t = self.pager.reader.read(name, {part: names})[part]
-                out[part] = t.to(device)  # the tensor itself where it is already there
+                out[part] = self.pager.reader.read(name, {part: names})[part].to(device)
         return out
 
     def close(self) -> None:
