@@ -164,7 +164,8 @@ class GGUFFile:
         return self._strings(count, offset)
 
     def _strings(self, count: int, offset: int) -> tuple[list[bytes], int]:
-        buf, size, unpack, out = self._buf, self._size, _U64.unpack_from, []
+        buf, size, unpack = self._buf, self._size, _U64.unpack_from
+        out: list[bytes] = []
         append = out.append
         try:
             for _ in range(count):

@@ -196,6 +196,7 @@ class DecoderBlock:
     def _fused_step(self, x: torch.Tensor, tables: RopeTables, rows: list[RowSpan], keep: list[int] | None) -> torch.Tensor:
         """The layer in one decode_layer call, each token a row of its own attending up to its own position (every K/V is
         written before any attends): a short feed's causal attention. -> [T, hidden], or the `keep` tokens'."""
+        assert self.fused is not None  # forward takes this path only where the layer has one
         i, window = self.attn.layer, self.attn.window
         tokens = [(r.kv, pos) for r in rows for pos in range(r.kv.length, r.kv.length + r.num_tokens)]
         y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), [kv.k[i] for kv, _ in tokens], [kv.v[i] for kv, _ in tokens],
