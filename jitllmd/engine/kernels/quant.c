@@ -6,9 +6,10 @@
  * where asked, x is RMSNorm(x) * w or act(gate) * up, made from the given rows as they are quantized (as panels.c does).
  * A row's weights go by groups of 8 x-blocks (eight 32-format blocks, or one K-format superblock), each unpacked
  * once for up to GROUP (WIDE_GROUP) x rows into 8 vectors of codes, in an order x's codes are stored in too (see x_lane). Per
- * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd) add up in int32 lanes that each belong to
- * one x-block, then one conversion per group to f32, times each block's d_w * d_x, into a vector accumulator. A
- * format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...) comes in as offset * (d_x * sum(q)).
+ * row, integer dot products (AVX2: maddubs + madd; AVX-512 VNNI: dpbusd, two rows at a time in 512-bit vectors) add
+ * up in int32 lanes that each belong to one x-block, then one conversion per group to f32, times each block's
+ * d_w * d_x, into a vector accumulator. A format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...)
+ * comes in as offset * (d_x * sum(q)).
  * Signed weights (Q8_0, Q6_K's q - 32): AVX2 takes |w| against x * sign(w); VNNI x + 128 against w, less
  * 128 * sum(w). Every (t, o) sums in one order whatever T is and however many threads run: a row's result does not
  * depend on the rows beside it (nor on the build: the integer sums are exact, the f32 steps the same).
@@ -163,9 +164,17 @@ static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
  * e .. e + 3 of x-block b (x_lane). x is stored in the same order, so the products of matching vectors add up in
  * int32 lanes that each belong to one x-block over the whole group: one conversion and one FMA per accumulator, row
  * and group, instead of one per block. The 32-formats have one accumulator (lane L: block L); the K-formats two
- * (Q4_K, Q5_K: blocks 0 2 4 6 and 1 3 5 7; Q6_K: 0 1 4 5 and 2 3 6 7, lanes L and L + 4 of a block its halves). */
+ * (Q4_K, Q5_K: blocks 0 2 4 6 and 1 3 5 7; Q6_K: 0 1 4 5 and 2 3 6 7, lanes L and L + 4 of a block its halves).
+ *
+ * x's rows are stored in pairs (rows 2p, 2p + 1), side by side: in a pair's group, vector v of row 2p then of 2p + 1
+ * (32 bytes each, so a row's vectors are XV apart); in xd, per accumulator, row 2p's 8 lanes then 2p + 1's; in xs,
+ * 8 floats each. With AVX-512 one 512-bit load is then the same vector of both rows (pair_dot). */
 #define NV 8
-#define GB 256 /* x codes per group */
+#define GB 256 /* x codes per group and row */
+#define XV 64  /* bytes from a row's x vector to its next: the pair's other row sits between */
+
+/* where x row t's group-0 slot starts, in an array of `per_row` items a group and row (pairs interleaved by `half`) */
+static inline int64_t x_slot(int64_t t, int64_t ng, int64_t per_row, int64_t half) { return t / 2 * ng * 2 * per_row + t % 2 * half; }
 
 static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
 
@@ -234,9 +243,9 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
     return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups: codes xq
- * (GB bytes a group), each group's block d in accumulator-lane order (xd: 16 floats) and d * sum(q) in block order
- * (xs: 8 floats). Missing blocks are 0. */
+/* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
+ * slots in its pair (x_slot): codes xq (vectors XV bytes apart), each group's block d in accumulator-lane order (xd:
+ * 8 floats an accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
 static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int8_t *xq, float *xd,
                          float *xs) {
     const int64_t K = nb * QB;
@@ -246,13 +255,13 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
         for (int L = 0; L < 8; L++) {
             int block, elem;
             x_lane(type, v, L, &block, &elem);
-            at[block][elem / 4] = 32 * v + 4 * L;
+            at[block][elem / 4] = XV * v + 4 * L;
         }
     const __m256i bias = _mm256_set1_epi8(x_biased(type) ? (char)0x80 : 0);
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
-        int8_t *xg = xq + g * GB;
-        memset(xg, x_biased(type) ? 0x80 : 0, GB);
+        int8_t *xg = xq + g * 2 * GB;
+        for (int v = 0; v < NV; v++) memset(xg + XV * v, x_biased(type) ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
             int8_t codes[QB];
@@ -260,11 +269,11 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
             input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
             _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
             for (int c = 0; c < 8; c++) memcpy(xg + at[j][c], codes + 4 * c, 4);
-            xs[8 * g + j] = d[j] * (float)sum;
+            xs[16 * g + j] = d[j] * (float)sum;
         }
-        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[8 * g + j] = 0.0f;
+        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[16 * g + j] = 0.0f;
         for (int a = 0; a < 2; a++)
-            for (int L = 0; L < 8; L++) xd[16 * g + 8 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
+            for (int L = 0; L < 8; L++) xd[32 * g + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
     }
 }
 
@@ -419,10 +428,11 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
  * d per accumulator lane, os: offset * its d * sum(q). Without VNNI the maddubs pairs add up in int16 as far as they
  * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q6_K's |q - 32| <= 32 4, Q8_0's 1).
  * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
- * two vectors at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves.) */
+ * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
+ * two rows at a time, pair_dot, needs no pairing.) */
 static inline __attribute__((always_inline)) __m256 group_dot(const int type, const group_t *g, const int8_t *xg, const float *d, __m256 os) {
     const int na = num_acc(type);
-#define X(k) _mm256_loadu_si256((const __m256i *)(xg + 32 * (k)))
+#define X(k) _mm256_loadu_si256((const __m256i *)(xg + XV * (k)))
     __m256 part[2];
     for (int a = 0; a < na; a++) {
         __m256i s = _mm256_setzero_si256();
@@ -448,19 +458,77 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
             }
         }
 #endif
-        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + 8 * a)), a == 0 ? os : _mm256_setzero_ps());
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + 16 * a)), a == 0 ? os : _mm256_setzero_ps());
     }
     return na == 1 ? part[0] : _mm256_add_ps(part[0], part[1]);
 #undef X
 }
 
-/* The n rows (n, type constants) against group g, added to their accumulators. Row t's codes start at
- * xq + t * ng * GB, its d at xd + t * ng * 16, its d * sum(q) at xs + t * ng * 8. */
+#ifdef HAVE_VNNI
+typedef __m512 pair_acc; /* a pair of x rows' accumulators, the first row's in the low half */
+
+/* A group's weights in both halves of 512-bit vectors, for a pair of x rows at a time */
+typedef struct {
+    __m512i w[NV], sc[2], corr[2];
+    __m512 dw[2], off;
+} group2_t;
+
+static inline __m512 both_ps(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+
+static inline __attribute__((always_inline)) void widen_group(const int type, const group_t *g, group2_t *z) {
+    for (int k = 0; k < NV; k++) z->w[k] = _mm512_broadcast_i64x4(g->w[k]);
+    for (int a = 0; a < num_acc(type); a++) {
+        z->dw[a] = both_ps(g->dw[a]);
+        if (type == Q6_K) z->sc[a] = _mm512_broadcast_i64x4(g->sc[a]);
+        if (type == Q8_0 || type == Q6_K) z->corr[a] = _mm512_broadcast_i64x4(g->corr[a]);
+    }
+    if (has_offset(type)) z->off = both_ps(g->off);
+}
+
+/* group_dot for a pair of rows, the first in the low half: the same operations lane for lane, so the same bits, in
+ * half the instructions (on Zen 5 a 512-bit dpbusd measured about as quick as a 256-bit one). xg, d, xs: the pair's. */
+static inline __attribute__((always_inline)) __m512 pair_dot(const int type, const group2_t *z, const int8_t *xg, const float *d, const float *xs) {
+    const int na = num_acc(type), sign = type == Q8_0 || type == Q6_K;
+    const __m512 os = has_offset(type) ? _mm512_mul_ps(z->off, _mm512_loadu_ps(xs)) : _mm512_setzero_ps();
+    __m512 part[2];
+    for (int a = 0; a < na; a++) {
+        __m512i s = _mm512_setzero_si512();
+        for (int k = a; k < NV; k += na) {
+            const __m512i x = _mm512_loadu_si512(xg + XV * k);
+            s = sign ? _mm512_dpbusd_epi32(s, x, z->w[k]) : _mm512_dpbusd_epi32(s, z->w[k], x);
+        }
+        if (sign) s = _mm512_sub_epi32(s, z->corr[a]);
+        if (type == Q6_K) s = _mm512_mullo_epi32(s, z->sc[a]);
+        part[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(z->dw[a], _mm512_loadu_ps(d + 16 * a)), a == 0 ? os : _mm512_setzero_ps());
+    }
+    return na == 1 ? part[0] : _mm512_add_ps(part[0], part[1]);
+}
+#else
+typedef __m256 pair_acc; /* unused: without AVX-512 each row goes alone */
+#endif
+
+/* The n rows (n, type constants; the first of a pair) against group g, added to their accumulators: with VNNI a
+ * pair at a time into acc2 (row 2p's in the low half of acc2[p]), an odd last row alone into acc[n - 1]; without,
+ * each row alone into acc[t]. Row t's x at its x_slot. */
 static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const group_t *grp, int64_t g, int64_t ng,
-                                                             const int8_t *xq, const float *xd, const float *xs, __m256 *acc) {
-    for (int t = 0; t < n; t++) {
-        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + (t * ng + g) * 8)) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + (t * ng + g) * GB, xd + (t * ng + g) * 16, os));
+                                                             const int8_t *xq, const float *xd, const float *xs, __m256 *acc, pair_acc *acc2) {
+    int t = 0;
+#ifdef HAVE_VNNI
+    if (n >= 2) {
+        group2_t z;
+        widen_group(type, grp, &z);
+        for (; t + 1 < n; t += 2) {
+            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, &z, xq + x_slot(t, ng, GB, 32) + g * 2 * GB, xd + x_slot(t, ng, 16, 8) + g * 32,
+                                              xs + x_slot(t, ng, 8, 8) + g * 16));
+        }
+    }
+#else
+    (void)acc2;
+#endif
+    for (; t < n; t++) {
+        const float *s = xs + x_slot(t, ng, 8, 8) + g * 16;
+        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(s)) : _mm256_setzero_ps();
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + x_slot(t, ng, GB, 32) + g * 2 * GB, xd + x_slot(t, ng, 16, 8) + g * 32, os));
     }
 }
 
@@ -472,18 +540,25 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
                                                            const float *r, int64_t ldr) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
     __m256 acc[WIDE_GROUP > GROUP ? WIDE_GROUP : GROUP];
+    pair_acc acc2[(WIDE_GROUP > GROUP ? WIDE_GROUP : GROUP) / 2];
     group_t grp;
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+#ifdef HAVE_VNNI
+    for (int p = 0; p < n / 2; p++) acc2[p] = _mm512_setzero_ps();
+#endif
     const int64_t gbytes = is_k(type) ? bytes : 8 * bytes;
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
-        group_rows(type, n, &grp, g, ng, xq, xd, xs, acc);
+        group_rows(type, n, &grp, g, ng, xq, xd, xs, acc, acc2);
     }
     if (full < ng) { /* a 32-format row's short last group */
         unpack_group(type, w + 8 * full * bytes, bytes, (int)(nb - 8 * full), &grp);
-        group_rows(type, n, &grp, full, ng, xq, xd, xs, acc);
+        group_rows(type, n, &grp, full, ng, xq, xd, xs, acc, acc2);
     }
+#ifdef HAVE_VNNI
+    for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
+#endif
     if (r)
         for (int t = 0; t < n; t++) y[t * ldy] = r[t * ldr] + hsum(acc[t]);
     else
@@ -498,8 +573,8 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const 
     static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
                      int64_t ldy, const float *r, int64_t ldr, int64_t T) {                                                \
         for (int64_t t0 = 0, n; t0 < T; t0 += n) {                                                                         \
-            const int8_t *q = xq + t0 * ng * GB;                                                                           \
-            const float *d = xd + t0 * ng * 16, *s = xs + t0 * ng * 8;                                                     \
+            const int8_t *q = xq + x_slot(t0, ng, GB, 32); /* t0 even: a pair's first row */                              \
+            const float *d = xd + x_slot(t0, ng, 16, 8), *s = xs + x_slot(t0, ng, 8, 8);                                   \
             float *yt = y + t0 * ldy;                                                                                      \
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
             n = WIDE_GROUP && T - t0 >= WIDE_GROUP ? WIDE_GROUP : T - t0 < GROUP ? T - t0 : GROUP;                         \
@@ -560,8 +635,8 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, j->xq + t * j->ng * GB,
-                 j->xd + t * j->ng * 16, j->xs + t * j->ng * 8);
+    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng,
+                 j->xq + x_slot(t, j->ng, GB, 32), j->xd + x_slot(t, j->ng, 16, 8), j->xs + x_slot(t, j->ng, 8, 8));
 }
 
 static void rows_item(void *arg, int64_t i) {
@@ -581,12 +656,13 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     const row_fn fn = row_kernel(type);
     if (!fn) return -2;
     const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
-    char *buf = malloc((size_t)(T * ng) * (GB + 24 * sizeof(float)));
+    const int64_t slots = (T + 1) / 2 * 2 * ng; /* rows' groups, T rounded up to pairs */
+    char *buf = malloc((size_t)slots * (GB + 24 * sizeof(float)));
     if (!buf) return -1;
     rows_job job = {.fn = fn, .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps, .T = T, .K = K, .N = N,
                     .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
-    job.xd = (float *)(buf + T * ng * GB);
-    job.xs = job.xd + T * ng * 16;
+    job.xd = (float *)(buf + slots * GB);
+    job.xs = job.xd + slots * 16;
     pool_for(T, T >= 8 ? threads : 1, quantize_item, &job); /* a few rows: quicker than waking a thread */
     pool_for((N + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, T * N * K >= SMALL_PRODUCT ? threads : 1, rows_item, &job);
     free(buf);

@@ -1,0 +1,113 @@
+"""quant.c's quant_rows before and after a change to it: T = 1 .. 16 x rows against the real models' projection shapes,
+per kernel variant, the two builds interleaved round by round in one process (medians), their results compared bit
+for bit.
+
+    python bench/rows_kernel.py                                  # HEAD's quant.c against the working tree's
+    python bench/rows_kernel.py --before /tmp/quant.c --variants avx512+vnni --rounds 9 --threads 1
+
+Each build is every kernel source as the tree has it, with quant.c swapped for the version named, compiled with the
+variant's flags as kernels/__init__.py compiles them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.short_prompt import weight  # noqa: E402
+from jitllmd.engine import kernels  # noqa: E402
+from jitllmd.engine.layers.quant import FORMATS  # noqa: E402
+
+TOKENS = (1, 2, 4, 8, 12, 16)
+# (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square, Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896
+# is no multiple of 256) and down (Q4_K, Q6_K)
+SHAPES = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 576, 576), ("Q5_0", 9728, 896), ("Q4_K", 896, 4864), ("Q6_K", 896, 4864))
+
+
+def build(quant_c: str, variant: str, out: Path) -> ctypes.CDLL:
+    """The kernels with quant.c's text `quant_c`, built as `variant` into out/."""
+    src = out / variant.replace("+", "-")
+    src.mkdir(parents=True)
+    for path in [*kernels._SOURCES, *kernels._HEADERS]:
+        (src / path.name).write_text(quant_c if path.name == "quant.c" else path.read_text())
+    so = src / "kernels.so"
+    flags = [*kernels._FLAGS, *kernels._VARIANTS[variant][0]]
+    subprocess.run(["cc", *flags, *(str(src / p.name) for p in kernels._SOURCES), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    kernels._declare(lib)
+    return lib
+
+
+def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, qtype: int, threads: int) -> None:
+    T, K = x.shape
+    N = y.shape[1]
+    assert lib.quant_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), T, K, N, N, qtype, 0, None, 0.0, None, 0, threads) == 0
+
+
+def per_call(fn, budget: float) -> float:
+    """Seconds per call of fn, over as many calls as fit `budget` seconds (at least 3)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    reps = max(3, int(budget / max(time.perf_counter() - t0, 1e-7)))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", help="quant.c to compare against (default: HEAD's)")
+    p.add_argument("--after", default=str(ROOT / "jitllmd/engine/kernels/quant.c"))
+    p.add_argument("--variants", default=",".join(kernels.variants()))
+    p.add_argument("--shapes", default="", help="comma-separated formats to keep (default: all)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--budget", type=float, default=0.02, help="seconds of calls per timing")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--least", action="store_true", help="each build's least time of its rounds, not the median (a busy machine's noise only adds)")
+    args = p.parse_args()
+    before = Path(args.before).read_text() if args.before else subprocess.check_output(
+        ["git", "show", "HEAD:jitllmd/engine/kernels/quant.c"], cwd=ROOT, text=True)
+    after = Path(args.after).read_text()
+    keep = set(filter(None, args.shapes.split(",")))
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in args.variants.split(","):
+            libs = (build(before, variant, Path(tmp) / "before"), build(after, variant, Path(tmp) / "after"))
+            stat = min if args.least else statistics.median
+            print(f"\n## {variant}, {args.threads} threads, {stat.__name__} of {args.rounds} interleaved rounds\n")
+            print("| format | N x K | T | before us | after us | after / before | after / its T=1 |")
+            print("|---|---|---:|---:|---:|---:|---:|")
+            for fmt, n, k in SHAPES:
+                if keep and fmt not in keep:
+                    continue
+                qtype, w = FORMATS[fmt].ggml, weight(fmt, n, k, gen)
+                one = None
+                for T in map(int, args.tokens.split(",")):
+                    x = torch.randn(T, k, generator=gen)
+                    ys = [torch.empty(T, n) for _ in libs]
+                    times: list[list[float]] = [[], []]
+                    for r in range(args.rounds):
+                        for i in (0, 1) if r % 2 == 0 else (1, 0):
+                            times[i].append(per_call(lambda: call(libs[i], x, w, ys[i], qtype, args.threads), args.budget))
+                    assert torch.equal(ys[0], ys[1]), f"{variant} {fmt} T={T}: the builds' results differ"
+                    b, a = (1e6 * stat(t) for t in times)
+                    one = a if T == 1 else one
+                    print(f"| {fmt} | {n} x {k} | {T} | {b:.1f} | {a:.1f} | {a / b:.2f} | {a / one:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
