@@ -11,12 +11,37 @@ import torch
 from jitllmd.embedded import default_gguf
 
 
+SUITE_KERNELS = Path()  # where the suite's kernels build (set at configure: tests may point $JITLLMD_CACHE elsewhere)
+
+
 def pytest_configure(config) -> None:
     """The suite's kernels build where the CLI's do: under $JITLLMD_CACHE/kernels when it is set."""
+    global SUITE_KERNELS
     from jitllmd.embedded import cache_dir
     from jitllmd.engine import kernels
 
-    kernels.configure(cache_dir() / "kernels")
+    SUITE_KERNELS = cache_dir() / "kernels"
+    kernels.configure(SUITE_KERNELS)
+
+
+def seeded_cache(path: Path) -> Path:
+    """`path` made a fresh $JITLLMD_CACHE that already holds the suite's kernel builds, so a `jitllmd` given it (a
+    subprocess, or the CLI in this process, which configures the kernels from it) loads them rather than compiling
+    its own (~5 s each on 2 cores). Conversions and everything else start empty. The suite's kernels are set again."""
+    import os
+    import shutil
+
+    from jitllmd.engine import kernels
+
+    kernels.configure(SUITE_KERNELS)
+    kernels.describe()  # the best variant built there, if it was not yet
+    (path / "kernels").mkdir(parents=True, exist_ok=True)
+    for so in SUITE_KERNELS.glob("kernels-*.so"):
+        try:
+            os.link(so, path / "kernels" / so.name)
+        except OSError:
+            shutil.copy2(so, path / "kernels" / so.name)
+    return path
 
 
 VOCAB = 96

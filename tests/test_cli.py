@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from jitllmd.cli import app
 
-from .conftest import write_tiny_gguf, write_tiny_llama
+from .conftest import seeded_cache, write_tiny_gguf, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURE_KEYS = {
@@ -25,8 +25,8 @@ FIGURE_KEYS = {
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
-    """Keep `run -model x.gguf` conversions out of the user's cache."""
-    monkeypatch.setenv("JITLLMD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    """Keep `run -model x.gguf` conversions out of the user's cache (the kernels come from the suite's)."""
+    monkeypatch.setenv("JITLLMD_CACHE", str(seeded_cache(tmp_path_factory.mktemp("cache"))))
 
 
 @pytest.fixture(scope="module")
@@ -417,7 +417,7 @@ def test_run_needs_a_prompt(tiny) -> None:
 
 def test_run_gguf_converts_once_into_the_cache(tiny_gguf, tmp_path: Path, monkeypatch, bf16_path) -> None:
     """A .gguf converts once (bf16) and runs on both bf16 paths, whatever this CPU has, with no dtype warning."""
-    cache = tmp_path / "cache"
+    cache = seeded_cache(tmp_path / "cache")
     monkeypatch.setenv("JITLLMD_CACHE", str(cache))
     g = tiny_gguf
     a = cli("run", "-model", g, "-json", "-temp", "0", "-n", "4", "abc")
@@ -668,7 +668,7 @@ def test_convert_names_the_embedded_default(smollm2_gguf, tmp_path: Path) -> Non
 def test_interactive_chat_on_both_bf16_paths(tiny_gguf, tmp_path: Path, monkeypatch, bf16_path) -> None:
     """Two turns of `run -chat` on a bf16 conversion, in this process (so a dtype warning inside the engine would be
     an error, and the turn a failure), on the upcast path and on the path of CPUs with bf16 units."""
-    monkeypatch.setenv("JITLLMD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITLLMD_CACHE", str(seeded_cache(tmp_path / "cache")))
     r = CliRunner().invoke(app, ["run", "-model", str(tiny_gguf), "-chat", "-temp", "0", "-n", "4"], input="Hello there\nWhat is on?\n")
     assert r.exit_code == 0, r.output
     assert "internal error" not in r.output and r.stderr.count(" prompt tokens (") == 2, r.stderr

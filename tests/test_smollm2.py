@@ -14,6 +14,8 @@ from jitllmd.engine.loader import load_model
 from jitllmd.engine.request import Delta, Done, FinishReason
 from jitllmd.engine.sampler import SamplingParams
 
+from .conftest import seeded_cache
+
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
@@ -93,7 +95,7 @@ def test_answer_says_paris(ours) -> None:
 def test_cli_end_to_end(smollm2_jlm, tmp_path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "jitllmd", "run", "-model", str(smollm2_jlm), "-chat", "-n", str(N), "-temp", "0", QUESTION],
-        cwd=tmp_path, env={**os.environ, "JITLLMD_CACHE": str(tmp_path / "cache")},
+        cwd=tmp_path, env={**os.environ, "JITLLMD_CACHE": str(seeded_cache(tmp_path / "cache"))},
         capture_output=True, text=True, timeout=300,
     )
     assert p.returncode == 0, p.stderr
