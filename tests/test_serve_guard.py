@@ -109,10 +109,22 @@ def test_allow_host_names_are_accepted(tiny_serve_jlm):
 
 
 def test_a_body_that_does_not_arrive_is_cut_off(keyed):
-    """Content-Length 100 and then one byte: a 408 in the route's dialect, and the connection closes."""
-    for path, shape in (("/v1/chat/completions", "error"), ("/v1/messages", "type"), ("/jitllm.v1.DeviceService/ListDevices", "code")):
+    """Content-Length 100 and then one byte: a 408 in the route's dialect, and the connection closes. The three
+    routes wait out the body's time (guard.BODY_SECONDS) side by side, on connections of their own."""
+    routes = (("/v1/chat/completions", "error"), ("/v1/messages", "type"), ("/jitllm.v1.DeviceService/ListDevices", "code"))
+    replies: dict[str, str] = {}
+
+    def send(path: str) -> None:
         head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: {KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
-        reply = _raw(keyed, head.encode()).decode()
+        replies[path] = _raw(keyed, head.encode()).decode()
+
+    threads = [threading.Thread(target=send, args=(path,)) for path, _ in routes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for path, shape in routes:
+        reply = replies[path]
         status, _, body = reply.partition("\r\n\r\n")
         assert status.startswith("HTTP/1.1 408") and "connection: close" in status.lower(), reply
         assert shape in json.loads(body) and "did not arrive" in body, reply
