@@ -132,6 +132,23 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    """transformers' tokenizer of the SmolLM2 GGUF, built once for the session (seconds: it parses the file)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    """transformers' SmolLM2 from the GGUF, dequantized to f32, loaded once for the session (the reference of
+    test_smollm2 and test_logprobs: ~15 s a load, 540 MB)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_jlm(tmp_path_factory, smollm2_gguf) -> Path:
     """SmolLM2-135M-Instruct converted to f32 once per test session."""
     from jitllmd.engine.convert import convert
@@ -311,6 +328,15 @@ def gemma3_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     cache = getattr(request.config, "cache", None)
     directory = cache.mkdir("gemma3_270m_gguf") if cache is not None else tmp_path_factory.mktemp("gemma3")
     return Path(package.assemble(directory / package.MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_gguf):
+    """transformers' tokenizer of the Gemma 3 GGUF, once for the session. GemmaTokenizer itself: AutoTokenizer resolves
+    the file to it too, but first parses every tensor (~20 s more)."""
+    from transformers import GemmaTokenizer
+
+    return GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
 
 
 @pytest.fixture(scope="session")

