@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,21 +132,64 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def hf_from_gguf(gguf: Path, kind: str, cls: Any, **kw: Any) -> Any:
+    """transformers' `cls` (a model or tokenizer class) from a GGUF, as `cls.from_pretrained(..., gguf_file=...)` makes
+    it; kept on disk, keyed by the file's sha256 and transformers' version, and read back from there by later sessions
+    (seconds, where the GGUF takes 5-50 s: gguf's reader builds a numpy view of every vocabulary string, twice). A
+    tokenizer is kept by its save_pretrained; a model (which transformers will not save, its GGUF quantizer attached)
+    as its config, generation config and state dict, read back bit for bit into `cls.from_config`."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from jitllmd.embedded import cache_dir
+
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    saved = cache_dir() / "test" / "hf-reference" / f"{gguf.stem}-{digest}-{kind}-transformers-{transformers.__version__}"
+    model = hasattr(cls, "from_config")
+    if saved.is_dir() and model:
+        made = cls.from_config(transformers.AutoConfig.from_pretrained(str(saved)), **kw)
+        made.load_state_dict(torch.load(saved / "state_dict.pt", mmap=True, weights_only=True), strict=True)
+        made.generation_config = transformers.GenerationConfig.from_pretrained(str(saved))
+        return made
+    if saved.is_dir():
+        return cls.from_pretrained(str(saved), **kw)
+    made = cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **kw)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=saved.parent))
+    try:
+        if model:
+            made.config.save_pretrained(str(tmp))
+            made.generation_config.save_pretrained(str(tmp))
+            torch.save(made.state_dict(), tmp / "state_dict.pt")
+        else:
+            made.save_pretrained(str(tmp))
+        tmp.rename(saved)  # whole or not at all; a run that got there first keeps its own
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return made
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_gguf):
-    """transformers' tokenizer of the SmolLM2 GGUF, built once for the session (seconds: it parses the file)."""
+    """transformers' tokenizer of the SmolLM2 GGUF, once for the session (hf_from_gguf)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    return hf_from_gguf(smollm2_gguf, "tokenizer", AutoTokenizer)
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf_model(smollm2_gguf):
-    """transformers' SmolLM2 from the GGUF, dequantized to f32, loaded once for the session (the reference of
-    test_smollm2 and test_logprobs: ~15 s a load, 540 MB)."""
+    """transformers' SmolLM2 from the GGUF, dequantized to f32, once for the session (the reference of test_smollm2
+    and test_logprobs, 540 MB; hf_from_gguf)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    return hf_from_gguf(smollm2_gguf, "f32", AutoModelForCausalLM, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -336,7 +380,7 @@ def gemma3_hf_tokenizer(gemma3_gguf):
     the file to it too, but first parses every tensor (~20 s more)."""
     from transformers import GemmaTokenizer
 
-    return GemmaTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    return hf_from_gguf(gemma3_gguf, "tokenizer", GemmaTokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from jitllmd.engine.loader import load_model
 from jitllmd.engine.request import Delta
 from jitllmd.engine.sampler import SamplingParams
 
+from .conftest import hf_from_gguf
+
 pytestmark = pytest.mark.slow
 
 PARIS = "Question: What is the capital of France?\nAnswer:"
@@ -29,8 +31,7 @@ def converted(tmp_path_factory, gemma3_gguf):
 def reference(gemma3_gguf, gemma3_hf_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()
-    return model, gemma3_hf_tokenizer
+    return hf_from_gguf(gemma3_gguf, "f32", AutoModelForCausalLM, dtype=torch.float32).eval(), gemma3_hf_tokenizer
 
 
 def _greedy(path, prompt: str, n: int = 32) -> tuple[list[int], list[int], str]:

