@@ -8,7 +8,7 @@ endpoint answers 200 (llama-server's /health, jitllmd's /healthz), the two inter
 Both serve as bench/served.py starts them (16 sessions of 1024 positions, 2 threads for llama-server, jitllmd at its
 defaults with -devices cpu). jitllmd loads the GGUF's .jlm, converted once into the bench's models directory by a
 first start that is not timed; its kernels are built by then too. The llama.cpp peer comes from
-../shared/tools/build-llamacpp (LLAMACPP_HOME, or its default home). What a jitllmd start spends, by phase, is in
+../shared/tools/build-llamacpp (vs_llamacpp.llama_bin: built there once per machine where it is not yet). What a jitllmd start spends, by phase, is in
 its own log: run `jitllmd serve -load X -devices cpu` and read the lines it prints.
 """
 
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.served import Server, ServerFailed, free_port, jitllmd_cmd, llama_server_cmd  # noqa: E402
+from bench.vs_llamacpp import cache, llama_bin  # noqa: E402
 
 
 def models() -> dict[str, Path | None]:
@@ -30,14 +31,6 @@ def models() -> dict[str, Path | None]:
     from jitllmd.embedded import default_gguf
 
     return {"smollm2-135m-q4_1": default_gguf(), "qwen2.5-coder-1.5b": qwen_1_5b()}
-
-
-def peer_bin() -> Path | None:
-    import os
-
-    home = Path(os.environ.get("LLAMACPP_HOME", Path.home() / ".cache" / "jitllmd-peer" / "llama.cpp"))
-    exe = home / "build" / "bin" / "llama-server"
-    return exe.parent if exe.exists() else None
 
 
 def start_once(engine: str, gguf: Path, models_dir: Path, bin_dir: Path | None, threads: int) -> float:
@@ -63,11 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     found = models()
     names = args.models.split(",") if args.models else list(found)
-    bin_dir = None if args.no_peer else peer_bin()
-    if not args.no_peer and bin_dir is None:
-        sys.exit("no llama-server: run ../shared/tools/build-llamacpp first, or pass --no-peer")
+    bin_dir = None if args.no_peer else llama_bin()  # built once per machine (~10-15 min) where it is not yet
     engines = ["llama-server", "jitllmd"] if bin_dir is not None else ["jitllmd"]
-    from jitllmd.embedded import cache_dir
 
     rows = []
     for name in names:
@@ -75,8 +65,8 @@ def main() -> None:
         if gguf is None:
             print(f"{name}: not installed (see DESIGN.md's models), skipped", file=sys.stderr)
             continue
-        models_dir = cache_dir() / "bench" / "start-models"
-        models_dir.mkdir(parents=True, exist_ok=True)
+        models_dir = cache() / "start-models"
+        models_dir.mkdir(exist_ok=True)
         link = models_dir / gguf.name
         if not link.exists():
             link.unlink(missing_ok=True)

@@ -36,7 +36,7 @@ class ReadStats:
 
 class BlockReader:
     """Reads a block's tensors from the .jlm with pread into parts laid out as the model wants them (q, k, v rows
-    concatenated into one qkv part, say), with no copy beyond the read and nothing left mapped."""
+    concatenated into one qkv part, say), with no copy beyond the read; or, for a part kept in memory, maps it (keep)."""
 
     _populate = True  # whether this kernel populates a mapping on request (below: else kept parts are read)
 
@@ -88,21 +88,17 @@ class BlockReader:
         self._count(block, size, time.perf_counter() - t0)
         return out
 
-    def keep(self, block: str, layout: Layout) -> dict[str, torch.Tensor]:
-        """Every part of `layout` to keep in memory: a quantized part whose tensors lie end to end in the file is the
-        file's bytes, mapped privately (never written back) and populated now, so no step waits on a fault; others are
-        read as `read` reads them. Mapping Qwen2.5-1.5B's kept blocks takes ~0.07 s where reading them took ~0.6 s (the
-        reads fault in and fill fresh pages; the map takes the page cache's own); counted against `block` as a read."""
+    def keep(self, block: str, names: list[str]) -> torch.Tensor:
+        """A part (the tensors `names`) to keep in memory: where it is quantized and its tensors lie end to end in the
+        file, the file's bytes, mapped privately (never written back) and populated now, so no step waits on a fault;
+        else read as `read` reads it. Mapping Qwen2.5-1.5B's kept blocks takes ~0.07 s where reading them took ~0.6 s
+        (the reads fault in and fill fresh pages; the map takes the page cache's own); counted against `block`."""
         t0 = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
-        size = 0
-        for part, names in layout.items():
-            mapped = self._mapped(names)
-            out[part] = mapped if mapped is not None else self.read(block, {part: names})[part]
-            size += sum(self.jlm.locate(n)[3] for n in names) if mapped is not None else 0
-        if size:
-            self._count(block, size, time.perf_counter() - t0)
-        return out
+        mapped = self._mapped(names)
+        if mapped is None:
+            return self.read(block, {"_": names})["_"]
+        self._count(block, mapped.numel() * mapped.element_size(), time.perf_counter() - t0)
+        return mapped
 
     def _mapped(self, names: list[str]) -> torch.Tensor | None:
         """The part of `names` as a view of the file, or None where it cannot be: not quantized (a float part may be
@@ -290,7 +286,7 @@ class Pager:
             elif name in ROW_BLOCKS and len(names) == 1 and not self._read_elsewhere(name, key):
                 out[part] = self.reader.jlm.tensor(names[0])
             else:
-                out[part] = self.reader.keep(name, {part: names})[part]
+                out[part] = self.reader.keep(name, names)
         return out
 
     def _read_elsewhere(self, name: str, key: tuple[str, ...]) -> bool:

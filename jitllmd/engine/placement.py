@@ -389,7 +389,7 @@ class Placement:
             if key in shared:
                 out[part] = shared[key]
             elif device.type == "cpu":  # kept in this process's memory: the file's pages where they can be
-                out[part] = self.pager.reader.keep(name, {part: names})[part]
+                out[part] = self.pager.reader.keep(name, names)
             else:
                 out[part] = self.pager.reader.read(name, {part: names})[part].to(device)
         return out
