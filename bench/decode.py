@@ -293,7 +293,7 @@ def main() -> None:
         return
     import torch
 
-    from jitllmd.engine.devices import bf16_matmul_native
+    from jitllmd.engine.memory.devices import bf16_matmul_native
 
     dtypes = a.dtypes.split(",")
     paths = prepare(dtypes)

@@ -71,10 +71,11 @@ def main() -> None:
 
     import socket
 
+    from jitllmd.engine.cluster.link import Cluster
+
     from jitllmd.engine import kernels
-    from jitllmd.engine.cluster import Cluster
-    from jitllmd.engine.devices import cpu_name
     from jitllmd.engine.engine import Engine
+    from jitllmd.engine.memory.devices import cpu_name
 
     path = model_path()
     with socket.socket() as s:

@@ -48,7 +48,7 @@ def models_dir() -> Path:
 def one_model_bytes(path: Path, max_seq: int) -> tuple[int, int]:
     """(what the model holds on a device, wholly placed there: blocks and the KV reserved; its largest block)."""
     from jitllmd.engine.engine import Engine
-    from jitllmd.engine.relocation import held_on
+    from jitllmd.engine.memory.relocation import held_on
 
     engine = Engine.load(path, devices=["cpu"], max_seq=max_seq)
     try:
@@ -138,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jitllmd.engine import kernels
-    from jitllmd.engine.devices import cpu_name
+    from jitllmd.engine.memory.devices import cpu_name
 
     d = models_dir()
     held, block = one_model_bytes(d / "a.jlm", 1024)

@@ -11,7 +11,6 @@ import torch
 
 from jitllmd.embedded import default_gguf
 
-
 SUITE_KERNELS = Path()  # where the suite's kernels build (set at configure: tests may point $JITLLMD_CACHE elsewhere)
 
 

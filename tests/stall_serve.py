@@ -13,9 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jitllmd  # noqa: F401,E402  (before torch)
 from jitllmd.cli import main  # noqa: E402
-from jitllmd.engine.engine import Engine  # noqa: E402
-
 from jitllmd.engine import engine as _engine  # noqa: E402
+from jitllmd.engine.engine import Engine  # noqa: E402
 
 _flag = Path(os.environ.get("JITLLMD_TEST_STALL", "/nonexistent/stall"))
 _load_flag = Path(os.environ.get("JITLLMD_TEST_STALL_LOAD", "/nonexistent/stall-load"))

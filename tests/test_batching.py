@@ -218,7 +218,7 @@ def test_scheduler_validates():
 
 
 def test_max_batch_and_prompt_chunk_zero_are_decided_from_counts():
-    from jitllmd.engine.batching import PREFILL_CHUNK, decide
+    from jitllmd.engine.tuning.batching import PREFILL_CHUNK, decide
 
     b = decide(max_batch=0, sessions=16, prompt_chunk=0, device_kind="cpu", max_seq=1024)
     assert (b.max_rows, b.prompt_chunk) == (16, PREFILL_CHUNK["cpu"])

@@ -6,7 +6,7 @@ import pytest
 
 from jitllmd.engine.catalog import Catalog
 from jitllmd.engine.config import EngineConfig, parse_size
-from jitllmd.engine.devices import parse_devices
+from jitllmd.engine.memory.devices import parse_devices
 from jitllmd.serve.server import is_loopback, parse_addr
 
 

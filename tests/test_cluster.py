@@ -1,4 +1,4 @@
-"""A model's blocks on other ranks (engine/cluster.py, remote.py, worker.py): rank 0 in this process, two
+"""A model's blocks on other ranks (engine/cluster/link.py, remote.py, worker.py): rank 0 in this process, two
 `jitllmd worker` processes on loopback (gloo), tiny random models. Greedy tokens equal a single process's: for one
 request, for batched rows, across moves of blocks between ranks mid-conversation, for a quantized model and for a
 sliding-window one past its window."""
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from jitllmd.engine.cluster import Cluster, RankError, cluster_address
-from jitllmd.engine.devices import is_remote, parse_devices
+from jitllmd.engine.cluster.link import Cluster, RankError, cluster_address
+from jitllmd.engine.cluster.remote import RemoteModel
 from jitllmd.engine.engine import Engine
-from jitllmd.engine.placement import HOST, plan_places
-from jitllmd.engine.remote import RemoteModel
+from jitllmd.engine.memory.devices import is_remote, parse_devices
+from jitllmd.engine.memory.placement import HOST, plan_places
 from jitllmd.engine.request import Delta, Done, Failed
 from jitllmd.engine.sampler import SamplingParams
 
@@ -130,15 +130,15 @@ def test_rank_prefix_in_the_device_grammar() -> None:
         parse_devices("2:cuda:0", remote)
 
 
-def test_cluster_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cluster_addresses() -> None:
     assert cluster_address("tcp://hostA:29500").port == 29500
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         cluster_address("http://hostA")
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29400")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    a = cluster_address("env://")
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    a = cluster_address("env://", env)
     assert (a.host, a.port, a.agent_store) == ("10.0.0.1", 29400, True)
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
+        cluster_address("env://", {"MASTER_ADDR": "10.0.0.1"})
 
 
 def test_plan_keeps_embed_and_head_on_rank_0() -> None:
@@ -335,7 +335,7 @@ _ECHO = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from jitllmd.engine.cluster import Channel
+from jitllmd.engine.cluster.link import Channel
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True)
 channel = Channel(dist.ProcessGroupGloo(dist.PrefixStore("t/", store), 1, 2, timedelta(seconds=60)), 0)
 while True:
@@ -353,7 +353,7 @@ def test_channel_carries_any_dtype_and_long_messages() -> None:
 
     import torch.distributed as dist
 
-    from jitllmd.engine.cluster import Channel
+    from jitllmd.engine.cluster.link import Channel
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True)

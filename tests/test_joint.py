@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from jitllmd.engine.engine import Engine
-from jitllmd.engine.joint import SAMPLES, SEQUENTIAL_WINS, JointSteps
+from jitllmd.engine.runner import SAMPLES, SEQUENTIAL_WINS, JointSteps
 from tests.test_engine import GREEDY, PROMPTS, TIMEOUT, Result, collect, hf_greedy
 
 

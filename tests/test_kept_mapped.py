@@ -1,4 +1,4 @@
-"""Kept quantized parts are the file's own pages (engine/pager.py's BlockReader.keep): a block kept on the cpu device
+"""Kept quantized parts are the file's own pages (engine/memory/pager.py's BlockReader.keep): a block kept on the cpu device
 or resident on the host maps its quantized parts from the .jlm, populated at load, and answers as read parts do;
 float parts, and parts whose tensors are not one run of the file, are read; a block that leaves, or a model that is
 closed, unmaps them."""
@@ -13,7 +13,7 @@ import torch
 
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.pager import BlockReader
+from jitllmd.engine.memory.pager import BlockReader
 from jitllmd.engine.request import Delta
 from jitllmd.engine.sampler import SamplingParams
 

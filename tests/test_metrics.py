@@ -22,7 +22,7 @@ from jitllmd.engine.config import EngineConfig
 from jitllmd.serve.app import build_app
 from jitllmd.serve.metrics import Metrics
 from jitllmd.serve.server import bind
-from jitllmd.serve.telemetry import ServerInfo
+from jitllmd.serve.services.telemetry import ServerInfo
 from tests.serving import wait_for
 
 ENGINE_COUNTERS = {

@@ -8,7 +8,7 @@ import queue
 import pytest
 
 from jitllmd.engine.engine import Engine
-from jitllmd.engine.placement import HOST, plan_places
+from jitllmd.engine.memory.placement import HOST, plan_places
 from jitllmd.engine.request import Delta, Done
 from jitllmd.engine.sampler import SamplingParams
 
@@ -225,7 +225,7 @@ def test_rows_follow_the_placement() -> None:
     """One device: the step's rows; any host block: -host-concurrency; several devices, no host block: -device-concurrency."""
     from types import SimpleNamespace
 
-    from jitllmd.engine.placement import Placement
+    from jitllmd.engine.memory.placement import Placement
 
     engine = Engine.__new__(Engine)
     engine.device_rows, engine.host_rows, engine.split_rows = 8, 1, 3

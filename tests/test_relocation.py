@@ -1,4 +1,4 @@
-"""Relocation (engine/relocation.py): two tiny models on `-devices cpu` with a device budget that holds one. Idle
+"""Relocation (engine/memory/relocation.py): two tiny models on `-devices cpu` with a device budget that holds one. Idle
 models give up their device blocks to the one that needs them, busy ones get theirs back, and every conversation's
 greedy tokens are those of a model that never moved."""
 
@@ -13,8 +13,8 @@ import pytest
 from jitllmd.engine.catalog import Catalog
 from jitllmd.engine.config import EngineConfig
 from jitllmd.engine.engine import Engine
-from jitllmd.engine.placement import HOST
-from jitllmd.engine.relocation import held_on, repays
+from jitllmd.engine.memory.placement import HOST
+from jitllmd.engine.memory.relocation import held_on, repays
 from jitllmd.engine.request import Delta
 from jitllmd.engine.sampler import SamplingParams
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from jitllmd.engine.devices import synchronize
+from jitllmd.engine.memory.devices import synchronize
 from jitllmd.engine.sampler import Sampler, SamplingParams
 
 V = 50

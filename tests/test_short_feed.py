@@ -38,7 +38,6 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
     Python path, whose chunk attention sums in its own order: the same up to f32 rounding (where AMX runs, a prompt
     row's attention is bf16 for both families: the same up to bf16's)."""
     from jitllmd.engine.loader import load_model
-
     from jitllmd.engine.models import llama
 
     fused_rows: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -105,21 +106,21 @@ def serve(
         quiet_c10d()
     from ..engine import kernels
     from ..engine.catalog import Catalog
-    from ..engine.cluster import RankError
+    from ..engine.cluster.link import RankError
     from ..engine.convert import ConvertError
     from ..engine.jlm import JLMError
     from ..engine.loader import cached_conversion
     from ..serve.app import Health, build_app
-    from ..serve.telemetry import ServerInfo
+    from ..serve.services.telemetry import ServerInfo
 
     kernels.configure(cache_dir() / "kernels")
     ranks = None
     try:
         if cluster_url is not None:
-            from ..engine.cluster import Cluster
+            from ..engine.cluster.link import Cluster
 
             err_console.print(f"cluster {cluster_url}: waiting for ranks 1..{world_size - 1} to join (-join-timeout {join_timeout:g} s)", style="dim")
-            ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=join_timeout)
+            ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=join_timeout, env=os.environ)
             for r, link in sorted(ranks.links.items()):
                 err_console.print(f"  rank {r}: {link.host} (pid {link.pid}): {', '.join(f'{r}:' + d['id'] for d in link.devices)}", style="dim")
         catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir(), ranks)
@@ -156,7 +157,7 @@ def serve(
         except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
             raise fail(_flag_names(str(exc))) from None
         for served in catalog.loaded():
-            _print_served(served, url)
+            _print_served(served, url, catalog.relocation.enabled(served.id))
         err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
         err_console.print(f"  OpenAI base URL {url}/v1 · Anthropic base URL {url} · health {url}/healthz", style="dim")
         if key is not None:
@@ -181,8 +182,6 @@ def serve(
 def _cluster_flags(cluster: str | None, world: int | None) -> tuple[str | None, int, int]:
     """(-cluster URL or None, ranks, this process's rank): the flags, else torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), whose rank 0 serves and whose other ranks become workers."""
-    import os
-
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     torchrun = env_rank is not None and env_world is not None and env_rank.isdigit() and env_world.isdigit()
     if cluster is None and torchrun and int(env_world or 1) > 1:
@@ -219,11 +218,11 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-def _print_served(served, url: str) -> None:
+def _print_served(served, url: str, relocating: bool) -> None:
     """The 'serving' line of one model, then its pager and its batching, with why."""
     loaded = served.engine.loaded
     names = ", ".join((served.id, *served.aliases))
-    relocation = ", relocation on" if served.engine.relocation is not None and served.engine.relocation.enabled(served.id) else ""
+    relocation = ", relocation on" if relocating else ""
     err_console.print(f"serving {loaded.path.name} as {names} ({_where(loaded)}, session room {loaded.max_seq}{relocation}) at {url}")
     pager = loaded.placement.pager if loaded.placement is not None else None
     if pager is not None and pager.host and pager.budget is not None:

@@ -58,14 +58,14 @@ def run_worker(models: Path | None, cluster: str, rank: int, timeout: float, joi
     quiet_c10d()
     from ..embedded import cache_dir
     from ..engine import kernels
-    from ..engine.cluster import worker_link
-    from ..engine.worker import Worker
+    from ..engine.cluster.link import worker_link
+    from ..engine.cluster.worker import Worker
 
     kernels.configure(cache_dir() / "kernels")
     models_dir = models if models is not None else Path.cwd()
     err_console.print(f"rank {rank}: joining {cluster}", style="dim")
     try:
-        pg, generation, _store = worker_link(cluster, rank, join_timeout)
+        pg, generation, _store = worker_link(cluster, rank, join_timeout, os.environ)
     except ValueError as exc:
         raise fail(str(exc)) from None
     err_console.print(f"rank {rank}: joined (generation {generation}); serving rank 0's blocks from {models_dir}", style="dim")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import threading
@@ -14,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig, find_model_file
-from .devices import available_devices, parse_devices, release_host_memory, trim_heap
 from .engine import Engine
 from .loader import cached_conversion
-from .relocation import Relocation
+from .memory.devices import available_devices, parse_devices, release_host_memory, trim_heap
+from .memory.relocation import Relocation
 from .sessions import Session
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from .cluster.link import Cluster
 
 __all__ = ["Catalog", "ModelEntry", "ModelLoading", "ServedModel", "check_id"]
 
@@ -218,6 +219,7 @@ class Catalog:
                 served = ServedModel(model_id, names, engine)
                 self._models[model_id] = served
                 self.relocation.register(model_id, engine)
+                engine.after_step = functools.partial(self.relocation.promote, engine)
         except ValueError:
             engine.stop()
             raise
@@ -240,7 +242,7 @@ class Catalog:
             prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,
             on_progress=on_load,
-            relocation=self.relocation,
+            room=self.relocation,
             cluster=self.cluster,
             shared=self._shared(file, path) if self.cluster is not None else None,
         )
@@ -260,6 +262,7 @@ class Catalog:
         with self._lock:
             self._models.pop(served.id, None)
             self.relocation.unregister(served.id)
+            served.engine.after_step = None
         served.engine.stop(timeout)
         weakref.finalize(served.engine, trim_heap)  # requests still streaming hold it a moment longer
         del served

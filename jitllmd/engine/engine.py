@@ -9,31 +9,28 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
-from .batching import Batching, decide
-from .cluster import RankError
-from .devices import trim_heap
+from .cluster.link import RankError
 from .figures import decode_bytes, where
 from .grammar import Constraint
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
-from .jobs import PlacementJobs
-from .joint import JointSteps
 from .kv import RoomError, SessionKV
 from .loader import LoadedModel, load_model
+from .memory.devices import trim_heap
+from .memory.jobs import PlacementJobs
+from .memory.placement import HOST, Placement, Room
 from .outputs import Outputs
-from .placement import HOST
 from .request import Done, Embedded, Event, Failed, FinishReason, Request, RequestState
+from .runner import JointSteps
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
-from .seam import SeamCandidate
 from .sessions import Session, SessionRegistry, SlotPool
 from .stats import EngineStats
-
-if TYPE_CHECKING:
-    from .relocation import Relocation
+from .tuning.batching import Batching, decide
+from .tuning.seam import SeamCandidate
 
 __all__ = ["Engine"]
 
@@ -47,7 +44,7 @@ class Engine:
 
     def __init__(
         self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto",
-        host_rows: int | None = None, split_rows: int | None = None,
+        host_rows: int | None = None, split_rows: int | None = None, room: Room | None = None,
     ):
         self.loaded = loaded
         self.device_rows = max_batch  # rows of a step while every block is on one device
@@ -63,10 +60,10 @@ class Engine:
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
         self._weight_bytes = decode_bytes(loaded)
         self._jobs: list[Job] = []  # placement changes waiting for their session's generation to end
-        self.relocation: Relocation | None = None  # the server's, once it registered this model (engine/relocation.py)
+        self.after_step: Callable[[], None] | None = None  # runs between steps of this busy model (Catalog's: relocation)
         self.last_active = time.monotonic()  # when a step last ran rows of this model
         self._trimmed = 0.0  # when the heap was last trimmed
-        self.moves = PlacementJobs(loaded, self._kvs, self._placed, lambda: self.relocation)
+        self.moves = PlacementJobs(loaded, self._kvs, self._placed, room)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
@@ -84,7 +81,7 @@ class Engine:
         on another leaves two pools fighting over the cores (measured: decode 2x slower on 2 cores).
         load_kw go to `load_model` (name, devices, gpu_layers, sessions, max_seq, page_budget, on_progress); its
         errors raise here. A model wholly on one device batches up to max_batch rows, 0 for `row_limit` (-sessions: the
-        widest step); prompt_chunk 0 is one prefill chunk of the device (engine/batching.py), decided from counts. A
+        widest step); prompt_chunk 0 is one prefill chunk of the device (engine/tuning/batching.py), decided from counts. A
         model with host blocks runs `host_rows` requests at once (default max_batch); one split over several devices
         with none on the host, `split_rows` (-device-concurrency; default host_rows).
         """
@@ -97,7 +94,7 @@ class Engine:
                 kind = loaded.runner.device.type if loaded.runner is not None else "cpu"
                 batching = decide(max_batch=max_batch, sessions=max(1, row_limit), prompt_chunk=prompt_chunk, device_kind=kind, max_seq=loaded.max_seq)
                 engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
-                             split_rows=split_rows)
+                             split_rows=split_rows, room=load_kw.get("room"))
                 engine.batching = batching
                 engine._owns_model = True
             except BaseException as exc:  # handed to the caller
@@ -282,8 +279,8 @@ class Engine:
                 for req, _ in rows:
                     self.outputs.fail(req, f"internal error in the engine: {type(exc).__name__}")
             self.last_active = time.monotonic()
-            if self.relocation is not None:
-                self._relocate()
+            if self.after_step is not None:
+                self._after_step(self.after_step)
             if self.scheduler.idle and self.last_active - self._trimmed > _TRIM_EVERY_S:
                 self._trim()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -361,19 +358,35 @@ class Engine:
         self.stats.step(len(batch.spans), batch.num_prompt)
         return runner.run(batch, self.joint)
 
-    def _relocate(self) -> None:
-        """Between steps of this busy model: relocation may bring a host block back (engine/relocation.py)."""
-        assert self.relocation is not None
+    def _after_step(self, hook: Callable[[], None]) -> None:
+        """Between steps of this busy model: the server's hook (relocation may bring a host block back)."""
         try:
-            self.relocation.promote(self)
+            hook()
         except Exception:  # out of device memory, say: the blocks stay where they are, serving goes on
-            log.exception("%s: relocation failed", self.loaded.name)
+            log.exception("%s: between steps", self.loaded.name)
 
     def _trim(self) -> None:
         """The last request ended: hand the heap pages requests freed back to the OS (glibc keeps them otherwise; a
         6-minute soak's RSS came down 33 MiB when trimmed at its end, bench/soak.py)."""
         trim_heap()
         self._trimmed = time.monotonic()
+
+    # -- what relocation sees (memory/relocation.py's Tenant) -----------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.loaded.placement
+
+    @property
+    def rows_per_step(self) -> float:
+        return self.stats.rows_per_step
+
+    def spendable_driver(self, device: str) -> int:
+        return self.moves.spendable_driver(device)
 
     def idle_for(self, now: float) -> float | None:
         """Seconds since this model last ran a row; None while it has rows running or waiting (read from any thread)."""

@@ -37,7 +37,7 @@ class SessionKV:
     rest to the front), so a long generation does not grow it past about its window. `nbytes` counts the positions
     reserved either way. Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries the
     filled positions across. A layer whose block is on another rank is on the `meta` device here: its bookkeeping
-    (offsets, slots) goes on as for any layer, and its K/V are that rank's (`remotes`: engine/remote.py's proxies of
+    (offsets, slots) goes on as for any layer, and its K/V are that rank's (`remotes`: engine/cluster/remote.py's proxies of
     the ranks holding some of this cache's layers, told of a copy).
     """
 

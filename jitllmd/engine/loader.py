@@ -14,23 +14,22 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from .chat import ChatTemplate
-from .devices import compute_dtype, device_info, is_remote, trim_heap
-from .grammar import Grammars
 from . import kernels
+from .chat import ChatTemplate
+from .grammar import Grammars
 from .jlm import JLMFile
 from .kv import SessionKV
 from .layers.quant import short_feed
+from .memory.devices import compute_dtype, is_remote, spendable_bytes, trim_heap
+from .memory.pager import BlockReader, Pager
+from .memory.placement import Placement, Room
 from .models import DecoderModel, EncoderModel, build_model, family_for
-from .pager import BlockReader, Pager
-from .placement import Placement
 from .runner import ModelRunner
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
-    from .relocation import Relocation
+    from .cluster.link import Cluster
 
 T = TypeVar("T")
 
@@ -153,7 +152,7 @@ def load_model(
     read_ahead: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     kv_dtype: torch.dtype | None = None,
-    relocation: Relocation | None = None,
+    room: Room | None = None,
     cluster: Cluster | None = None,
     shared: tuple[str, str | None] | None = None,
 ) -> LoadedModel:
@@ -162,8 +161,8 @@ def load_model(
     host, where at most `page_budget` bytes stay resident (None: all) and the others are read for their turn
     (`read_ahead`, the next one while this one runs; None: only where the CPU has cores torch's pool leaves free).
     An encoder runs whole on the first device, or the host. `kv_dtype`: the sessions' K/V (None: the model's own
-    choice, f16 for a kept-quantized model, else its compute dtype). `relocation`: the server's (engine/relocation.py):
-    the devices' room within -device-mem, and idle models demoted to make it. `cluster`: rank 0's (engine/cluster.py),
+    choice, f16 for a kept-quantized model, else its compute dtype). `room`: the server's (memory/placement.py): what a
+    device may take within -device-mem, and idle models demoted to make it (None: the driver's figure). `cluster`: rank 0's (engine/cluster/link.py),
     where `devices` name other ranks' (`1:cpu`); `shared`: how those ranks find the file in their own -models (the .jlm's
     path, and the .gguf it was converted from, if any). Raises JLMError / ValueError with one-line messages."""
     path = Path(path)
@@ -201,7 +200,7 @@ def load_model(
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
         kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
-        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, relocation, remote, cluster)
+        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
         types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
         runner = ModelRunner(model, placement, short_feed(types, kernels.variant()))
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
@@ -222,25 +221,26 @@ def load_model(
 
 
 def _remote_opener(cluster: Cluster, shared: tuple[str, str | None], jlm: JLMFile, model: Any) -> Callable[[int], Any]:
-    """Opens the model on another rank, from that rank's own copy (engine/remote.py)."""
-    from .remote import RemoteModel
+    """Opens the model on another rank, from that rank's own copy (engine/cluster/remote.py)."""
+    from .cluster.remote import RemoteModel
 
     return lambda rank: RemoteModel.open(cluster.link(rank), shared[0], shared[1], jlm, model.dtype, model.kv_dtype)
 
 
 def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool | None,
-           on_progress, relocation: Relocation | None, remote: Callable[[int], Any] | None = None, cluster: Cluster | None = None) -> Placement:
+           on_progress, room: Room | None, remote: Callable[[int], Any] | None = None, cluster: Cluster | None = None) -> Placement:
     if read_ahead is None:
         # From the page cache a read is a memcpy: on a CPU whose every core runs torch's pool, a reader thread only
         # competes with the step (measured, bench/pager.py on 2 cores: 10% resident 16.5 tok/s without, 13.3 with).
         read_ahead = (os.cpu_count() or 1) > torch.get_num_threads()
     pager = Pager(BlockReader(jlm), model.layouts, budget=page_budget, read_ahead=read_ahead)
     placement = Placement(list(model.layouts), pager, model.build, devices, kv_layer_bytes, remote)
-    driver: Callable[[str], int] = lambda d: spendable_bytes(d, pager.unspent_bytes(), cluster)  # noqa: E731
+    remote_free = cluster.free_bytes if cluster is not None else None
+    driver: Callable[[str], int] = lambda d: spendable_bytes(d, pager.unspent_bytes(), remote_free)  # noqa: E731
     spendable = driver
-    if relocation is not None:
-        spendable = lambda d: relocation.room(d, driver(d))  # noqa: E731
-        relocation.prepare(placement, name, devices, gpu_layers, driver, f"room to load {name}")
+    if room is not None:
+        spendable = lambda d: room.spendable(placement, d, driver(d))  # noqa: E731
+        room.prepare(placement, name, devices, gpu_layers, driver, f"room to load {name}")
     places = placement.plan(devices, gpu_layers, spendable)
     placement.gpu_layers = gpu_layers
     try:
@@ -249,17 +249,3 @@ def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, 
         placement.close()
         raise
     return placement
-
-
-def spendable_bytes(device: str, unspent_budget: int, cluster: Cluster | None = None) -> int:
-    """Free memory a device can take blocks into: the driver's figure; the CPU's, less what the host page budget
-    may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure). Another rank's:
-    what it last said was free (it pages nothing)."""
-    if is_remote(device):
-        if cluster is None:
-            raise ValueError(f"{device} names another host, and this server is not in a cluster")
-        return int(cluster.device(device)[1]["free"])
-    info = device_info(device)
-    if info.kind == "cuda":  # what torch's allocator holds freed (a block moved off, say) is this process's to reuse
-        return info.free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, info.free_bytes - unspent_budget) if info.kind == "cpu" else info.free_bytes

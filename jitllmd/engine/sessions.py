@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .devices import host_memory
 from .kv import RoomError, SessionKV
+from .memory.devices import host_memory
 
 __all__ = ["Session", "SessionRegistry", "SlotPool", "common_prefix", "default_max_seq", "new_session_id"]
 

@@ -19,12 +19,12 @@ from ..gen.jitllm.v1.session_connect import SessionServiceASGIApplication
 from ..gen.jitllm.v1.telemetry_connect import TelemetryServiceASGIApplication
 from . import anthropic, openai
 from .body import APIError
-from .control import Devices, ErrorMapper, Models, Sessions
 from .guard import Guard
-from .inference import Inference
 from .metrics import Metrics
-from .placement import Placement
-from .telemetry import ServerInfo, Telemetry
+from .services.control import Devices, ErrorMapper, Models, Sessions
+from .services.inference import Inference
+from .services.placement import Placement
+from .services.telemetry import ServerInfo, Telemetry
 
 __all__ = ["Health", "build_app"]
 

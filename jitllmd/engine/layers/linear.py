@@ -8,8 +8,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..devices import bf16_matmul_native
 from ..kernels import MAX_ROWS, Gate, pack_panels, panel_linear, rows_kernel, rows_linear
+from ..memory.devices import bf16_matmul_native
 from .quant import QuantLinear, Segment
 
 __all__ = ["ROW_BLOCK_MAX_TOKENS", "Linear", "Projection", "make_linear"]

@@ -72,7 +72,7 @@ def _lookup(what: str, key: Any, names: Callable[[Family], Iterable[str]]) -> Fa
 
 def build_model(jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int, int], None] | None = None) -> Any:
     """The model a .jlm describes, computing in `dtype`: an encoder built whole on `device`; a decoder without its
-    blocks, which the loader places (engine/placement.py)."""
+    blocks, which the loader places (engine/memory/placement.py)."""
     try:
         family = family_for(jlm.arch)
     except ValueError as exc:

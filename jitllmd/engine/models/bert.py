@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
+from ..memory.devices import bf16_matmul_native
 from .family import Family, HFSource
 
 __all__ = ["ARCHS", "FAMILY", "POOLINGS", "BertConfig", "BertModel"]

@@ -78,7 +78,7 @@ class Family:
     embeds: bool
     config: Callable[[Config], Any]  # its config class's from_dict: ValueError naming the field
     # (config, jlm, dtype, device, on_progress) -> the model: an encoder built whole on `device`; a decoder without its
-    # blocks, which the loader places (engine/placement.py)
+    # blocks, which the loader places (engine/memory/placement.py)
     build: Callable[[Config, JLMFile, torch.dtype, torch.device, Callable[[int, int], None] | None], Any]
     hf: HFSource | None = None
     gguf: GGUFSource | None = None

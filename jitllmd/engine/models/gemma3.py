@@ -20,7 +20,7 @@ import torch
 
 from ..jlm import JLMFile
 from ..kernels import GATES
-from ..layers import rope_inv_freq
+from ..layers.rope import rope_inv_freq
 from . import llama
 from .family import Family, GGUFMeta, GGUFSource, HFSource, SentencePieceQuirks, TensorFix
 
@@ -250,7 +250,7 @@ def gguf_tensor_name(name: str) -> str | None:
 
 
 def build(config: dict[str, Any], jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Any = None) -> Gemma3Model:
-    """The decoder without its blocks: the loader places them (engine/placement.py)."""
+    """The decoder without its blocks: the loader places them (engine/memory/placement.py)."""
     return Gemma3Model(Gemma3Config.from_dict(config), jlm, dtype)
 
 

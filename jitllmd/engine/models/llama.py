@@ -8,24 +8,16 @@ from typing import Any
 
 import torch
 
-from ..devices import bf16_matmul_native
 from ..jlm import JLMFile
 from ..kernels import QuantLayer, bf16_round, decode_layer
 from ..kv import RowSpan, SessionKV
-from ..layers import (
-    Attention,
-    GatedAct,
-    QuantLinear,
-    QuantTable,
-    RMSNorm,
-    Rope,
-    RopeTables,
-    Segment,
-    chunk_tokens,
-    make_linear,
-    rope_inv_freq,
-    segments_for,
-)
+from ..layers.activation import GatedAct
+from ..layers.attention import Attention
+from ..layers.linear import make_linear
+from ..layers.norm import RMSNorm
+from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, segments_for
+from ..layers.rope import Rope, RopeTables, rope_inv_freq
+from ..memory.devices import bf16_matmul_native
 from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix
 
 __all__ = ["ARCHS", "FAMILY", "STREAM", "DecoderBlock", "Embed", "Head", "LlamaConfig", "LlamaModel", "layouts"]
@@ -481,7 +473,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def build(config: dict[str, Any], jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progress: Any = None) -> LlamaModel:
-    """The decoder without its blocks: the loader places them (engine/placement.py), so `device` and `on_progress`
+    """The decoder without its blocks: the loader places them (engine/memory/placement.py), so `device` and `on_progress`
     are the placement's business."""
     return LlamaModel(LlamaConfig.from_dict(config), jlm, dtype)
 

@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from .devices import local_device_figures, split_place
+from ..memory.devices import local_device_figures, split_place
 
 __all__ = ["Channel", "Cluster", "ClusterAddress", "Link", "RankError", "RemoteError", "cluster_address", "join_store"]
 
@@ -51,14 +52,15 @@ class ClusterAddress:
     agent_store: bool = False  # torchrun's agent hosts the store: every rank, rank 0 too, connects to it
 
 
-def cluster_address(url: str) -> ClusterAddress:
-    """`tcp://HOST:PORT` (as torch.distributed's init_method), or `env://`: torch's MASTER_ADDR and MASTER_PORT (as
-    torchrun sets them). ValueError says what is wrong."""
+def cluster_address(url: str, env: Mapping[str, str] | None = None) -> ClusterAddress:
+    """`tcp://HOST:PORT` (as torch.distributed's init_method), or `env://`: torch's MASTER_ADDR and MASTER_PORT in
+    `env` (the process environment the command hands in, as torchrun sets it). ValueError says what is wrong."""
     if url == "env://":
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        env = env or {}
+        host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not host or not port or not port.isdigit():
             raise ValueError("-cluster env:// needs MASTER_ADDR and MASTER_PORT in the environment (torchrun sets them)")
-        return ClusterAddress(host, int(port), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+        return ClusterAddress(host, int(port), env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     parsed = urlparse(url)
     if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
         raise ValueError(f"-cluster {url}: give tcp://HOST:PORT (rank 0's address) or env:// (torchrun's MASTER_ADDR and MASTER_PORT)")
@@ -219,7 +221,7 @@ class Cluster:
     """Rank 0's view of the cluster: the store, and a link to each worker rank that joined (kept up to date: a rank
     that comes back replaces its old link)."""
 
-    def __init__(self, url: str, world: int, timeout: float = 30.0, join_timeout: float = 60.0):
+    def __init__(self, url: str, world: int, timeout: float = 30.0, join_timeout: float = 60.0, env: Mapping[str, str] | None = None):
         if world < 2:
             raise ValueError(f"-world {world}: a cluster has rank 0 and at least one worker (give 2 or more)")
         if timeout <= 0 or join_timeout <= 0:
@@ -227,7 +229,7 @@ class Cluster:
         self.url = url
         self.world = world
         self.timeout = timeout
-        self.address = cluster_address(url)
+        self.address = cluster_address(url, env)
         self.store = join_store(self.address, master=True, timeout=join_timeout)
         self.store.set(f"{_PREFIX}/world", str(world))
         self.links: dict[int, Link] = {}
@@ -309,6 +311,10 @@ class Cluster:
         """Every remote device a spec may name: `R:ID` for each device of each rank that joined, live or not."""
         return [f"{r}:{d['id']}" for r, link in sorted(self.links.items()) for d in link.devices]
 
+    def free_bytes(self, place: str) -> int:
+        """What a remote device `R:ID` last said was free."""
+        return int(self.device(place)[1]["free"])
+
     def device(self, place: str) -> tuple[Link, dict[str, Any]]:
         """The link and the last known figures of a remote device `R:ID`."""
         rank, local = split_place(place)
@@ -331,10 +337,10 @@ def hello_info(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "devices": devices}
 
 
-def worker_link(url: str, rank: int, timeout: float) -> tuple[Any, int, dist.TCPStore]:
+def worker_link(url: str, rank: int, timeout: float, env: Mapping[str, str] | None = None) -> tuple[Any, int, dist.TCPStore]:
     """A worker's side of joining: the store (rank 0's, retried until `timeout`), the world it announced (the rank must
     be in it), a new generation of this rank, hello, and the pair group with rank 0. -> (pair group, generation, store)."""
-    address = cluster_address(url)
+    address = cluster_address(url, env)
     store = join_store(address, master=False, timeout=timeout)
     try:
         store.wait([f"{_PREFIX}/world"], timedelta(seconds=timeout))

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from .. import __version__
-from ..engine.catalog import Catalog
-from ..gen.jitllm.v1 import telemetry_pb2 as tel
-from ..gen.jitllm.v1.telemetry_connect import TelemetryService
+from ... import __version__
+from ...engine.catalog import Catalog
+from ...gen.jitllm.v1 import telemetry_pb2 as tel
+from ...gen.jitllm.v1.telemetry_connect import TelemetryService
 
 __all__ = ["ServerInfo", "Telemetry"]
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import RowSpan, SessionKV
-from .placement import HOST
-from .runner import ModelRunner
+from ..kv import RowSpan, SessionKV
+from ..memory.placement import HOST
+from ..runner import ModelRunner
 
 __all__ = ["SeamCandidate", "candidate_counts", "decode_rate", "tune_seam"]
 

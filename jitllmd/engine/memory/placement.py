@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from ..cluster.remote import RemoteModel, RemoteRun
+from ..kv import META, SessionKV
 from .devices import is_remote, split_place, synchronize
-from .kv import META, SessionKV
 from .pager import ROW_BLOCKS, Pager
-from .remote import RemoteModel, RemoteRun
 
-__all__ = ["HOST", "BlockCosts", "Placement", "plan_places"]
+__all__ = ["HOST", "BlockCosts", "Placement", "Room", "plan_places"]
 
 HOST = "host"
 _RECENT = 0.2  # weight of the newest step in the running cost figures
@@ -93,11 +93,22 @@ def layer_of(name: str) -> int | None:
     return int(name.split(".", 1)[1]) if name.startswith("blocks.") else None
 
 
+class Room(Protocol):
+    """What a device may take for one model's blocks, where more than its driver decides: a server's -device-mem
+    shared by its models, and idle models that give up blocks for another (memory/relocation.py, wired by Catalog)."""
+
+    def spendable(self, placement: Placement, device: str, driver: int) -> int:
+        """What `device` can take for `placement`'s blocks, its driver saying `driver` bytes are free."""
+
+    def prepare(self, placement: Placement, asking: str, devices: list[str], gpu_layers: int, driver: Callable[[str], int], reason: str) -> None:
+        """Before `placement` is planned over `devices`: make the room it would have with other models' idle blocks gone."""
+
+
 class Placement:
     """The blocks of one model on their places: device blocks held built on their device, host blocks in the pager.
 
     Only the engine thread calls `walk`, `apply`, `move`: a move happens between steps, never inside one. Blocks on
-    another rank's device (`1:cpu`) are held there (engine/remote.py, opened by `remote` on first use); their KV layers
+    another rank's device (`1:cpu`) are held there (engine/cluster/remote.py, opened by `remote` on first use); their KV layers
     are `meta` here.
     """
 

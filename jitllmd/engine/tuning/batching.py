@@ -3,7 +3,7 @@
 `-max-batch 0` is the widest step the device runs: one row per session a device block reserves KV for (`-sessions`).
 `-prompt-chunk 0` is one device prefill chunk: a count per device kind, cut to the session's room. Nothing here is
 measured, so the same model on the same machine gets the same limits at every load, however busy the machine is; a
-device where a joint step loses to the rows one after another is left to `-joint-steps auto` (engine/joint.py).
+device where a joint step loses to the rows one after another is left to `-joint-steps auto` (engine/runner.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .jlm import JLMError, JLMFile
+from ..jlm import JLMError, JLMFile
 
 __all__ = ["ROW_BLOCKS", "BlockReader", "Layout", "PagedRows", "Pager", "ReadStats"]
 

@@ -8,12 +8,12 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from ..engine.catalog import Catalog, ServedModel
-from ..engine.placement import HOST, layer_of
-from ..engine.relocation import Move, Relocation, block_held
-from ..engine.sessions import Session
-from ..gen.jitllm.v1 import placement_pb2 as plc
-from ..gen.jitllm.v1.placement_connect import PlacementService
+from ...engine.catalog import Catalog, ServedModel
+from ...engine.memory.placement import HOST, layer_of
+from ...engine.memory.relocation import Move, Relocation, block_held
+from ...engine.sessions import Session
+from ...gen.jitllm.v1 import placement_pb2 as plc
+from ...gen.jitllm.v1.placement_connect import PlacementService
 from .control import model_of, session_of
 
 __all__ = ["Placement"]

@@ -10,16 +10,16 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from ..engine.catalog import Catalog, ServedModel
-from ..engine.request import Delta, Done, Failed, FinishReason
-from ..engine.sampler import SamplingParams
-from ..engine.sessions import Session
-from ..gen.jitllm.v1 import common_pb2 as common
-from ..gen.jitllm.v1 import inference_pb2 as inf
-from ..gen.jitllm.v1.inference_connect import InferenceService
+from ...engine.catalog import Catalog, ServedModel
+from ...engine.request import Delta, Done, Failed, FinishReason
+from ...engine.sampler import SamplingParams
+from ...engine.sessions import Session
+from ...gen.jitllm.v1 import common_pb2 as common
+from ...gen.jitllm.v1 import inference_pb2 as inf
+from ...gen.jitllm.v1.inference_connect import InferenceService
+from ..outbox import Outbox, embed
+from ..prompt import conversation, off_loop, remember
 from .control import model_of, session_of
-from .outbox import Outbox, embed
-from .prompt import conversation, off_loop, remember
 
 __all__ = ["Inference"]
 

@@ -6,28 +6,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .loader import spendable_bytes
-from .seam import SeamCandidate, tune_seam
+from ..tuning.seam import SeamCandidate, tune_seam
+from .devices import spendable_bytes
 
 if TYPE_CHECKING:
-    from .kv import SessionKV
-    from .loader import LoadedModel
-    from .placement import Placement
-    from .relocation import Relocation
+    from ..kv import SessionKV
+    from ..loader import LoadedModel
+    from .placement import Placement, Room
 
 __all__ = ["PlacementJobs"]
 
 
 class PlacementJobs:
     """The work of each placement change of one model. `kvs` lists every KV cache of the model now (they move with
-    their blocks); `placed` runs after blocks moved (the engine re-reads what a step may hold and costs)."""
+    their blocks); `placed` runs after blocks moved (the engine re-reads what a step may hold and costs); `room`: what
+    a device may take beyond its driver's figure (the server's, memory/placement.py; None: the driver's figure)."""
 
     def __init__(self, loaded: LoadedModel, kvs: Callable[[], list[SessionKV]], placed: Callable[[], None],
-                 relocation: Callable[[], Relocation | None] = lambda: None):
+                 room: Room | None = None):
         self.loaded = loaded
         self._kvs = kvs
         self._placed = placed
-        self._relocation = relocation
+        self._room = room
 
     def placement(self) -> Placement:
         if self.loaded.placement is None:
@@ -73,12 +73,10 @@ class PlacementJobs:
 
     def spendable(self, device: str) -> int:
         """What `device` can take: its free memory, within -device-mem beside every model's blocks."""
-        relocation = self._relocation()
         driver = self.spendable_driver(device)
-        if relocation is None:
-            return driver
-        return relocation.room(device, driver) + relocation.own_kv(self.placement(), device)
+        return driver if self._room is None else self._room.spendable(self.placement(), device, driver)
 
     def spendable_driver(self, device: str) -> int:
         """The device's free memory (the CPU's less what the host page budget may still read in)."""
-        return spendable_bytes(device, self.placement().pager.unspent_bytes(), self.loaded.cluster)
+        cluster = self.loaded.cluster
+        return spendable_bytes(device, self.placement().pager.unspent_bytes(), cluster.free_bytes if cluster is not None else None)

@@ -11,15 +11,13 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-from .placement import HOST, layer_of
+from .placement import HOST, Placement, layer_of
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .placement import Placement
+__all__ = ["Move", "Relocation", "Tenant", "block_held", "held_on", "repays"]
 
-__all__ = ["Move", "Relocation", "block_held", "held_on", "repays"]
+T = TypeVar("T")
 
 log = logging.getLogger("jitllmd.relocation")
 _MOVES_KEPT = 256  # the newest automatic moves each model keeps for GetPlacement / GetResidency
@@ -44,6 +42,38 @@ class Move:
         return "demote" if self.to == HOST else "promote"
 
 
+class Tenant(Protocol):
+    """What relocation sees of one model on the devices (an Engine is one): Catalog registers it, and relocation never
+    reaches further into it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def placement(self) -> Placement | None:
+        """Which block is where; None for a model with nothing to place (an encoder)."""
+
+    @property
+    def rows_per_step(self) -> float:
+        """The rows its recent steps ran (a step makes this many tokens)."""
+
+    @property
+    def last_active(self) -> float:
+        """time.monotonic() of its last step with rows."""
+
+    def idle_for(self, now: float) -> float | None:
+        """Seconds since its last row; None while it has rows (read from any thread)."""
+
+    def spendable_driver(self, device: str) -> int:
+        """The device's free memory as its driver says (the CPU's less what its host pager may still read in)."""
+
+    def move_blocks(self, first: int, last: int, to: str) -> None:
+        """On its own thread, between steps: blocks first..last to `to`, with every session's KV."""
+
+    def run_job(self, work: Callable[[], T]) -> Future[T]:
+        """`work` on its own thread between steps; the future holds the result."""
+
+
 def repays(saving_s: float, copy_s: float, horizon: int, rows: float) -> bool:
     """Whether a block's copy pays for itself within `horizon` tokens: it saves `saving_s` in every step it runs, and a
     step makes `rows` tokens."""
@@ -61,7 +91,7 @@ class Relocation:
         self.idle_s = idle_s
         self.horizon = horizon
         self.default = default
-        self._engines: dict[str, Engine] = {}
+        self._tenants: dict[str, Tenant] = {}
         self._enabled: dict[str, bool] = {}
         self._moves: dict[str, deque[Move]] = {}
         self._counts: dict[str, dict[str, int]] = {}  # model -> direction -> moves (all of them, not only those kept)
@@ -70,25 +100,22 @@ class Relocation:
 
     # -- the models -----------------------------------------------------------------------------
 
-    def register(self, name: str, engine: Engine, enabled: bool | None = None) -> None:
+    def register(self, name: str, engine: Tenant, enabled: bool | None = None) -> None:
         with self._lock:
-            self._engines[name] = engine
+            self._tenants[name] = engine
             self._enabled[name] = self.default if enabled is None else enabled
             self._moves[name] = deque(maxlen=_MOVES_KEPT)
             self._counts[name] = {"demote": 0, "promote": 0}
-        engine.relocation = self
 
     def unregister(self, name: str) -> None:
         with self._lock:
-            engine = self._engines.pop(name, None)
+            self._tenants.pop(name, None)
             for table in (self._enabled, self._moves, self._counts, self._asked):
                 table.pop(name, None)  # type: ignore[attr-defined]
-        if engine is not None:
-            engine.relocation = None
 
     def set_enabled(self, name: str, on: bool) -> None:
         with self._lock:
-            if name not in self._engines:
+            if name not in self._tenants:
                 raise KeyError(f"model {name!r} is not loaded")
             self._enabled[name] = on
         log.info("%s: relocation %s", name, "on" if on else "off")
@@ -117,8 +144,8 @@ class Relocation:
     def used(self, device: str) -> int:
         """Bytes the loaded models hold on `device`: device blocks and the KV reserved for them."""
         with self._lock:
-            engines = list(self._engines.values())
-        return sum(held_on(e.loaded.placement, device) for e in engines if e.loaded.placement is not None)
+            engines = list(self._tenants.values())
+        return sum(held_on(e.placement, device) for e in engines if e.placement is not None)
 
     def room(self, device: str, spendable: int) -> int:
         """What `device` can still take: its spendable memory (`spendable`, the driver's figure), and no more than
@@ -126,6 +153,11 @@ class Relocation:
         if self.device_mem is None:
             return spendable
         return max(0, min(spendable, self.device_mem - self.used(device)))
+
+    def spendable(self, placement: Placement, device: str, driver: int) -> int:
+        """What `device` can take for `placement`'s blocks (memory/placement.py's Room): its room, and the KV the
+        model already reserves there."""
+        return self.room(device, driver) + self.own_kv(placement, device)
 
     def own_kv(self, placement: Placement, device: str) -> int:
         """Under -device-mem, the KV a model reserves on `device` counts as room when that model is re-placed (its
@@ -136,7 +168,7 @@ class Relocation:
 
     def reclaimable(self, device: str, asking: str | None) -> int:
         """Bytes the idle relocation-enabled models other than `asking` hold on `device`: what demoting could free."""
-        return sum(held_on(e.loaded.placement, device) for e in self._idle(device, asking) if e.loaded.placement is not None)
+        return sum(held_on(e.placement, device) for e in self._idle(device, asking) if e.placement is not None)
 
     def reclaim(self, device: str, need: int, asking: str | None, reason: str) -> list[Future[int]]:
         """Demote blocks of idle relocation-enabled models (not `asking`), the coldest model first and each from its
@@ -147,7 +179,7 @@ class Relocation:
         for engine in self._idle(device, asking):
             if need <= 0:
                 break
-            placement = engine.loaded.placement
+            placement = engine.placement
             assert placement is not None
             blocks = _front_blocks(placement, device, need)
             if blocks is None:
@@ -181,21 +213,21 @@ class Relocation:
             if need > 0:
                 self.make_room(d, need, asking, reason)
 
-    def promote(self, engine: Engine) -> None:
+    def promote(self, engine: Tenant) -> None:
         """Between steps of a busy model, on its engine thread: its host blocks nearest the seam go to the device
         after them while the saving measured repays each one's copy within `horizon` tokens (its last host block
         whenever there is room: whole on the device, it batches). Where the device has no room for them, idle models
         are asked to demote (this thread never waits for them: the next step looks again). At most _COPY_S of copies
         run at one step boundary, so the model's own rows are not held up long."""
-        name = engine.loaded.name
-        placement = engine.loaded.placement
+        name = engine.name
+        placement = engine.placement
         if not self.enabled(name) or placement is None or not placement.devices or HOST not in placement.places:
             return
         places = placement.places
         seam = places.count(HOST)  # the host part is a prefix: its last block is next to the seam
         to = places[seam] if seam < len(places) else placement.devices[0]
         cap = len(places) if placement.gpu_layers < 0 else placement.gpu_layers - placement.num_device_blocks
-        room = self.room(to, engine.moves.spendable_driver(to))
+        room = self.room(to, engine.spendable_driver(to))
         asked = self._asked.get(name, ())
         if cap <= 0 or (room < block_held(placement, seam - 1) and all(f.done() for f in asked) and not self.reclaimable(to, name)):
             return  # nothing can come back now: no room, and none to be made
@@ -203,7 +235,7 @@ class Relocation:
         for i in range(seam - 1, max(-1, seam - 1 - cap), -1):
             whole = i == 0 and len(set(places[seam:])) <= 1
             saving, copy = placement.saving_s(i), placement.copy_s(i)
-            if not whole and not repays(saving, copy, self.horizon, engine.stats.rows_per_step):
+            if not whole and not repays(saving, copy, self.horizon, engine.rows_per_step):
                 break
             wanted.append((i, saving, copy))
         if not wanted:
@@ -230,28 +262,28 @@ class Relocation:
             why += f"; whole on {to}, it batches its requests"
         self.record(Move(time.time(), name, first, last, HOST, to, sum(block_held(placement, i) for i in moving), why))
 
-    def _idle(self, device: str, asking: str | None) -> list[Engine]:
+    def _idle(self, device: str, asking: str | None) -> list[Tenant]:
         """Relocation-enabled models other than `asking` with blocks on `device` and no row for idle_s, coldest first."""
         now = time.monotonic()
         with self._lock:
-            found = [e for n, e in self._engines.items() if n != asking and self._enabled[n]]
-        found = [e for e in found if e.loaded.placement is not None and held_on(e.loaded.placement, device) > 0 and self._is_idle(e, now)]
+            found = [e for n, e in self._tenants.items() if n != asking and self._enabled[n]]
+        found = [e for e in found if e.placement is not None and held_on(e.placement, device) > 0 and self._is_idle(e, now)]
         return sorted(found, key=lambda e: e.last_active)
 
-    def _is_idle(self, engine: Engine, now: float) -> bool:
+    def _is_idle(self, engine: Tenant, now: float) -> bool:
         idle = engine.idle_for(now)
         return idle is not None and idle >= self.idle_s
 
-    def _demote_work(self, engine: Engine, first: int, last: int, device: str, reason: str) -> Callable[[], int]:
+    def _demote_work(self, engine: Tenant, first: int, last: int, device: str, reason: str) -> Callable[[], int]:
         def work() -> int:
             if not self._is_idle(engine, time.monotonic()):
                 return 0  # traffic came meanwhile: it keeps its blocks
-            placement = engine.loaded.placement
+            placement = engine.placement
             assert placement is not None
             freed = sum(block_held(placement, i) for i in range(first, last + 1) if placement.places[i] != HOST)
             source = placement.places[last]
             engine.move_blocks(first, last, HOST)
-            self.record(Move(time.time(), engine.loaded.name, first, last, source, HOST, freed, reason))
+            self.record(Move(time.time(), engine.name, first, last, source, HOST, freed, reason))
             return freed
 
         return work

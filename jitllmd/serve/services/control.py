@@ -12,24 +12,24 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from ..engine.catalog import Catalog, ModelLoading, ServedModel
-from ..engine.chat import ChatTemplateError
-from ..engine.cluster import RankError
-from ..engine.convert import ConvertError, convert
-from ..engine.devices import available_devices, cpu_name, device_info, host_memory, is_remote
-from ..engine.jlm import JLMError, JLMFile
-from ..engine.kernels import describe as describe_kernels
-from ..engine.kv import RoomError
-from ..engine.loader import on_own_thread
-from ..engine.request import RequestState
-from ..engine.sessions import Session
-from ..gen.jitllm.v1 import device_pb2 as dev
-from ..gen.jitllm.v1 import model_pb2 as mdl
-from ..gen.jitllm.v1 import session_pb2 as ses
-from ..gen.jitllm.v1.device_connect import DeviceService
-from ..gen.jitllm.v1.model_connect import ModelService
-from ..gen.jitllm.v1.session_connect import SessionService
-from .prompt import off_loop
+from ...engine.catalog import Catalog, ModelLoading, ServedModel
+from ...engine.chat import ChatTemplateError
+from ...engine.cluster.link import RankError
+from ...engine.convert import ConvertError, convert
+from ...engine.jlm import JLMError, JLMFile
+from ...engine.kernels import describe as describe_kernels
+from ...engine.kv import RoomError
+from ...engine.loader import on_own_thread
+from ...engine.memory.devices import available_devices, cpu_name, device_info, host_memory, is_remote
+from ...engine.request import RequestState
+from ...engine.sessions import Session
+from ...gen.jitllm.v1 import device_pb2 as dev
+from ...gen.jitllm.v1 import model_pb2 as mdl
+from ...gen.jitllm.v1 import session_pb2 as ses
+from ...gen.jitllm.v1.device_connect import DeviceService
+from ...gen.jitllm.v1.model_connect import ModelService
+from ...gen.jitllm.v1.session_connect import SessionService
+from ..prompt import off_loop
 
 __all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_of"]
 
@@ -271,7 +271,7 @@ class Devices(DeviceService):
         return out
 
     def _remote_device(self, device_id: str) -> dev.Device:
-        """Another rank's device, with the memory it last reported (engine/cluster.py asks every few seconds)."""
+        """Another rank's device, with the memory it last reported (engine/cluster/link.py asks every few seconds)."""
         assert self.catalog.cluster is not None
         link, info = self.catalog.cluster.device(device_id)
         relocation = self.catalog.relocation

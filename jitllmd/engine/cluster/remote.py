@@ -1,6 +1,6 @@
 """Rank 0's side of a model's blocks on another rank: the model opened there from that rank's own copy of the .jlm,
 its blocks held there, runs of them applied to the hidden state (which crosses the host seam as one tensor for every
-row of the step), and the sessions' KV of those blocks carried there and back (engine/worker.py is the other side)."""
+row of the step), and the sessions' KV of those blocks carried there and back (engine/cluster/worker.py is the other side)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cluster import Link, RankError
-from .jlm import JLMFile
-from .kv import RowSpan, SessionKV
+from ..jlm import JLMFile
+from ..kv import RowSpan, SessionKV
+from .link import Link, RankError
 
 __all__ = ["RemoteModel", "RemoteRun", "fingerprint"]
 

@@ -1,6 +1,6 @@
 """A worker rank (`jitllmd worker`): holds blocks of rank 0's models, read from its own copy of each .jlm, and those
 blocks' KV of each session; runs a run of its blocks over the hidden state rank 0 sends and sends the result back.
-Commands come one at a time over the pair group with rank 0 (engine/cluster.py); engine/remote.py is rank 0's side."""
+Commands come one at a time over the pair group with rank 0 (engine/cluster/link.py); engine/cluster/remote.py is rank 0's side."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .cluster import FOREVER, Channel, _first_line
-from .devices import local_device_figures, release_host_memory
-from .jlm import JLMFile
-from .kv import META, RowSpan, SessionKV
-from .models import build_model
-from .pager import BlockReader
+from ..jlm import JLMFile
+from ..kv import META, RowSpan, SessionKV
+from ..memory.devices import local_device_figures, release_host_memory
+from ..memory.pager import BlockReader
+from ..models import build_model
+from .link import FOREVER, Channel, _first_line
 from .remote import fingerprint
 
 __all__ = ["Worker"]
@@ -149,7 +149,7 @@ class Worker:
     def _open(self, doc: dict[str, Any]) -> dict[str, Any]:
         path = self._resolve(doc["path"])
         if not path.is_file() and doc.get("source"):
-            from .loader import cached_conversion
+            from ..loader import cached_conversion
 
             source = self._resolve(doc["source"])
             if not source.is_file():

@@ -8,12 +8,13 @@ import functools
 import gc
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceInfo", "available_devices", "is_remote", "local_device_figures", "split_place", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "synchronize", "trim_heap"]
+__all__ = ["DeviceInfo", "available_devices", "is_remote", "local_device_figures", "split_place", "bf16_matmul_native", "compute_dtype", "cpu_name", "device_info", "host_memory", "parse_devices", "release_host_memory", "spendable_bytes", "synchronize", "trim_heap"]
 
 
 def _cpu_flags() -> set[str]:
@@ -225,3 +226,17 @@ def _malloc_trim() -> Any:
         return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
         return None
+
+
+def spendable_bytes(device: str, unspent_budget: int, remote_free: Callable[[str], int] | None = None) -> int:
+    """Free memory a device can take blocks into: the driver's figure; the CPU's, less what the host page budget
+    may still read in (`Pager.unspent_bytes`: what is already resident is out of the free figure). Another rank's:
+    what it last said was free (`remote_free`, the cluster's; it pages nothing)."""
+    if is_remote(device):
+        if remote_free is None:
+            raise ValueError(f"{device} names another host, and this server is not in a cluster")
+        return remote_free(device)
+    info = device_info(device)
+    if info.kind == "cuda":  # what torch's allocator holds freed (a block moved off, say) is this process's to reuse
+        return info.free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, info.free_bytes - unspent_budget) if info.kind == "cpu" else info.free_bytes

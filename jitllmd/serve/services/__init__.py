@@ -1,0 +1,1 @@
+"""The Connect services of the control plane: inference, control, placement, telemetry."""
