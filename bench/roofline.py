@@ -92,7 +92,7 @@ def main() -> None:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from jitllmd.engine.kernels import attend_chunk, pack_panels, panel_linear
+    from jitllmd.engine.kernels.ops import attend_chunk, pack_panels, panel_linear
     from jitllmd.engine.kv import RowSpan
     from jitllmd.engine.loader import load_model
 

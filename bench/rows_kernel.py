@@ -6,7 +6,7 @@ for bit.
     python bench/rows_kernel.py --before /tmp/quant.c --variants avx512+vnni --rounds 9 --threads 1
 
 Each build is every kernel source as the tree has it, with quant.c swapped for the version named, compiled with the
-variant's flags as kernels/__init__.py compiles them.
+variant's flags as kernels/build.py compiles them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 from bench.short_prompt import weight  # noqa: E402
 from jitllmd.engine import kernels  # noqa: E402
-from jitllmd.engine.layers.quant import FORMATS  # noqa: E402
+from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
+from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16)
 # (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square, Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896
@@ -39,13 +40,13 @@ def build(quant_c: str, variant: str, out: Path) -> ctypes.CDLL:
     """The kernels with quant.c's text `quant_c`, built as `variant` into out/."""
     src = out / variant.replace("+", "-")
     src.mkdir(parents=True)
-    for path in [*kernels._SOURCES, *kernels._HEADERS]:
+    for path in [*kernel_build._SOURCES, *kernel_build._HEADERS]:
         (src / path.name).write_text(quant_c if path.name == "quant.c" else path.read_text())
     so = src / "kernels.so"
-    flags = [*kernels._FLAGS, *kernels._VARIANTS[variant][0]]
-    subprocess.run(["cc", *flags, *(str(src / p.name) for p in kernels._SOURCES), "-o", str(so)], check=True)
+    flags = [*kernel_build._FLAGS, *kernel_build._VARIANTS[variant][0]]
+    subprocess.run(["cc", *flags, *(str(src / p.name) for p in kernel_build._SOURCES), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
-    kernels._declare(lib)
+    kernel_build._declare(lib)
     return lib
 
 

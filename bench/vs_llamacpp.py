@@ -268,9 +268,10 @@ def worker_info() -> dict:
     import torch
 
     from jitllmd.engine import kernels
+    from jitllmd.engine.kernels.ops import bf16_units
     from jitllmd.engine.memory.devices import bf16_matmul_native
 
-    return {"kernels": kernels.describe(), "variants": kernels.variants(), "bf16_units": bf16_matmul_native(), "prompt_units": kernels.bf16_units(),
+    return {"kernels": kernels.describe(), "variants": kernels.variants(), "bf16_units": bf16_matmul_native(), "prompt_units": bf16_units(),
             "torch": torch.__version__}
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitllmd.engine.kernels import (
+from jitllmd.engine.kernels import describe, rows_kernel, use_variant, variants
+from jitllmd.engine.kernels.ops import (
     MAX_ROWS,
     attend_chunk,
     attend_rows,
     bf16_attention,
     bf16_units,
-    describe,
     gated_rows,
     pack_panels,
     panel_linear,
@@ -25,10 +25,7 @@ from jitllmd.engine.kernels import (
     rms_norm_heads,
     rms_norm_rows,
     rope_rows,
-    rows_kernel,
     rows_linear,
-    use_variant,
-    variants,
 )
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")

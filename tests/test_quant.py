@@ -11,7 +11,9 @@ import torch
 from jitllmd.engine import kernels
 from jitllmd.engine.convert import ConvertError, convert
 from jitllmd.engine.jlm import JLMFile, TensorSpec, write_jlm
+from jitllmd.engine.kernels import ops
 from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.layers import formats
 from jitllmd.engine.layers import quant as q
 from jitllmd.engine.loader import load_model
 from jitllmd.engine.models import llama
@@ -29,18 +31,18 @@ def _blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if name in GGUF_WRITES:
         return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), T[name])
-    fmt = q.FORMATS[name]
+    fmt = formats.FORMATS[name]
     b = rng.integers(0, 256, (rows * k // fmt.block, fmt.nbytes), dtype=np.uint8)
     for at in ([208] if name == "Q6_K" else [0, 2]):
         b[:, at : at + 2] = rng.uniform(0.01, 0.1, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
     return b.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("name", list(q.FORMATS))
+@pytest.mark.parametrize("name", list(formats.FORMATS))
 def test_reference_dequantize_matches_gguf(name: str) -> None:
     b = _blocks(name, 6, 512)
     want = gguf.quants.dequantize(b, T[name]).reshape(6, 512)
-    got = q.dequantize(torch.from_numpy(b), q.FORMATS[name], 6, 512)
+    got = formats.dequantize(torch.from_numpy(b), formats.FORMATS[name], 6, 512)
     assert torch.equal(got, torch.from_numpy(want))
 
 
@@ -48,25 +50,53 @@ def test_reference_dequantize_matches_gguf(name: str) -> None:
 def test_quantizers_write_what_llama_cpp_writes(name: str) -> None:
     w = np.random.default_rng(1).standard_normal((40, 256)).astype(np.float32)
     w[3] = 0  # an all-zero row: scale 0
-    assert np.array_equal(q.quantize(torch.from_numpy(w), name).numpy(), gguf.quants.quantize(w, T[name]))
+    assert np.array_equal(formats.quantize(torch.from_numpy(w), name).numpy(), gguf.quants.quantize(w, T[name]))
 
 
 def test_q4_k_quantizer_writes_blocks_gguf_reads() -> None:
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
     w[5] = 0
-    b = q.quantize(w, "Q4_K")
+    b = formats.quantize(w, "Q4_K")
     assert b.shape == (64, 2 * 144)
     back = torch.from_numpy(gguf.quants.dequantize(b.numpy(), T.Q4_K)).reshape(64, 512)
-    assert torch.equal(back, q.dequantize(b, q.FORMATS["Q4_K"], 64, 512))
+    assert torch.equal(back, formats.dequantize(b, formats.FORMATS["Q4_K"], 64, 512))
     assert torch.equal(back[5], torch.zeros(512))
     err = ((back - w).pow(2).mean() / w.pow(2).mean()).sqrt()
-    q4_0 = q.dequantize(q.quantize(w, "Q4_0"), q.FORMATS["Q4_0"], 64, 512)
+    q4_0 = formats.dequantize(formats.quantize(w, "Q4_0"), formats.FORMATS["Q4_0"], 64, 512)
     assert err < ((q4_0 - w).pow(2).mean() / w.pow(2).mean()).sqrt() < 0.1  # a fitted scale and min beat Q4_0's
 
 
 def test_quantize_needs_rows_its_block_divides() -> None:
     with pytest.raises(ValueError, match="not a multiple of its 256-weight block"):
-        q.quantize(torch.zeros(4, 96), "Q4_K")
+        formats.quantize(torch.zeros(4, 96), "Q4_K")
+
+
+# what a quantizer's round trip may lose, as a fraction of its block's largest |x|: half a step of Q8_0's grid, a whole
+# step of Q4_0's and Q5_0's (the end opposite the largest clamps), a 4-bit step of a Q4_K sub-block's range (at most
+# twice that); and on the first three the f16 rounding of the scale (2^-11 of it) times the quants' largest magnitude
+ROUND_TRIP = {"Q8_0": (0.5 + 127 * 2**-11) / 127, "Q4_0": (1 + 7 * 2**-11) / 8, "Q5_0": (1 + 15 * 2**-11) / 16, "Q4_K": 2 / 15}
+
+
+def test_every_record_round_trips_and_both_tables_hold_the_same_records() -> None:
+    """FORMATS (by name) and BY_GGML (by ggml id) hold the very same records; every record with a quantizer gives
+    back, through its own reference, each weight within its bound, and a zero block as zeros."""
+    by_name, by_ggml = list(formats.FORMATS.values()), list(formats.BY_GGML.values())
+    assert len(by_name) == len(by_ggml) and all(a is b for a, b in zip(by_name, by_ggml))
+    assert all(formats.FORMATS[f.name] is f and formats.BY_GGML[f.ggml] is f for f in by_name)
+    assert {f.name for f in by_name if f.quant is not None} == set(ROUND_TRIP)
+    assert all(formats.quantizable(f.name, 2 * f.block) == (f.quant is not None) for f in by_name)
+    g = torch.Generator().manual_seed(4)
+    for fmt in by_name:
+        if fmt.quant is None:
+            continue
+        x = torch.randn(600, fmt.block, generator=g) * torch.logspace(-1, 2, 600).unsqueeze(1)  # scales f16 holds exactly enough
+        x[::5] = torch.rand(x[::5].shape, generator=g)  # blocks of one sign
+        x[3] = 0
+        blocks = fmt.quant(x)
+        assert blocks.dtype == torch.uint8 and blocks.shape == (600, fmt.nbytes)
+        back = fmt.dequant(blocks)
+        assert back.shape == x.shape and not back[3].any()
+        assert ((back - x).abs() <= ROUND_TRIP[fmt.name] * x.abs().amax(1, keepdim=True)).all(), fmt.name
 
 
 # -- tiny models kept quantized ----------------------------------------------------------------------------------------
@@ -96,8 +126,8 @@ def _dequantized(path, out):
     for name in jlm.names:
         t = jlm.tensor(name)
         if name in quant:
-            fmt, (n, k) = q.FORMATS[quant[name]["type"]], quant[name]["shape"]
-            specs.append(TensorSpec(name, torch.float32, (n, k), lambda t=t, fmt=fmt, n=n, k=k: q.dequantize(t, fmt, n, k)))
+            fmt, (n, k) = formats.FORMATS[quant[name]["type"]], quant[name]["shape"]
+            specs.append(TensorSpec(name, torch.float32, (n, k), lambda t=t, fmt=fmt, n=n, k=k: formats.dequantize(t, fmt, n, k)))
         else:
             specs.append(TensorSpec(name, t.dtype, tuple(t.shape), lambda t=t: t.clone()))
     meta = {k: v for k, v in jlm.meta.items() if k != "format_version"} | {"quantization": {}}
@@ -177,16 +207,16 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     want = _run(load_model(ref, max_seq=64), [PROMPT])
     scale = want.abs().max()
     run, calls = q.QuantLinear._run, {True: [], False: []}
-    bf16 = path != "reference" and kernels.bf16_units() is not None  # prompt chunks in bf16
+    bf16 = path != "reference" and ops.bf16_units() is not None  # prompt chunks in bf16
     bf = lambda t: t.bfloat16().float() if bf16 else t
 
     def checked(self, x, exact, norm=None, gated=False, add=None):
         y = run(self, x, exact, norm, gated, add)
         if path != "reference" and not (exact and bf16):  # bf16 products: checked in bf16_runs, below
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
-                x = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated)
+                x = ops.rms_norm_rows(x, *norm) if norm is not None else ops.gated_rows(x, gated)
             xs, ws = (bf(x), bf) if exact else (_int8_rows(x), lambda t: t)
-            rounded = torch.cat([xs @ ws(q.dequantize(w, s.fmt, s.rows, s.k)).t() for s, w in zip(self.segments, self.views)], 1)
+            rounded = torch.cat([xs @ ws(formats.dequantize(w, s.fmt, s.rows, s.k)).t() for s, w in zip(self.segments, self.views)], 1)
             if add is not None:  # the residual (or bias) the kernel adds in its sums
                 rounded = add + rounded
             calls[exact].append(((y - rounded).abs().max() / rounded.abs().max()).item())
@@ -198,12 +228,12 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     def checked_bf16(x, runs, n, *, norm=None, gated=False, add=None):
         """Every bf16 product (whole projections, and the MLP's column slices) against its bf16-rounded inputs."""
         y = bf16_runs(x, runs, n, norm=norm, gated=gated, add=add)
-        if isinstance(x, kernels.BF16Rows):  # rows rounded once for several products (checked in bf16_round, below)
+        if isinstance(x, ops.BF16Rows):  # rows rounded once for several products (checked in bf16_round, below)
             a = x.data[: x.rows].float()
         else:
-            a = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated) if gated else x
-        fmts = {f.ggml: f for f in q.FORMATS.values()}
-        rounded = torch.cat([bf(a) @ bf(q.dequantize(w, fmts[t], rows, a.shape[1])).t() for w, t, rows in runs], 1)
+            a = ops.rms_norm_rows(x, *norm) if norm is not None else ops.gated_rows(x, gated) if gated else x
+        fmts = {f.ggml: f for f in formats.FORMATS.values()}
+        rounded = torch.cat([bf(a) @ bf(formats.dequantize(w, fmts[t], rows, a.shape[1])).t() for w, t, rows in runs], 1)
         if add is not None:
             rounded = add + rounded
         bf16_calls.append(((y - rounded).abs().max() / rounded.abs().max()).item())
@@ -215,7 +245,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     def checked_round(x, *, norm=None, gated=False):
         """Rows made and rounded once for the MLP's slices: the bits of bf16(the f32 rows made first), zero past them."""
         xb = bf16_round(x, norm=norm, gated=gated)
-        made = kernels.rms_norm_rows(x, *norm) if norm is not None else kernels.gated_rows(x, gated) if gated else x
+        made = ops.rms_norm_rows(x, *norm) if norm is not None else ops.gated_rows(x, gated) if gated else x
         rounds.append(torch.equal(xb.data[: xb.rows], made.bfloat16()) and not xb.data[xb.rows :].any())
         return xb
 
@@ -246,7 +276,7 @@ def test_an_f16_cache_rounds_kv_only(case, path) -> None:
     for feed in ([PROMPT], [[t] for t in PROMPT]):
         got, want = _run(f16, feed), _run(load_model(result.path, max_seq=64, kv_dtype=torch.float32), feed)
         change, same = ((got - want).abs().max() / want.abs().max()).item(), (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-        if path == "reference" or (len(feed) == 1 and kernels.bf16_units() is None):  # exact: the f16 rounding alone (0.06-0.23% here)
+        if path == "reference" or (len(feed) == 1 and ops.bf16_units() is None):  # exact: the f16 rounding alone (0.06-0.23% here)
             assert 0 < change < 5e-3 and same == 1.0
         else:  # int8 (decode rows) or bf16 (prompt chunks) inputs: a value moved by f16 may round to the next int8 or
             # bf16 step, as any 1-ulp change may
@@ -284,7 +314,7 @@ def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) 
     monkeypatch.setattr(llama, "MLP_COLUMNS", 64 if name == "gguf-mix" else 256)
     loaded = load_model(result.path, max_seq=64)
     blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]
-    assert all(b.attn.bf16 == (kernels.bf16_units() == "amx" and name != "gguf-mix") for b in blocks)  # gguf-mix: heads of 16
+    assert all(b.attn.bf16 == (ops.bf16_units() == "amx" and name != "gguf-mix") for b in blocks)  # gguf-mix: heads of 16
     alone = loaded.runner.forward(torch.tensor(PROMPT[:9]), torch.arange(9), [RowSpan(0, 9, loaded.new_kv())])
     other = loaded.new_kv()
     loaded.runner.forward(torch.tensor(PROMPT[10:14]), torch.arange(4), [RowSpan(0, 4, other)])

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from jitllmd.engine import kernels
-from jitllmd.engine.kernels import QUANT_TYPES, dequant_rows, describe, quant_rows, rows_kernel, use_variant, variants
+from jitllmd.engine.kernels import build, describe, ops, rows_kernel, use_variant, variants
+from jitllmd.engine.kernels.ops import dequant_rows, quant_rows
+from jitllmd.engine.layers.formats import BY_GGML
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA/F16C here: the engine runs torch's ops")
 
@@ -53,7 +54,7 @@ def reference(wb: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(wb, GGMLQuantizationType(qtype)))
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("qtype", BY_GGML)
 def test_dequant_rows_is_gguf_bit_for_bit(variant: str, qtype: int) -> None:
     wb = quantized(qtype, N, width(qtype), qtype)
     ref, w = reference(wb, qtype), torch.from_numpy(wb)
@@ -85,7 +86,7 @@ def on_int8_grid(x: torch.Tensor) -> torch.Tensor:
     return (d.double() * q.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("qtype", BY_GGML)
 def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: int) -> None:
     """Steps of 1 .. 17 rows (groups of 8 and their remainders), a zero row, the out= column-slice form, and each row's
     result the same alone, among others, and on one thread."""
@@ -131,9 +132,9 @@ def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) ->
         gate_up = torch.randn(rows, 2 * k, generator=g) * 4
         x[-1], gate_up[-1] = 0, 0  # a zero row: scale 1 / sqrt(eps), and silu(0) = 0
         cases = [
-            (x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)),
-            (gate_up, {"gated": True}, kernels.gated_rows(gate_up)),
-            (gate_up, {"gated": "gelu_tanh"}, kernels.gated_rows(gate_up, "gelu_tanh")),
+            (x, {"norm": (nw, 1e-6)}, ops.rms_norm_rows(x, nw, 1e-6)),
+            (gate_up, {"gated": True}, ops.gated_rows(gate_up)),
+            (gate_up, {"gated": "gelu_tanh"}, ops.gated_rows(gate_up, "gelu_tanh")),
         ]
         for src, fold, made in cases:
             want = quant_rows(made, w, qtype, N)
@@ -165,25 +166,25 @@ def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: 
         # two runs: the first 12 rows and the rest, stacked along the output
         runs = [(w[:12], qtype, 12), (w[12:], qtype, N - 12)]
         add = torch.randn(rows, N, generator=g)
-        assert torch.equal(kernels.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
+        assert torch.equal(ops.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
 
 
 BF16_VARIANTS = {"avx512+bf16": "avx512_bf16", "avx512+amx": "amx"}  # variant -> the units bf16_rows runs on
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("qtype", BY_GGML)
 def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
     """A prompt chunk's product on variants with bf16 units: x and the dequantized W rounded to bf16 (nearest even),
     the products summed in f32 (only their order differs from an exact sum); each row's result the same alone and
     among any number of others (1 .. 70 rows: partial tiles of 16 and 32), on one thread or two, and `add` added as
     torch would. N = 37 rows: a whole panel of 32 and a ragged one."""
     if variant not in BF16_VARIANTS:
-        assert kernels.bf16_units() is None
+        assert ops.bf16_units() is None
         pytest.skip(f"{variant} has no bf16 units")
     units = BF16_VARIANTS[variant]
-    if units == "amx" and kernels.bf16_units() != "amx":
+    if units == "amx" and ops.bf16_units() != "amx":
         pytest.skip("the OS does not grant this process AMX tile state")
-    assert kernels.bf16_units() == units
+    assert ops.bf16_units() == units
     k = width(qtype)
     wb = quantized(qtype, N, k, 600 + qtype)
     ref, w = reference(wb, qtype), torch.from_numpy(wb)
@@ -193,31 +194,31 @@ def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
     x[5] = 0
     exact = x.bfloat16().double() @ ref.bfloat16().double().T
     sums = (x.bfloat16().double().abs() @ ref.bfloat16().double().abs().T) * 2**-20  # f32 sums of k <= 512 products: well within
-    whole = kernels.bf16_runs(x, runs, N)
+    whole = ops.bf16_runs(x, runs, N)
     assert whole.dtype == torch.float32 and whole.shape == (70, N)
     assert ((whole - exact).abs() <= sums).all() and not whole[5].any()
     assert not torch.equal(whole, (x.double() @ ref.double().T).float())  # it did round
     for rows in (1, 3, 16, 17, 33):
-        assert torch.equal(kernels.bf16_runs(x[:rows], runs, N), whole[:rows])
-        assert torch.equal(kernels.bf16_runs(x[-rows:], runs, N), whole[-rows:])
+        assert torch.equal(ops.bf16_runs(x[:rows], runs, N), whole[:rows])
+        assert torch.equal(ops.bf16_runs(x[-rows:], runs, N), whole[-rows:])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(kernels.bf16_runs(x, runs, N), whole)
+        assert torch.equal(ops.bf16_runs(x, runs, N), whole)
     finally:
         torch.set_num_threads(threads)
     split = [(w[:12], qtype, 12), (w[12:], qtype, N - 12)]  # two runs stacked along the output
     for add in (torch.randn(70, N, generator=g) * 5, torch.randn(N, generator=g)):
-        assert torch.equal(kernels.bf16_runs(x, split, N, add=add).view(torch.int32), (add + whole).view(torch.int32))
+        assert torch.equal(ops.bf16_runs(x, split, N, add=add).view(torch.int32), (add + whole).view(torch.int32))
     # the norm or the gate made as the rows are rounded: the bits of the rows made first
     nw, gate_up = torch.rand(k, generator=g) + 0.5, torch.randn(70, 2 * k, generator=g) * 4
-    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, kernels.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, kernels.gated_rows(gate_up)),
-                            (gate_up, {"gated": "gelu_tanh"}, kernels.gated_rows(gate_up, "gelu_tanh"))):
-        assert torch.equal(kernels.bf16_runs(src, runs, N, **fold).view(torch.int32), kernels.bf16_runs(made, runs, N).view(torch.int32))
+    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, ops.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, ops.gated_rows(gate_up)),
+                            (gate_up, {"gated": "gelu_tanh"}, ops.gated_rows(gate_up, "gelu_tanh"))):
+        assert torch.equal(ops.bf16_runs(src, runs, N, **fold).view(torch.int32), ops.bf16_runs(made, runs, N).view(torch.int32))
         # rounded once (bf16_round) for several products: 70 rows padded to 96 with zeros, the same products
-        xb = kernels.bf16_round(src, **fold)
+        xb = ops.bf16_round(src, **fold)
         assert xb.rows == 70 and xb.data.shape == (96, k) and torch.equal(xb.data[:70], made.bfloat16()) and not xb.data[70:].any()
-        assert torch.equal(kernels.bf16_runs(xb, split, N), kernels.bf16_runs(made, runs, N))
+        assert torch.equal(ops.bf16_runs(xb, split, N), ops.bf16_runs(made, runs, N))
 
 
 def test_the_variants_agree_bit_for_bit() -> None:
@@ -227,7 +228,7 @@ def test_the_variants_agree_bit_for_bit() -> None:
         use_variant(v)
         try:
             out = []
-            for qtype in QUANT_TYPES:
+            for qtype in BY_GGML:
                 wb = torch.from_numpy(quantized(qtype, N, width(qtype), qtype))
                 g = torch.Generator().manual_seed(qtype)
                 out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N))
@@ -251,8 +252,8 @@ def test_a_build_replaces_only_its_own_variants_older_builds(tmp_path: Path, mon
     removes that variant's older ones and no other's."""
     source = tmp_path / "tiny.c"
     source.write_text("int tiny(void) { return 1; }\n")
-    monkeypatch.setattr(kernels, "_SOURCES", [source])
-    monkeypatch.setattr(kernels, "_HEADERS", [])
+    monkeypatch.setattr(build, "_SOURCES", [source])
+    monkeypatch.setattr(build, "_HEADERS", [])
     cache = tmp_path / "cache"
     cache.mkdir()
     slugs = {v: re.sub(r"[^a-z0-9]+", "-", v) for v in variants()}
@@ -261,8 +262,8 @@ def test_a_build_replaces_only_its_own_variants_older_builds(tmp_path: Path, mon
         path.write_bytes(b"")
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    built = {v: kernels._build(cache, compiler, v) for v in variants()[:-1]}
+    built = {v: build._build(cache, compiler, v) for v in variants()[:-1]}
     assert all(re.fullmatch(rf"kernels-{slugs[v]}-[0-9a-f]{{12}}\.so", p.name) for v, p in built.items())
     assert not any(p.exists() for p in stale[:-1]) and stale[-1].exists() and (cache / "kernels-other-000000000000.so").exists()
-    assert kernels._build(cache, compiler, variants()[-1]).exists() and not stale[-1].exists()
-    assert all(p.exists() and kernels._build(cache, compiler, v) == p for v, p in built.items())  # kept, and found again
+    assert build._build(cache, compiler, variants()[-1]).exists() and not stale[-1].exists()
+    assert all(p.exists() and build._build(cache, compiler, v) == p for v, p in built.items())  # kept, and found again

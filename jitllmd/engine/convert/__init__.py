@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..jlm import TensorSpec, write_jlm
-from ..layers.quant import FORMATS, quantizable, quantize
+from ..layers.formats import FORMATS, quantizable, quantize
 from .gguf import is_gguf, read_gguf
 from .hf import is_hf_dir, read_hf
 from .source import ConvertError, Source

@@ -23,7 +23,7 @@ log = logging.getLogger("jitllmd.convert")
 
 __all__ = ["GGUF_TYPES", "is_gguf", "read_gguf"]
 
-# Quantization types this converter reads (gguf.quants dequantizes each); those in layers/quant.py's FORMATS can be
+# Quantization types this converter reads (gguf.quants dequantizes each); those in layers/formats.py's FORMATS can be
 # kept as they are, the others (Q2_K, Q3_K) become f32, which loses nothing.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -77,7 +77,7 @@ def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
     blocks, f32 tensors stored as f32) are copied file to file when written, not read into memory."""
     import gguf
 
-    from ..layers.quant import FORMATS
+    from ..layers.formats import FORMATS
 
     try:
         reader = open_gguf(path)

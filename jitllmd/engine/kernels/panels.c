@@ -11,7 +11,7 @@
  * Every output (m, n) is summed in the same order (K in blocks of KC, each block's partial sum added to the last)
  * whatever M is and however the work is split between threads: a row's result does not depend on the rows that
  * share its step.
- * Built by jitllmd/engine/kernels/__init__.py with rows.c; the loops run on pool.c's threads (pool.h).
+ * Built by jitllmd/engine/kernels/build.py with rows.c; the loops run on pool.c's threads (pool.h).
  */
 #include <immintrin.h>
 #include <stdatomic.h>

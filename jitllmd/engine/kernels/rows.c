@@ -4,7 +4,7 @@
  *
  * Every (t, o) is summed in the same order whatever the number of rows, so a row's result does not depend on
  * which rows share its step. W is f32, or bf16 widened to f32 in registers (a bf16 value is an f32's top half).
- * Built by jitllmd/engine/kernels/__init__.py with -O3 -mavx2 -mfma; the loops run on pool.c's threads (pool.h).
+ * Built by jitllmd/engine/kernels/build.py with -O3 -mavx2 -mfma; the loops run on pool.c's threads (pool.h).
  */
 #include <immintrin.h>
 #include <math.h>

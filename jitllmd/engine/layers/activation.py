@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import GATES, gated_rows, rows_kernel
+from ..kernels import rows_kernel
+from ..kernels.ops import GATES, gated_rows
 
 __all__ = ["GatedAct"]
 
 
 class GatedAct:
-    """gate_up [T, 2*I] -> act(gate) * up [T, I]; `gate` one of kernels.GATES ("silu", "gelu_tanh")."""
+    """gate_up [T, 2*I] -> act(gate) * up [T, I]; `gate` one of GATES ("silu", "gelu_tanh")."""
 
     __slots__ = ("gate", "intermediate", "kernel")
 

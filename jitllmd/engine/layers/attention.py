@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import KV_DTYPES, attend_chunk, attend_rows, bf16_attention, rows_kernel
+from ..kernels import rows_kernel
+from ..kernels.ops import KV_DTYPES, attend_chunk, attend_rows, bf16_attention
 from ..kv import RowSpan
 
 __all__ = ["Attention"]

@@ -8,7 +8,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..kernels import MAX_ROWS, Gate, pack_panels, panel_linear, rows_kernel, rows_linear
+from ..kernels import rows_kernel
+from ..kernels.ops import MAX_ROWS, Gate, pack_panels, panel_linear, rows_linear
 from ..memory.devices import bf16_matmul_native
 from .quant import QuantLinear, Segment
 

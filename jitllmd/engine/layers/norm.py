@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import rms_norm_add_rows, rms_norm_heads, rms_norm_rows, rows_kernel
+from ..kernels import rows_kernel
+from ..kernels.ops import rms_norm_add_rows, rms_norm_heads, rms_norm_rows
 
 __all__ = ["RMSNorm"]
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..kernels import rope_rows, rows_kernel
+from ..kernels import rows_kernel
+from ..kernels.ops import rope_rows
 
 __all__ = ["Rope", "RopeTables", "rope_inv_freq", "rotate"]
 

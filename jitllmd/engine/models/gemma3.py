@@ -5,7 +5,7 @@ made through the shared block's hooks and parts (models/llama.py) rather than co
   caps them;
 - RMSNorm in the (1 + weight) form: the .jlm keeps 1 + weight (as llama.cpp's GGUF files already do), in f32;
 - norms before and after attention and the MLP (`attn_out_norm`, `mlp_out_norm`), and q/k norms;
-- GeGLU: GELU's tanh form of the gate (kernels.GATES's "gelu_tanh", folded as silu's is);
+- GeGLU: GELU's tanh form of the gate (kernels.ops.GATES's "gelu_tanh", folded as silu's is);
 - scores scaled by query_pre_attn_scalar^-1/2 (folded into the q norm's weight);
 - local layers with a sliding window and RoPE of their own theta, global layers with theirs (and the config's
   scaling), in the pattern the config or the GGUF metadata gives; attention's scores soft-capped where it caps them.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..jlm import JLMFile
-from ..kernels import GATES
+from ..kernels.ops import GATES
 from ..layers.rope import rope_inv_freq
 from . import llama
 from .family import Family, GGUFMeta, GGUFSource, HFSource, SentencePieceQuirks, TensorFix
@@ -28,7 +28,7 @@ __all__ = ["ARCHS", "FAMILY", "Gemma3Config", "Gemma3Model"]
 
 ARCHS = ("gemma3",)
 SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's layer_types
-_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config.json's hidden_activation -> kernels.GATES
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config.json's hidden_activation -> kernels.ops.GATES
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..jlm import JLMFile
-from ..kernels import QuantLayer, bf16_round, decode_layer
+from ..kernels.ops import QuantLayer, bf16_round, decode_layer
 from ..kv import RowSpan, SessionKV
 from ..layers.activation import GatedAct
 from ..layers.attention import Attention
@@ -57,7 +57,7 @@ class LlamaConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    # what a family's config may set otherwise (models/gemma3.py's does): the gated MLP's activation (kernels.GATES),
+    # what a family's config may set otherwise (models/gemma3.py's does): the gated MLP's activation (kernels.ops.GATES),
     # attention's and the head's logit caps (tanh(x / cap) * cap)
     hidden_activation: str = "silu"
     attn_logit_softcapping: float | None = None
