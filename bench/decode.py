@@ -115,7 +115,7 @@ def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
     # spin before torch loads); transformers' workers keep torch's defaults
     import jitllmd  # noqa: F401
     from jitllmd.engine.engine import Engine
-    from jitllmd.engine.request import Done
+    from jitllmd.engine.request import Done, Generation
     from jitllmd.engine.sampler import SamplingParams
 
     engine = Engine.load(path, max_seq=2048, prompt_chunk=n_prompt)
@@ -126,11 +126,11 @@ def worker_ours(path: Path, n_prompt: int, n_decode: int) -> dict:
     def done(events) -> Done:
         return [e for e in events if isinstance(e, Done)][0]
 
-    done(engine.generate(ids[:32], greedy, max_tokens=8, ignore_eos=True))  # warm up
-    decode = [done(engine.generate(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True)).figures["decode_tokens_per_second"]
+    done(engine.generate(Generation(ids[:32], greedy, max_tokens=8, ignore_eos=True)))  # warm up
+    decode = [done(engine.generate(Generation(ids[:16], greedy, max_tokens=n_decode, ignore_eos=True))).figures.decode_tokens_per_second
               for _ in range(REPEATS)]
     # each prefill in a fresh session: a pooled slot would reuse the last run's prompt and feed one token
-    prefill = [done(engine.generate(ids, greedy, max_tokens=1, session=engine.new_session())).figures["prefill_ms"] / 1000 for _ in range(REPEATS)]
+    prefill = [done(engine.generate(Generation(ids, greedy, max_tokens=1, session=engine.new_session()))).figures.prefill_ms / 1000 for _ in range(REPEATS)]
     engine.stop()
     return {"prompt_tps": n_prompt / statistics.median(prefill), "decode_tps": statistics.median(decode)}
 

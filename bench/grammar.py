@@ -169,6 +169,8 @@ def run_decode(a: argparse.Namespace) -> None:
     def generate(num: int, constrained: int, tokens: int) -> list[tuple[dict, list[int], bool]]:
         """`num` rows at once, the first `constrained` of them under LONG_LIST: each row's (figures, output ids,
         constrained), once all are done."""
+        from jitllmd.engine.request import Generation
+
         left, lock, finished = [num], threading.Lock(), threading.Event()
         dones: dict[int, Done | Failed] = {}
 
@@ -182,8 +184,7 @@ def run_decode(a: argparse.Namespace) -> None:
                             finished.set()
             return emit
 
-        reqs = [engine.submit(prompts[i], greedy, emitter(i), max_tokens=tokens, ignore_eos=i >= constrained, hold=True,
-                              constraint=loaded.grammars.constraint(spec) if i < constrained else None) for i in range(num)]
+        reqs = [engine.submit(Generation(prompts[i], greedy, max_tokens=tokens, ignore_eos=i >= constrained, constraint=loaded.grammars.constraint(spec) if i < constrained else None), emitter(i), hold=True) for i in range(num)]
         engine.enqueue(reqs)  # one drain: every row's prompt in the same first step
         finished.wait()
         out = []

@@ -56,7 +56,7 @@ def sequential_read(path: Path, block: int = 4 << 20) -> float:
 
 def measure(path: Path, fraction: float, n: int, read_ahead: bool | None) -> dict[str, float]:
     from jitllmd.engine.engine import Engine
-    from jitllmd.engine.request import Done
+    from jitllmd.engine.request import Done, Generation
     from jitllmd.engine.sampler import SamplingParams
 
     probe_total = _total(path)
@@ -65,17 +65,17 @@ def measure(path: Path, fraction: float, n: int, read_ahead: bool | None) -> dic
     try:
         greedy = SamplingParams(temperature=0.0)
         ids = engine.loaded.tokenizer.encode(PROMPT)
-        list(engine.generate(ids, greedy, max_tokens=8, ignore_eos=True))  # warm: thread pools, pager buffers
+        list(engine.generate(Generation(ids, greedy, max_tokens=8, ignore_eos=True)))  # warm: thread pools, pager buffers
         stats = engine.loaded.placement.pager.reader.stats
         before = sum(s.bytes for s in stats.values()), sum(s.seconds for s in stats.values())
-        done = [ev for ev in engine.generate(ids, greedy, max_tokens=n, ignore_eos=True) if isinstance(ev, Done)][0]
+        done = [ev for ev in engine.generate(Generation(ids, greedy, max_tokens=n, ignore_eos=True)) if isinstance(ev, Done)][0]
         after = sum(s.bytes for s in stats.values()), sum(s.seconds for s in stats.values())
         read, seconds = after[0] - before[0], after[1] - before[1]
         pager = engine.loaded.placement.pager
         return {
             "budget_mb": (budget or probe_total) / 1e6,
             "resident_mb": pager.resident_bytes() / 1e6,
-            "tok_s": done.figures["decode_tokens_per_second"],
+            "tok_s": done.figures.decode_tokens_per_second,
             "read_per_step_mb": read / (1 + done.completion_tokens) / 1e6,  # one prefill step, then one per token
             "read_gb_s": read / seconds / 1e9 if seconds else 0.0,
         }

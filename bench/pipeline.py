@@ -39,18 +39,18 @@ def model_path() -> Path:
 
 def decode(engine, rows: int, tokens: int) -> float:  # noqa: ANN001
     """`rows` greedy generations at once; -> aggregate decode tokens/s (each row's rate from its figures, summed)."""
-    from jitllmd.engine.request import Done, Failed
+    from jitllmd.engine.request import Done, Failed, Generation
     from jitllmd.engine.sampler import SamplingParams
 
     rates: list[float] = []
     prompt = [1, 504, 3458, 282, 253, 1345, 28, 2250, 30]
 
     def one(i: int) -> None:
-        for ev in engine.generate(prompt + [i], SamplingParams(temperature=0), max_tokens=tokens, ignore_eos=True):
+        for ev in engine.generate(Generation(prompt + [i], SamplingParams(temperature=0), max_tokens=tokens, ignore_eos=True)):
             if isinstance(ev, Failed):
                 raise SystemExit(ev.message)
             if isinstance(ev, Done):
-                rates.append(ev.figures["decode_tokens_per_second"])
+                rates.append(ev.figures.decode_tokens_per_second)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(rows)]
     for t in threads:
@@ -71,9 +71,8 @@ def main() -> None:
 
     import socket
 
-    from jitllmd.engine.cluster.link import Cluster
-
     from jitllmd.engine import kernels
+    from jitllmd.engine.cluster.link import Cluster
     from jitllmd.engine.engine import Engine
     from jitllmd.engine.memory.devices import cpu_name
 

@@ -59,12 +59,12 @@ def run_http(client, url: str, ids: list[int], n: int) -> dict[str, float]:
 
 
 def run_direct(engine, ids: list[int], n: int) -> dict[str, float]:
-    from jitllmd.engine.request import Delta, Done
+    from jitllmd.engine.request import Delta, Done, Generation
     from jitllmd.engine.sampler import SamplingParams
 
     events: queue.SimpleQueue = queue.SimpleQueue()
     t0 = time.perf_counter()
-    engine.submit(ids, SamplingParams(temperature=0.0), events.put, max_tokens=n, ignore_eos=True)
+    engine.submit(Generation(ids, SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True), events.put)
     stamps: list[float] = []
     while True:
         ev = events.get()

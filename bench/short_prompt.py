@@ -6,7 +6,7 @@ path (bf16 panels where the variant has bf16 units, else f32 panels dequantized 
     python bench/short_prompt.py --variants avx2+fma --formats Q4_K,Q6_K --rounds 7
     python bench/short_prompt.py --followup            # a follow-up turn's prefill in decode steps, on SmolLM2 and Qwen
 
-The last column is the largest T at which the integer kernel is still no slower: layers/quant.py's QFormat.short
+The last column is the largest T at which the integer kernel is still no slower: layers/formats.py's QFormat.short
 holds these figures, per variant and format, and a prompt feed of at most that many new tokens runs as decode rows do.
 """
 
@@ -24,7 +24,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from jitllmd.engine import kernels  # noqa: E402
-from jitllmd.engine.layers.quant import FORMATS, QuantLinear, Segment  # noqa: E402
+from jitllmd.engine.kernels.ops import bf16_units  # noqa: E402
+from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
+from jitllmd.engine.layers.quant import QuantLinear, Segment  # noqa: E402
+from jitllmd.engine.request import Generation  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 # byte offsets of each format's f16 scale fields within a block: set to small values so random codes make sane weights
@@ -94,17 +97,17 @@ def followup(variant: str | None, rounds: int) -> None:
         try:
             for new in (4, 8, 16):
                 session = engine.new_session()
-                collect(engine.generate(engine.loaded.tokenizer.encode(text), greedy, max_tokens=4, ignore_eos=True, session=session))
+                collect(engine.generate(Generation(engine.loaded.tokenizer.encode(text), greedy, max_tokens=4, ignore_eos=True, session=session)))
                 times: dict[str, list[float]] = {"short": [], "exact": []}
                 steps: list[float] = []
                 for turn in range(2 * rounds):
                     mode = "short" if turn % 2 == 0 else "exact"
                     engine.loaded.runner.short_feed = table if mode == "short" else 0
                     ids = [(97 + 13 * turn + j) % 5000 + 100 for j in range(new)]
-                    r = collect(engine.generate(ids, greedy, max_tokens=9, ignore_eos=True, session=session))
+                    r = collect(engine.generate(Generation(ids, greedy, max_tokens=9, ignore_eos=True, session=session)))
                     assert r.done.fed_tokens == new, r.done.fed_tokens
-                    times[mode].append(r.done.figures["prefill_ms"])
-                    steps.append(r.done.figures["decode_ms"] / 8)
+                    times[mode].append(r.done.figures.prefill_ms)
+                    steps.append(r.done.figures.decode_ms / 8)
                 short, exact, step = (statistics.median(v) for v in (times["short"], times["exact"], steps))
                 print(f"| {name} | {new} | {table} | {short:.1f} | {exact:.1f} | {step:.1f} | {short / step:.2f} | {exact / step:.2f} |")
         finally:
@@ -133,7 +136,7 @@ def main() -> None:
     summary: dict[str, dict[str, int]] = {}
     for variant in chosen:
         kernels.use_variant(variant)
-        print(f"\n## {kernels.describe()}, bf16 units: {kernels.bf16_units()}\n")
+        print(f"\n## {kernels.describe()}, bf16 units: {bf16_units()}\n")
         print("| format | " + " | ".join(f"T={t}" for t in TOKENS) + " | integer no slower up to T |")
         print("|---|" + "---:|" * (len(TOKENS) + 1))
         for fmt in args.formats.split(","):
@@ -150,7 +153,7 @@ def main() -> None:
             print(f"| {fmt} | {cells} | {limit} |" + ("" if wins == [t for t in TOKENS if t <= limit] else " (not monotone)"))
         print("\n(cells: integer ms / exact ms)")
     kernels.use_variant(None)
-    print("\nper variant, the crossover of each format (QFormat.short in layers/quant.py) = {")
+    print("\nper variant, the crossover of each format (QFormat.short in layers/formats.py) = {")
     for variant, limits in summary.items():
         print(f"    {variant!r}: {limits!r},")
     print("}")

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jitllmd.cli import app
+from jitllmd.engine.request import Generation
 
 from .conftest import seeded_cache, write_tiny_gguf, write_tiny_llama
 
@@ -62,7 +63,7 @@ def greedy_text(loaded, ids: list[int], n: int, session=None) -> str:
 
     e = Engine(loaded).start()
     try:
-        return "".join(ev.text for ev in e.generate(ids, SamplingParams(temperature=0), max_tokens=n) if isinstance(ev, Delta))
+        return "".join(ev.text for ev in e.generate(Generation(ids, SamplingParams(temperature=0), max_tokens=n)) if isinstance(ev, Delta))
     finally:
         e.stop()
 

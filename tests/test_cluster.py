@@ -18,7 +18,7 @@ from jitllmd.engine.cluster.remote import RemoteModel
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.memory.devices import is_remote, parse_devices
 from jitllmd.engine.memory.placement import HOST, plan_places
-from jitllmd.engine.request import Delta, Done, Failed
+from jitllmd.engine.request import Delta, Done, Failed, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 from .conftest import write_tiny_llama
@@ -75,7 +75,7 @@ def cluster(models_dir: Path):
 
 def generate(engine: Engine, prompt: list[int], n: int = 24, **kw) -> list[int]:
     out: list[int] = []
-    for ev in engine.generate(prompt, GREEDY, max_tokens=n, ignore_eos=True, **kw):
+    for ev in engine.generate(Generation(prompt, GREEDY, max_tokens=n, ignore_eos=True, **kw)):
         if isinstance(ev, Failed):
             raise AssertionError(ev.message)
         if isinstance(ev, Delta):
@@ -279,7 +279,7 @@ def test_a_dead_rank_fails_its_rows_and_rejoins(models_dir: Path) -> None:
     again = None
     try:
         engine.relocate(2, 3, "1:cpu").result()
-        events = engine.generate(PROMPTS[0], GREEDY, max_tokens=400, ignore_eos=True)
+        events = engine.generate(Generation(PROMPTS[0], GREEDY, max_tokens=400, ignore_eos=True))
         first = next(events)
         assert isinstance(first, Delta)
         worker.kill()
@@ -287,7 +287,7 @@ def test_a_dead_rank_fails_its_rows_and_rejoins(models_dir: Path) -> None:
         rest = list(events)
         assert isinstance(rest[-1], Failed) and rest[-1].unavailable
         assert "rank 1" in rest[-1].message and "unreachable" in rest[-1].message
-        after = list(engine.generate(PROMPTS[1], GREEDY, max_tokens=4))
+        after = list(engine.generate(Generation(PROMPTS[1], GREEDY, max_tokens=4)))
         assert isinstance(after[-1], Failed) and after[-1].unavailable
         with pytest.raises(RankError):
             c.link(1)
@@ -304,7 +304,7 @@ def test_a_dead_rank_fails_its_rows_and_rejoins(models_dir: Path) -> None:
         assert c.links[1] is not old and c.link(1).generation == 2
         again = Engine.load(models_dir / "tiny.jlm", devices=["cpu", "1:cpu"], max_seq=512, cluster=c, shared=("tiny.jlm", None))
         again.relocate(2, 3, "1:cpu").result()
-        done = list(again.generate(PROMPTS[0], GREEDY, max_tokens=8, ignore_eos=True))
+        done = list(again.generate(Generation(PROMPTS[0], GREEDY, max_tokens=8, ignore_eos=True)))
         assert isinstance(done[-1], Done)
     finally:
         engine.stop()

@@ -15,9 +15,10 @@ import torch
 
 from jitllmd.engine.convert import convert
 from jitllmd.engine.engine import Engine
+from jitllmd.engine.figures import Figures
 from jitllmd.engine.kv import RoomError
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.request import Delta, Done, Failed, FinishReason
+from jitllmd.engine.request import Delta, Done, Failed, FinishReason, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 MAX_SEQ = 64
@@ -106,7 +107,7 @@ def _wait(event: threading.Event) -> None:
 def test_greedy_matches_transformers(tiny, engine, k: int) -> None:
     loaded, hf_model = tiny
     ids = PROMPTS[k]
-    r = collect(engine.generate(ids, GREEDY, max_tokens=16))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=16)))
     want = hf_greedy(hf_model, ids, 16)
     assert r.ids == want
     assert r.text == loaded.tokenizer.decode(want)
@@ -129,7 +130,7 @@ def test_max_tokens_ends_with_length(tiny, engine) -> None:
     ids = PROMPTS[1]
     assert 2 not in hf_greedy(hf_model, ids, 7)  # the model does not end on its own first
     for k, n in enumerate((1, 2, 7)):
-        r = collect(engine.generate(ids, GREEDY, max_tokens=n))
+        r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=n)))
         assert r.done.finish_reason is FinishReason.LENGTH
         assert len(r.ids) == r.done.completion_tokens == n
         assert r.done.prompt_tokens == len(ids)
@@ -140,14 +141,14 @@ def test_max_tokens_ends_with_length(tiny, engine) -> None:
 def test_prompt_longer_than_room_raises(tiny, engine) -> None:
     for n in (MAX_SEQ + 6, MAX_SEQ):  # a prompt that fills the room exactly leaves nothing to generate
         with pytest.raises(RoomError) as info:
-            engine.generate(_prompt(5, n), GREEDY, max_tokens=4)
+            engine.generate(Generation(_prompt(5, n), GREEDY, max_tokens=4))
         assert str(n) in str(info.value) and str(MAX_SEQ) in str(info.value), str(info.value)
     s = engine.new_session(max_seq=16)
     with pytest.raises(RoomError) as info:
-        engine.generate(_prompt(5, 20), GREEDY, session=s)
+        engine.generate(Generation(_prompt(5, 20), GREEDY, session=s))
     assert "20" in str(info.value) and "16" in str(info.value)
     # the engine still serves afterwards
-    assert collect(engine.generate(PROMPTS[0], GREEDY, max_tokens=3)).done.completion_tokens == 3
+    assert collect(engine.generate(Generation(PROMPTS[0], GREEDY, max_tokens=3))).done.completion_tokens == 3
 
 
 @pytest.mark.parametrize("max_tokens", [100, None])
@@ -156,7 +157,7 @@ def test_max_tokens_is_cut_to_the_room(tiny, engine, max_tokens) -> None:
     ids = _prompt(6, MAX_SEQ - 5)
     want = hf_greedy(hf_model, ids, 5)
     assert len(want) == 5, "the reference hit EOS; pick another prompt"
-    r = collect(engine.generate(ids, GREEDY, max_tokens=max_tokens))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=max_tokens)))
     assert r.done.finish_reason is FinishReason.LENGTH
     assert r.ids == want
     assert r.done.completion_tokens == MAX_SEQ - len(ids)
@@ -164,13 +165,13 @@ def test_max_tokens_is_cut_to_the_room(tiny, engine, max_tokens) -> None:
 
 def test_bad_requests(engine) -> None:
     with pytest.raises(ValueError, match="empty"):
-        engine.generate([], GREEDY)
+        engine.generate(Generation([], GREEDY))
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.generate([5], GREEDY, max_tokens=-1)
+        engine.generate(Generation([5], GREEDY, max_tokens=-1))
     with pytest.raises(ValueError, match=r"\[0, 96\)"):
-        engine.generate([5, 96], GREEDY)
+        engine.generate(Generation([5, 96], GREEDY))
     with pytest.raises(ValueError, match=r"\[0, 96\)"):
-        engine.generate([-1], GREEDY)
+        engine.generate(Generation([-1], GREEDY))
 
 
 def test_eos_ends_with_stop(tiny, tmp_path: Path) -> None:
@@ -187,7 +188,7 @@ def test_eos_ends_with_stop(tiny, tmp_path: Path) -> None:
     assert other.eos_token_ids == [2, eos]
     e = Engine(other).start()
     try:
-        r = collect(e.generate(ids, GREEDY, max_tokens=12))
+        r = collect(e.generate(Generation(ids, GREEDY, max_tokens=12)))
     finally:
         e.stop()
     assert r.done.finish_reason is FinishReason.STOP and r.done.stop is None
@@ -215,10 +216,10 @@ def _stop_across_tokens(full: Result) -> tuple[str, int]:
 
 def test_stop_string_cuts_right_before_it(engine) -> None:
     ids = LONG[0]
-    full = collect(engine.generate(ids, GREEDY, max_tokens=30))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=30)))
     assert full.done.finish_reason is FinishReason.LENGTH
     stop, at = _stop_across_tokens(full)
-    r = collect(engine.generate(ids, GREEDY, max_tokens=30, stop=[stop]))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=30, stop=[stop])))
     assert r.text == full.text[:at]
     assert stop not in r.text
     assert r.done.finish_reason is FinishReason.STOP
@@ -228,29 +229,29 @@ def test_stop_string_cuts_right_before_it(engine) -> None:
 
 def test_earliest_stop_string_wins(engine) -> None:
     ids = LONG[1]
-    full = collect(engine.generate(ids, GREEDY, max_tokens=30))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=30)))
     text = full.text
     early, late = text[4:6], text[len(text) - 3 :]
     assert text.find(early) < text.find(late)
-    r = collect(engine.generate(ids, GREEDY, max_tokens=30, stop=[late, "not in the text at all", early]))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=30, stop=[late, "not in the text at all", early])))
     assert r.text == text[: text.find(early)]
     assert r.done.stop == early
 
 
 def test_stop_string_never_seen_changes_nothing(engine) -> None:
     ids = PROMPTS[0]
-    full = collect(engine.generate(ids, GREEDY, max_tokens=20))
-    r = collect(engine.generate(ids, GREEDY, max_tokens=20, stop=["@@@@", ""]))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=20)))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=20, stop=["@@@@", ""])))
     assert (r.text, r.ids, r.done.finish_reason) == (full.text, full.ids, FinishReason.LENGTH)
     assert r.done.stop is None
 
 
 def test_stop_string_at_the_start_gives_empty_text(engine) -> None:
     ids = PROMPTS[0]
-    full = collect(engine.generate(ids, GREEDY, max_tokens=10))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=10)))
     first = full.text[:1]
     assert first.strip()
-    r = collect(engine.generate(ids, GREEDY, max_tokens=10, stop=[first]))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=10, stop=[first])))
     assert r.text == "" and r.done.finish_reason is FinishReason.STOP and r.done.stop == first
 
 
@@ -260,15 +261,15 @@ def test_stop_string_at_the_start_gives_empty_text(engine) -> None:
 def test_closing_the_generator_frees_the_engine(tiny, engine) -> None:
     _, hf_model = tiny
     s = engine.new_session()
-    gen = engine.generate(_prompt(7, 10), SamplingParams(temperature=1.0, seed=0), session=s)
+    gen = engine.generate(Generation(_prompt(7, 10), SamplingParams(temperature=1.0, seed=0), session=s))
     first = next(gen)
     assert isinstance(first, Delta)
     gen.close()
-    r = collect(engine.generate(PROMPTS[1], GREEDY, max_tokens=6))
+    r = collect(engine.generate(Generation(PROMPTS[1], GREEDY, max_tokens=6)))
     assert r.ids == hf_greedy(hf_model, PROMPTS[1], 6)
     assert r.done.finish_reason is FinishReason.LENGTH
     # the cancelled request released its session: it can take another request
-    r2 = collect(engine.generate(_prompt(8, 4), GREEDY, max_tokens=2, session=s))
+    r2 = collect(engine.generate(Generation(_prompt(8, 4), GREEDY, max_tokens=2, session=s)))
     assert r2.done.completion_tokens == 2
 
 
@@ -288,7 +289,7 @@ def test_cancel_running_request(tiny) -> None:
             if isinstance(ev, (Done, Failed)):
                 finished.set()
 
-        req = e.submit(PROMPTS[1], GREEDY, emit, max_tokens=40)
+        req = e.submit(Generation(PROMPTS[1], GREEDY, max_tokens=40), emit)
         _wait(first)
         e.cancel(req)
         release.set()
@@ -296,7 +297,7 @@ def test_cancel_running_request(tiny) -> None:
         done = events[-1]
         assert isinstance(done, Done) and done.finish_reason is FinishReason.CANCELLED
         assert done.completion_tokens < 40
-        r = collect(e.generate(PROMPTS[0], GREEDY, max_tokens=5))
+        r = collect(e.generate(Generation(PROMPTS[0], GREEDY, max_tokens=5)))
         assert r.ids == hf_greedy(hf_model, PROMPTS[0], 5)
     finally:
         e.stop()
@@ -317,9 +318,9 @@ def test_cancel_waiting_request(tiny) -> None:
             if isinstance(ev, Done):
                 a_done.set()
 
-        a = e.submit(PROMPTS[0], GREEDY, emit_a, max_tokens=4)
+        a = e.submit(Generation(PROMPTS[0], GREEDY, max_tokens=4), emit_a)
         _wait(started)
-        b = e.submit(PROMPTS[1], GREEDY, b_events.append, max_tokens=4)
+        b = e.submit(Generation(PROMPTS[1], GREEDY, max_tokens=4), b_events.append)
         e.cancel(b)
         release.set()
         _wait(a_done)
@@ -331,7 +332,7 @@ def test_cancel_waiting_request(tiny) -> None:
             threading.Event().wait(0.05)
         assert len(b_events) == 1 and isinstance(b_events[0], Done)
         assert b_events[0].finish_reason is FinishReason.CANCELLED and b_events[0].completion_tokens == 0
-        assert b_events[0].figures["queue_depth_on_entry"] == 1  # A was running when B arrived
+        assert b_events[0].figures.queue_depth_on_entry == 1  # A was running when B arrived
     finally:
         e.stop()
 
@@ -348,7 +349,7 @@ def test_stop_cancels_everything(tiny) -> None:
             started.set()
             _wait(release)
 
-    e.submit(PROMPTS[0], GREEDY, emit, max_tokens=40)
+    e.submit(Generation(PROMPTS[0], GREEDY, max_tokens=40), emit)
     _wait(started)
     stopper = threading.Thread(target=e.stop, daemon=True)
     stopper.start()
@@ -365,24 +366,24 @@ def test_named_session_reuses_its_cache(tiny, engine) -> None:
     _, hf_model = tiny
     s = engine.new_session()
     p1 = PROMPTS[1]
-    r1 = collect(engine.generate(p1, GREEDY, max_tokens=5, session=s))
+    r1 = collect(engine.generate(Generation(p1, GREEDY, max_tokens=5, session=s)))
     assert r1.done.fed_tokens == len(p1)
-    assert r1.done.figures["session_id"] == s.id
+    assert r1.done.figures.session_id == s.id
     p2 = p1 + r1.ids + _prompt(9, 6)
-    r2 = collect(engine.generate(p2, GREEDY, max_tokens=8, session=s))
+    r2 = collect(engine.generate(Generation(p2, GREEDY, max_tokens=8, session=s)))
     assert r2.done.prompt_tokens == len(p2)
     assert r2.done.fed_tokens < len(p2)
     assert r2.done.fed_tokens <= len(p2) - len(p1)  # at least the whole first prompt came from the cache
-    fresh = collect(engine.generate(p2, GREEDY, max_tokens=8))
+    fresh = collect(engine.generate(Generation(p2, GREEDY, max_tokens=8)))
     assert fresh.done.fed_tokens == len(p2)
     assert r2.ids == fresh.ids == hf_greedy(hf_model, p2, 8)
     # a prompt that diverges early reuses only the shared prefix, and is still right
     p3 = p1[:3] + _prompt(10, 7)
-    r3 = collect(engine.generate(p3, GREEDY, max_tokens=6, session=s))
+    r3 = collect(engine.generate(Generation(p3, GREEDY, max_tokens=6, session=s)))
     assert len(p3) - 3 <= r3.done.fed_tokens <= len(p3)
     assert r3.ids == hf_greedy(hf_model, p3, 6)
     # the same prompt again: everything but the last token comes from the cache
-    r4 = collect(engine.generate(p3, GREEDY, max_tokens=6, session=s))
+    r4 = collect(engine.generate(Generation(p3, GREEDY, max_tokens=6, session=s)))
     assert r4.done.fed_tokens < len(p3) - 3
     assert r4.ids == r3.ids
 
@@ -392,7 +393,7 @@ def test_session_room_applies(tiny, engine) -> None:
     s = engine.new_session(max_seq=20)
     assert s.max_seq == 20
     ids = _prompt(11, 15)
-    r = collect(engine.generate(ids, GREEDY, max_tokens=50, session=s))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=50, session=s)))
     assert r.done.finish_reason is FinishReason.LENGTH and r.done.completion_tokens == 5
     assert r.ids == hf_greedy(hf_model, ids, 5)
 
@@ -402,8 +403,9 @@ def test_session_room_applies(tiny, engine) -> None:
 
 def test_figures(tiny, engine) -> None:
     loaded, _ = tiny
-    r = collect(engine.generate(PROMPTS[1], GREEDY, max_tokens=6))
-    f = r.done.figures
+    r = collect(engine.generate(Generation(PROMPTS[1], GREEDY, max_tokens=6)))
+    assert isinstance(r.done.figures, Figures) and r.done.figures.prefill_ms > 0  # typed (engine/figures.py) ...
+    f = r.done.figures.to_json()  # ... and rendered as the spec's `jitllm` object
     assert FIGURE_KEYS <= set(f), FIGURE_KEYS - set(f)
     assert re.fullmatch(r"s-\d+-\d+", f["session_id"])  # the spec's shape, ephemeral or not
     assert f["session_id"] not in {s.id for s in engine.sessions.list()}  # ephemeral: never registered
@@ -426,8 +428,8 @@ def test_concurrent_requests_match_alone(tiny, prompt_chunk: int) -> None:
     a, b = PROMPTS[3], PROMPTS[0]
     e = Engine(loaded, max_batch=2, prompt_chunk=prompt_chunk).start()
     try:
-        ga = e.generate(a, GREEDY, max_tokens=12)  # both are submitted here, before either is read
-        gb = e.generate(b, GREEDY, max_tokens=9)
+        ga = e.generate(Generation(a, GREEDY, max_tokens=12))  # both are submitted here, before either is read
+        gb = e.generate(Generation(b, GREEDY, max_tokens=9))
         results: dict[str, Result] = {}
         threads = [threading.Thread(target=lambda k=k, g=g: results.__setitem__(k, collect(g))) for k, g in (("a", ga), ("b", gb))]
         for t in threads:
@@ -444,7 +446,7 @@ def test_more_requests_than_rows(tiny) -> None:
     loaded, hf_model = tiny
     e = Engine(loaded, max_batch=2, prompt_chunk=8).start()
     try:
-        gens = [e.generate(p, GREEDY, max_tokens=6) for p in PROMPTS]
+        gens = [e.generate(Generation(p, GREEDY, max_tokens=6)) for p in PROMPTS]
         results = [None] * len(gens)
 
         def run(i: int) -> None:
@@ -466,17 +468,17 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny) -> None:
     params = SamplingParams(temperature=1.0, top_k=20, seed=123)
     e1 = Engine(loaded).start()
     try:
-        alone = collect(e1.generate(PROMPTS[1], params, max_tokens=12)).ids
-        again = collect(e1.generate(PROMPTS[1], params, max_tokens=12)).ids
-        other = collect(e1.generate(PROMPTS[1], SamplingParams(temperature=1.0, top_k=20, seed=124), max_tokens=12)).ids
+        alone = collect(e1.generate(Generation(PROMPTS[1], params, max_tokens=12))).ids
+        again = collect(e1.generate(Generation(PROMPTS[1], params, max_tokens=12))).ids
+        other = collect(e1.generate(Generation(PROMPTS[1], SamplingParams(temperature=1.0, top_k=20, seed=124), max_tokens=12))).ids
     finally:
         e1.stop()
     assert alone == again
     assert alone != other
     e2 = Engine(loaded, max_batch=2).start()
     try:
-        g1 = e2.generate(PROMPTS[1], params, max_tokens=12)
-        g2 = e2.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=5), max_tokens=12)
+        g1 = e2.generate(Generation(PROMPTS[1], params, max_tokens=12))
+        g2 = e2.generate(Generation(PROMPTS[2], SamplingParams(temperature=1.0, seed=5), max_tokens=12))
         r1 = collect(g1)
         collect(g2)
     finally:
@@ -487,10 +489,10 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny) -> None:
 def test_text_held_for_a_stop_string_is_released_at_the_end(engine) -> None:
     """The output ends with the first characters of a stop string that never completes: they still come out."""
     ids = LONG[0]
-    full = collect(engine.generate(ids, GREEDY, max_tokens=12))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=12)))
     tail = full.text[-2:]
     assert tail.strip() and "@" not in full.text
-    r = collect(engine.generate(ids, GREEDY, max_tokens=12, stop=[tail + "@"]))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=12, stop=[tail + "@"])))
     assert r.text == full.text
     assert r.ids == full.ids
     assert r.done.finish_reason is FinishReason.LENGTH and r.done.stop is None
@@ -499,9 +501,9 @@ def test_text_held_for_a_stop_string_is_released_at_the_end(engine) -> None:
 def test_text_held_for_a_stop_string_is_released_at_eos(tiny, engine) -> None:
     _, hf_model = tiny
     ids = PROMPTS[2]  # ends on EOS after 6 tokens
-    full = collect(engine.generate(ids, GREEDY, max_tokens=16))
+    full = collect(engine.generate(Generation(ids, GREEDY, max_tokens=16)))
     assert full.done.finish_reason is FinishReason.STOP and len(full.ids) < 16
-    r = collect(engine.generate(ids, GREEDY, max_tokens=16, stop=[full.text[-1:] + "@@"]))
+    r = collect(engine.generate(Generation(ids, GREEDY, max_tokens=16, stop=[full.text[-1:] + "@@"])))
     assert r.text == full.text and r.done.finish_reason is FinishReason.STOP and r.done.stop is None
 
 
@@ -513,8 +515,8 @@ def test_one_named_session_two_requests_at_once(tiny) -> None:
         s = e.new_session()
         p1 = PROMPTS[1]
         p2 = p1 + _prompt(12, 5)
-        g1 = e.generate(p1, GREEDY, max_tokens=4, session=s)
-        g2 = e.generate(p2, GREEDY, max_tokens=4, session=s)
+        g1 = e.generate(Generation(p1, GREEDY, max_tokens=4, session=s))
+        g2 = e.generate(Generation(p2, GREEDY, max_tokens=4, session=s))
         r1, r2 = collect(g1), collect(g2)
     finally:
         e.stop()
@@ -530,9 +532,9 @@ def test_chunked_prefill_with_cache_reuse(tiny, prompt_chunk: int) -> None:
     try:
         s = e.new_session()
         p1 = PROMPTS[3]
-        r1 = collect(e.generate(p1, GREEDY, max_tokens=3, session=s))
+        r1 = collect(e.generate(Generation(p1, GREEDY, max_tokens=3, session=s)))
         p2 = p1 + r1.ids + _prompt(13, 8)
-        r2 = collect(e.generate(p2, GREEDY, max_tokens=5, session=s))
+        r2 = collect(e.generate(Generation(p2, GREEDY, max_tokens=5, session=s)))
     finally:
         e.stop()
     assert r1.ids == hf_greedy(hf_model, p1, 3)

@@ -10,7 +10,7 @@ from jitllmd.engine.convert import convert
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.jlm import JLMFile
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.request import Delta
+from jitllmd.engine.request import Delta, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 from .conftest import hf_from_gguf
@@ -39,7 +39,7 @@ def _greedy(path, prompt: str, n: int = 32) -> tuple[list[int], list[int], str]:
     ids = loaded.tokenizer.encode(prompt)
     e = Engine(loaded).start()
     try:
-        deltas = [ev for ev in e.generate(ids, SamplingParams(temperature=0), max_tokens=n) if isinstance(ev, Delta)]
+        deltas = [ev for ev in e.generate(Generation(ids, SamplingParams(temperature=0), max_tokens=n)) if isinstance(ev, Delta)]
     finally:
         e.stop()
     return ids, [i for d in deltas for i in d.token_ids], "".join(d.text for d in deltas)

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from jitllmd.engine.engine import Engine
+from jitllmd.engine.request import Generation
 from jitllmd.engine.runner import SAMPLES, SEQUENTIAL_WINS, JointSteps
 from tests.test_engine import GREEDY, PROMPTS, TIMEOUT, Result, collect, hf_greedy
 
@@ -67,7 +68,7 @@ def test_four_rows_match_alone_in_every_mode(tiny, mode: str) -> None:
     e = Engine(loaded, max_batch=4, prompt_chunk=5, joint_steps=mode).start()
     wants = [(PROMPTS[k], 16 + k) for k in range(4)]
     try:
-        gens = [e.generate(p, GREEDY, max_tokens=n, ignore_eos=True) for p, n in wants]  # all submitted before any is read
+        gens = [e.generate(Generation(p, GREEDY, max_tokens=n, ignore_eos=True)) for p, n in wants]  # all submitted before any is read
         results: dict[int, Result] = {}
         threads = [threading.Thread(target=lambda k=k, g=g: results.__setitem__(k, collect(g))) for k, g in enumerate(gens)]
         for t in threads:
@@ -88,12 +89,12 @@ def test_ephemeral_requests_reuse_a_pooled_slots_prefix(tiny) -> None:
     loaded, hf_model = tiny
     e = Engine(loaded, max_batch=1).start()
     try:
-        first = collect(e.generate(PROMPTS[2], GREEDY, max_tokens=6, ignore_eos=True))
+        first = collect(e.generate(Generation(PROMPTS[2], GREEDY, max_tokens=6, ignore_eos=True)))
         assert first.done.fed_tokens == len(PROMPTS[2])
         longer = PROMPTS[2] + first.ids + PROMPTS[0][:3]
-        second = collect(e.generate(longer, GREEDY, max_tokens=6, ignore_eos=True))
+        second = collect(e.generate(Generation(longer, GREEDY, max_tokens=6, ignore_eos=True)))
         assert second.done.fed_tokens <= len(longer) - len(PROMPTS[2])  # the earlier prompt came from the cache
         assert second.ids == hf_greedy(hf_model, longer, 6, eos=())
-        assert len(e.slots) == 1 and first.done.figures["session_id"] == second.done.figures["session_id"]
+        assert len(e.slots) == 1 and first.done.figures.session_id == second.done.figures.session_id
     finally:
         e.stop()

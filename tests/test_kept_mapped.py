@@ -14,7 +14,7 @@ import torch
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.loader import load_model
 from jitllmd.engine.memory.pager import BlockReader
-from jitllmd.engine.request import Delta
+from jitllmd.engine.request import Delta, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 
@@ -36,7 +36,7 @@ def _mapped(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
 def _greedy(loaded, n: int = 12) -> list[int]:
     e = Engine(loaded).start()
     try:
-        events = list(e.generate([1, 5, 9, 13, 2, 7], SamplingParams(temperature=0), max_tokens=n))
+        events = list(e.generate(Generation([1, 5, 9, 13, 2, 7], SamplingParams(temperature=0), max_tokens=n)))
     finally:
         e.stop()
     return [i for ev in events if isinstance(ev, Delta) for i in ev.token_ids]

@@ -16,6 +16,7 @@ PROBE = r"""
 import json, sys
 import torch
 from jitllmd.engine.engine import Engine
+from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import SamplingParams
 
 def status(key):
@@ -30,11 +31,11 @@ base = status("VmRSS")  # the interpreter, torch and the engine's modules, befor
 engine = Engine.load(path, max_seq=256, page_budget=budget)
 greedy = SamplingParams(temperature=0.0)
 prompt = engine.loaded.tokenizer.encode("The capital of France is")
-list(engine.generate(prompt, greedy, max_tokens=4))
+list(engine.generate(Generation(prompt, greedy, max_tokens=4)))
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 session = engine.new_session()
-ids = [t for ev in engine.generate(prompt, greedy, max_tokens=64, ignore_eos=True, session=session) for t in getattr(ev, "token_ids", [])]
+ids = [t for ev in engine.generate(Generation(prompt, greedy, max_tokens=64, ignore_eos=True, session=session)) for t in getattr(ev, "token_ids", [])]
 placement = engine.loaded.placement
 print(json.dumps({
     "ids": ids, "base": base, "peak": status("VmHWM"), "resident": placement.pager.resident_bytes(),

@@ -9,7 +9,7 @@ import pytest
 
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.memory.placement import HOST, plan_places
-from jitllmd.engine.request import Delta, Done
+from jitllmd.engine.request import Delta, Done, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -55,7 +55,7 @@ def _turn(engine: Engine, session, new_ids: list[int], n: int = 24) -> list[int]
     """One greedy turn: the session's tokens so far plus `new_ids` as the prompt (only the new ones are fed)."""
     prompt = list(session.token_ids) + new_ids
     out: list[int] = []
-    for ev in engine.generate(prompt, GREEDY, max_tokens=n, session=session, ignore_eos=True):
+    for ev in engine.generate(Generation(prompt, GREEDY, max_tokens=n, session=session, ignore_eos=True)):
         if isinstance(ev, Delta):
             out += ev.token_ids
         assert not isinstance(ev, Done) or ev.finish_reason.value == "length"
@@ -149,7 +149,7 @@ def test_a_move_mid_generation_happens_between_steps(model) -> None:
     try:
         session = engine.new_session()
         events: queue.SimpleQueue = queue.SimpleQueue()
-        req = engine.submit(prompt, GREEDY, events.put, max_tokens=600, session=session, ignore_eos=True)
+        req = engine.submit(Generation(prompt, GREEDY, max_tokens=600, session=session, ignore_eos=True), events.put)
         got = [events.get(timeout=30)]  # the first token is out: the generation runs
         engine.relocate(1, 3, "cpu").result(timeout=30)  # the model's blocks, between two steps
         assert not req.finished, "the first move should land while the generation runs"
@@ -201,8 +201,8 @@ def test_load_places_the_head_end_on_the_device(tiny_serve_jlm) -> None:
         placement = engine.loaded.placement
         assert placement.places == [HOST, HOST, "cpu", "cpu"]
         assert [placement.residency(i) for i in range(4)] == ["resident", "resident", "device", "device"]
-        out = list(engine.generate([5, 17, 23], GREEDY, max_tokens=4, ignore_eos=True))
-        figures = out[-1].figures
+        out = list(engine.generate(Generation([5, 17, 23], GREEDY, max_tokens=4, ignore_eos=True)))
+        figures = out[-1].figures.to_json()
         assert (figures["device_blocks"], figures["host_blocks"], figures["device_ids"]) == (2, 2, ["cpu"])
     finally:
         engine.stop()

@@ -14,7 +14,7 @@ from jitllmd.engine.engine import Engine
 from jitllmd.engine.jlm import JLMFile
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.request import Delta
+from jitllmd.engine.request import Delta, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def _greedy(path, n: int = 32) -> tuple[list[int], str]:
     prompt = loaded.tokenizer.encode(loaded.chat.render(QUESTION, add_generation_prompt=True))
     e = Engine(loaded).start()
     try:
-        events = list(e.generate(prompt, SamplingParams(temperature=0), max_tokens=n))
+        events = list(e.generate(Generation(prompt, SamplingParams(temperature=0), max_tokens=n)))
     finally:
         e.stop()
     deltas = [ev for ev in events if isinstance(ev, Delta)]
@@ -106,8 +106,8 @@ def test_kept_quantized_memory_is_about_the_file(qwen_jlm, qwen_f32) -> None:
     load = "from jitllmd.engine.loader import load_model; from jitllmd.engine.engine import Engine; "
     base = _peak_rss_mb(load + "import torch; torch.ones(1) @ torch.ones(1)")
     run = load + (
-        "from jitllmd.engine.sampler import SamplingParams; m = load_model({!r}, max_seq=256); e = Engine(m).start(); "
-        "list(e.generate(m.tokenizer.encode('Write a haiku about memory.'), SamplingParams(temperature=0), max_tokens=16)); e.stop()"
+        "from jitllmd.engine.request import Generation; from jitllmd.engine.sampler import SamplingParams; m = load_model({!r}, max_seq=256); e = Engine(m).start(); "
+        "list(e.generate(Generation(m.tokenizer.encode('Write a haiku about memory.'), SamplingParams(temperature=0), max_tokens=16))); e.stop()"
     )
     kept = _peak_rss_mb(run.format(str(qwen_jlm))) - base
     f32 = _peak_rss_mb(run.format(str(qwen_f32))) - base

@@ -15,7 +15,7 @@ from jitllmd.engine.config import EngineConfig
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.memory.placement import HOST
 from jitllmd.engine.memory.relocation import held_on, repays
-from jitllmd.engine.request import Delta
+from jitllmd.engine.request import Delta, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 from .conftest import write_tiny_llama
@@ -41,7 +41,7 @@ def models_dir(tmp_path_factory) -> Path:
 
 def generate(engine: Engine, prompt: list[int], n: int = TOKENS, **kw) -> list[int]:
     out: list[int] = []
-    for ev in engine.generate(prompt, GREEDY, max_tokens=n, ignore_eos=True, **kw):
+    for ev in engine.generate(Generation(prompt, GREEDY, max_tokens=n, ignore_eos=True, **kw)):
         if isinstance(ev, Delta):
             out += ev.token_ids
     return out
@@ -163,7 +163,7 @@ def test_a_model_mid_generation_is_never_moved(models_dir: Path, reference: dict
         long = a.engine.new_session(max_seq=512)  # room for ~500 tokens: it runs on while the test asks for room
 
         def long_stream() -> None:
-            for ev in a.engine.generate(PROMPTS["a"], GREEDY, max_tokens=500, ignore_eos=True, session=long):
+            for ev in a.engine.generate(Generation(PROMPTS["a"], GREEDY, max_tokens=500, ignore_eos=True, session=long)):
                 if isinstance(ev, Delta):
                     got.extend(ev.token_ids)
                     started.set()

@@ -9,8 +9,11 @@ import torch
 
 from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
+from jitllmd.engine.kernels import ops
 from jitllmd.engine.kv import RowSpan
-from jitllmd.engine.layers.quant import FORMATS, short_feed
+from jitllmd.engine.layers.formats import FORMATS
+from jitllmd.engine.layers.quant import short_feed
+from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import SamplingParams
 from tests.test_engine import collect
 
@@ -49,7 +52,7 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
     n = len(new)
     fed = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, a, prompt=True, short=True)], torch.arange(n))
     one_by_one = torch.cat([loaded.runner.forward(torch.tensor([t]), torch.tensor([12 + j]), [RowSpan(0, 1, b)]) for j, t in enumerate(new)])
-    amx = kernels.bf16_units() == "amx"  # a prompt row attends in bf16 on AMX tiles: the Python path, its own rounding
+    amx = ops.bf16_units() == "amx"  # a prompt row attends in bf16 on AMX tiles: the Python path, its own rounding
     fused = model == "tiny_serve_q8_jlm" and variant is not None and not amx
     if fused:  # the path under test: one call of six rows per layer
         assert fused_rows.count(len(new)) == loaded.model.cfg.num_layers, fused_rows
@@ -94,16 +97,16 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
     monkeypatch.setattr(engine.loaded.runner, "forward", spy)
     try:
         s = engine.new_session()
-        collect(engine.generate(list(range(3, 23)), GREEDY, max_tokens=3, ignore_eos=True, session=s))
+        collect(engine.generate(Generation(list(range(3, 23)), GREEDY, max_tokens=3, ignore_eos=True, session=s)))
         assert seen[0] == (20, True, 0) and all(not p for _, p, _ in seen[1:]), seen
         seen.clear()
-        collect(engine.generate([7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s))
+        collect(engine.generate(Generation([7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s)))
         assert seen[0][1:] == (True, True) and seen[0][0] <= 8 and all(not p for _, p, _ in seen[1:]), seen
         seen.clear()
-        collect(engine.generate([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+        collect(engine.generate(Generation([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1)))
         assert seen[0][1:] == (True, True), seen
         for prompt, short in ((list(range(40, 70)), False), (list(range(80, 86)), True)):  # a long prompt, then a short one
-            first, again = (collect(engine.generate(prompt, GREEDY, max_tokens=8, ignore_eos=True)) for _ in range(2))
+            first, again = (collect(engine.generate(Generation(prompt, GREEDY, max_tokens=8, ignore_eos=True))) for _ in range(2))
             assert again.done.fed_tokens == 1 and seen[-8] == (1, True, short) and again.ids == first.ids, (prompt, seen[-16:])
     finally:
         engine.stop()

@@ -11,7 +11,7 @@ import torch
 
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.loader import load_model
-from jitllmd.engine.request import Delta, Done, FinishReason
+from jitllmd.engine.request import Delta, Done, FinishReason, Generation
 from jitllmd.engine.sampler import SamplingParams
 
 from .conftest import seeded_cache
@@ -40,7 +40,7 @@ def ours(loaded) -> tuple[list[int], list[int], str, Done]:
     prompt = loaded.tokenizer.encode(loaded.chat.render(MESSAGES, add_generation_prompt=True))
     e = Engine(loaded).start()
     try:
-        events = list(e.generate(prompt, SamplingParams(temperature=0), max_tokens=N))
+        events = list(e.generate(Generation(prompt, SamplingParams(temperature=0), max_tokens=N)))
     finally:
         e.stop()
     deltas = [ev for ev in events if isinstance(ev, Delta)]
@@ -114,7 +114,7 @@ def test_bf16_answers_alike_whole_and_after_a_cached_prefix(smollm2_bf16, bf16_p
         prompt = e.loaded.tokenizer.encode(e.loaded.chat.render(MESSAGES, add_generation_prompt=True))
         answers, cached = [], []
         for _ in range(2):
-            events = list(e.generate(prompt, SamplingParams(temperature=0), max_tokens=N))
+            events = list(e.generate(Generation(prompt, SamplingParams(temperature=0), max_tokens=N)))
             answers.append("".join(ev.text for ev in events if isinstance(ev, Delta)))
             cached.append(events[-1].prompt_tokens - events[-1].fed_tokens)
         assert answers == ["The capital of France is Paris."] * 2 and cached == [0, len(prompt) - 1]

@@ -150,9 +150,10 @@ def _prompt_ids(loaded: LoadedModel, prompt: str | list[dict]) -> list[int]:
 
 def _events(engine: Engine, ids: list[int], params: SamplingParams, n: int | None, session: Session | None):
     from ..engine.kv import RoomError
+    from ..engine.request import Generation
 
     try:
-        return engine.generate(ids, params, max_tokens=n, session=session)
+        return engine.generate(Generation(ids, params, max_tokens=n, session=session))
     except (RoomError, ValueError) as exc:
         raise fail(str(exc)) from None
 
@@ -173,7 +174,7 @@ def _stream(engine: Engine, ids: list[int], params: SamplingParams, n: int | Non
             elif isinstance(ev, Done):
                 out.write("\n")
                 f = ev.figures
-                _summary(ev.prompt_tokens, ev.fed_tokens, ev.completion_tokens, f["prefill_ms"], f["decode_tokens_per_second"], ev.finish_reason.value)
+                _summary(ev.prompt_tokens, ev.fed_tokens, ev.completion_tokens, f.prefill_ms, f.decode_tokens_per_second, ev.finish_reason.value)
             elif isinstance(ev, Failed):
                 raise fail(ev.message)
     except KeyboardInterrupt:
@@ -193,7 +194,7 @@ def _collect(engine: Engine, ids: list[int], params: SamplingParams, n: int | No
         elif isinstance(ev, Failed):
             raise fail(ev.message)
         elif isinstance(ev, Done):
-            return _result("".join(text), ev.finish_reason.value, ev.prompt_tokens, ev.completion_tokens, ev.fed_tokens, ev.figures)
+            return _result("".join(text), ev.finish_reason.value, ev.prompt_tokens, ev.completion_tokens, ev.fed_tokens, ev.figures.to_json())
     raise fail("the engine ended without an answer")
 
 

@@ -266,10 +266,8 @@ def _allowed_hosts(host: str, allowed: list[str]) -> frozenset[str] | None:
 
 def _where(loaded) -> str:
     """'32 blocks on cpu', '12 blocks on cpu, 20 on the host' or '32 blocks on the host'."""
-    from ..engine.figures import where
-
-    w = where(loaded)
-    on_device, on_host, devices = w["device_blocks"], w["host_blocks"], ", ".join(w["device_ids"])
+    w = loaded.where()
+    on_device, on_host, devices = w.device_blocks, w.host_blocks, ", ".join(w.device_ids)
     if on_device == 0:
         return f"{on_host} blocks on the host"
     return f"{on_device} blocks on {devices}" + (f", {on_host} on the host" if on_host else "")

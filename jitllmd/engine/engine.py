@@ -14,8 +14,7 @@ from typing import TypeVar
 import torch
 
 from .cluster.link import RankError
-from .figures import decode_bytes, where
-from .grammar import Constraint
+from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
 from .loader import LoadedModel, load_model
@@ -23,10 +22,10 @@ from .memory.devices import trim_heap
 from .memory.jobs import PlacementJobs
 from .memory.placement import HOST, Placement, Room
 from .outputs import Outputs
-from .request import Done, Embedded, Event, Failed, FinishReason, Request, RequestState
+from .request import Done, Embedded, Event, Failed, FinishReason, Generation, Request, RequestState
 from .runner import JointSteps
-from .sampler import Sampler, SamplingParams
-from .scheduler import Scheduler
+from .sampler import Sampler
+from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
@@ -58,7 +57,7 @@ class Engine:
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
-        self._weight_bytes = decode_bytes(loaded)
+        self._weight_bytes = loaded.decode_bytes()
         self._jobs: list[Job] = []  # placement changes waiting for their session's generation to end
         self.after_step: Callable[[], None] | None = None  # runs between steps of this busy model (Catalog's: relocation)
         self.last_active = time.monotonic()  # when a step last ran rows of this model
@@ -137,39 +136,24 @@ class Engine:
         """A named session that keeps its KV cache across requests."""
         return self.sessions.create(self.loaded.name, self.loaded.new_kv(max_seq))
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        emit,
-        *,
-        max_tokens: int | None = None,
-        stop: list[str] | None = None,
-        session: Session | None = None,
-        ignore_eos: bool = False,
-        request_id: str = "",
-        prompt_logprobs: int | None = None,
-        follows: Request | None = None,
-        hold: bool = False,
-        constraint: Constraint | None = None,
-    ) -> Request:
-        """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named).
-        max_tokens 0 runs the prompt alone (prompt_logprobs scores each prompt token, with that many alternatives).
-        `follows`: an earlier request of the same prompt, which runs it once for both (n > 1): this one copies its KV
-        and samples its own tokens from there. `hold`: build the request but queue it later, with others (enqueue).
-        `constraint`: a grammar the reply follows (engine/grammar.py), its own to this request."""
+    def submit(self, spec: Generation, emit: Callable[[Event], None], *, follows: Request | None = None, hold: bool = False) -> Request:
+        """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named), and
+        ValueError for what the model cannot take. `follows`: an earlier request of the same prompt, which runs it once
+        for both (n > 1): this one copies its KV and samples its own tokens from there. `hold`: build the request but
+        queue it later, with others (enqueue)."""
+        prompt_ids, params, session = list(spec.prompt_ids), spec.params, spec.session
         if self.loaded.embeds:
             raise ValueError(f"model {self.loaded.name} is an embedding model: it embeds text, it does not generate")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if spec.max_tokens is not None and spec.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {spec.max_tokens}")
         vocab = self.loaded.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-        if follows is not None and (session is not None or follows.prompt_ids != list(prompt_ids)):
+        if follows is not None and (session is not None or follows.prompt_ids != prompt_ids):
             raise ValueError("a request follows another only with the same prompt and no named session")
         if session is None:  # ephemeral: never registered; a pooled slot keeps its KV for the next prompt
             session = self.pool.take(prompt_ids, self.scheduler.max_batch)
@@ -178,17 +162,17 @@ class Engine:
             raise RoomError(f"the prompt has {n} tokens but the session has room for {cap}: no room is left to generate")
         room = cap - n
         req = Request(
-            prompt_ids=list(prompt_ids),
+            prompt_ids=prompt_ids,
             params=params,
             emit=emit,
             session=session,
-            max_tokens=room if max_tokens is None else min(max_tokens, room),
-            sampler=Sampler(params, prompt_ids, constraint),
+            max_tokens=room if spec.max_tokens is None else min(spec.max_tokens, room),
+            sampler=Sampler(params, prompt_ids, spec.constraint),
             detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
-            stop=[s for s in (stop or []) if s],
-            ignore_eos=ignore_eos,
-            request_id=request_id,
-            prompt_logprobs=prompt_logprobs,
+            stop=list(spec.stop),
+            ignore_eos=spec.ignore_eos,
+            request_id=spec.request_id,
+            prompt_logprobs=spec.prompt_logprobs,
             leader=follows,
         )
         if not hold:
@@ -232,13 +216,13 @@ class Engine:
         """Cancel every request, waiting or running; each ends with finish reason `cancelled`."""
         self._inbox.put(CancelAll())
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, **kw) -> Iterator[Event]:
+    def generate(self, spec: Generation) -> Iterator[Event]:
         """Submit now (errors raise here) and iterate the events in the caller's thread.
 
         Leaving the iteration early (break, close, KeyboardInterrupt) cancels the request.
         """
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        req = self.submit(prompt_ids, params, events.put, **kw)
+        req = self.submit(spec, events.put)
         return self._iterate(req, events)
 
     def _iterate(self, req: Request, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
@@ -264,19 +248,20 @@ class Engine:
                 break
             if self._jobs:
                 self._run_jobs()
-            rows = self.scheduler.schedule()
-            if not rows:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
                 continue
             try:
+                rows = self.scheduler.feed(scheduled, self.loaded.runner.short_feed if self.loaded.runner is not None else 0)
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang
                 log.warning("%s: step failed: %s", self.loaded.name, exc)
-                for req, _ in rows:
+                for req, _ in scheduled:
                     self.outputs.fail(req, f"model {self.loaded.name} is unavailable: {exc}", unavailable=True)
             except Exception as exc:  # a bug or out of memory: fail these rows, keep serving
                 log.exception("step failed")
-                for req, _ in rows:
+                for req, _ in scheduled:
                     self.outputs.fail(req, f"internal error in the engine: {type(exc).__name__}")
             self.last_active = time.monotonic()
             if self.after_step is not None:
@@ -330,16 +315,8 @@ class Engine:
         num_tokens = sum(len(ids) for ids in job.batch)
         self.stats.step(len(job.batch), num_tokens)
         self.stats.finished()
-        figures = {
-            "session_id": "",
-            "queued_ms": round((t0 - job.t_arrival) * 1000, 3),
-            "queue_depth_on_entry": job.depth,
-            **where(self.loaded),
-            "prefill_ms": round((t1 - t0) * 1000, 3),
-            "decode_ms": 0.0,
-            "decode_tokens_per_second": 0.0,
-            "bytes_per_token": int(self._weight_bytes / max(1, num_tokens)),
-        }
+        figures = Figures.build(self.loaded.where(), session_id="", arrival=job.t_arrival, first_step=t0, first_token=t1, last_token=None,
+                                queue_depth=job.depth, generated=0, bytes_per_token=int(self._weight_bytes / max(1, num_tokens)))
         job.emit(Embedded(vectors, num_tokens, figures))
 
     def _cancel(self, req: Request) -> None:
@@ -348,7 +325,7 @@ class Engine:
         if req.state is RequestState.WAITING:
             self.outputs.finish(req, FinishReason.CANCELLED)
 
-    def _run(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+    def _run(self, rows: list[Row]) -> torch.Tensor:
         """One step: every row's tokens packed into one batch (engine/runner.py). Returns logits of the rows that sample."""
         runner = self.loaded.runner
         assert runner is not None  # a decoder's; embedding models take no rows
@@ -449,7 +426,7 @@ class Engine:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""
         self.scheduler.max_batch = self._rows_now()
         self.joint.timings.clear()  # conditions changed: auto measures again
-        self._weight_bytes = decode_bytes(self.loaded)
+        self._weight_bytes = self.loaded.decode_bytes()
 
     def relocate(self, first: int, last: int, to: str, session: Session | None = None) -> Future[None]:
         """Move blocks first..last (0 is embed) to `to` (host or one of the model's devices), with every session's KV."""

@@ -1,46 +1,63 @@
-"""The `jitllm` figures of a response: where its model ran, how long it waited and took, and the bytes per token."""
+"""The `jitllm` figures of a response, typed: where its model ran, how long it waited and took, and the bytes per
+token. One builder (`Figures.build`) makes them for a generation and for an embedding job; the dialects render
+`to_json()` and the Connect service the same fields into protobuf."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
-from .loader import LoadedModel
-from .request import Request
-
-__all__ = ["decode_bytes", "request_figures", "where"]
+__all__ = ["Figures", "Where"]
 
 
-def where(loaded: LoadedModel) -> dict[str, Any]:
-    """Its blocks on devices or the host now, and which devices."""
-    placement = loaded.placement
-    if placement is None:  # an encoder: whole on its device, or the host
-        device_blocks = loaded.num_blocks if loaded.device_ids else 0
-    else:
-        device_blocks = placement.num_device_blocks
-    return {"device_blocks": device_blocks, "host_blocks": loaded.num_blocks - device_blocks, "device_ids": list(loaded.device_ids)}
+@dataclass(frozen=True)
+class Where:
+    """A model's blocks now: on devices or the host, and which devices (LoadedModel.where)."""
+
+    device_blocks: int
+    host_blocks: int
+    device_ids: tuple[str, ...]
 
 
-def decode_bytes(loaded: LoadedModel) -> int:
-    """Bytes a decode step reads besides KV: the weights, wherever they are, and the hidden state over each seam."""
-    placement = loaded.placement
-    if placement is None:
-        return loaded.weight_nbytes()
-    width = int(loaded.model.cfg.hidden_size) * 4  # the f32 residual stream crosses each seam
-    return loaded.weight_nbytes() + placement.num_seams * width
+@dataclass(frozen=True)
+class Figures:
+    """The figures of one finished request, in the order the spec's `jitllm` object lists them."""
 
+    session_id: str
+    queued_ms: float
+    queue_depth_on_entry: int
+    device_blocks: int
+    host_blocks: int
+    device_ids: tuple[str, ...]
+    prefill_ms: float
+    decode_ms: float
+    decode_tokens_per_second: float
+    bytes_per_token: int
 
-def request_figures(req: Request, loaded: LoadedModel) -> dict[str, Any]:
-    """The figures of a finished generation."""
-    ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
-    decode_s = (req.t_last_token - req.t_first_token) if req.t_first_token and req.t_last_token else 0.0
-    generated_after_first = max(0, len(req.output_ids) - 1)
-    return {
-        "session_id": req.session.id,
-        "queued_ms": ms(req.t_arrival, req.t_first_step),
-        "queue_depth_on_entry": req.queue_depth_on_entry,
-        **where(loaded),
-        "prefill_ms": ms(req.t_first_step, req.t_first_token),
-        "decode_ms": round(decode_s * 1000, 3),
-        "decode_tokens_per_second": round(generated_after_first / decode_s, 2) if decode_s > 0 else 0.0,
-        "bytes_per_token": int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
-    }
+    @classmethod
+    def build(cls, where: Where, *, session_id: str, arrival: float, first_step: float | None, first_token: float | None,
+              last_token: float | None, queue_depth: int, generated: int, bytes_per_token: int) -> Figures:
+        """From a request's times (time.perf_counter(); None: it never got there): queued from arrival to its first
+        step, prefill to its first token, decode from there to its last, over the `generated` tokens after the first."""
+        ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
+        decode_s = (last_token - first_token) if first_token and last_token else 0.0
+        after_first = max(0, generated - 1)
+        return cls(
+            session_id=session_id,
+            queued_ms=ms(arrival, first_step),
+            queue_depth_on_entry=queue_depth,
+            device_blocks=where.device_blocks,
+            host_blocks=where.host_blocks,
+            device_ids=where.device_ids,
+            prefill_ms=ms(first_step, first_token),
+            decode_ms=round(decode_s * 1000, 3),
+            decode_tokens_per_second=round(after_first / decode_s, 2) if decode_s > 0 else 0.0,
+            bytes_per_token=bytes_per_token,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The `jitllm` object of a response body."""
+        out = dataclasses.asdict(self)
+        out["device_ids"] = list(self.device_ids)
+        return out

@@ -16,6 +16,7 @@ import torch
 
 from . import kernels
 from .chat import ChatTemplate
+from .figures import Where
 from .grammar import Grammars
 from .jlm import JLMFile
 from .kv import SessionKV
@@ -89,6 +90,21 @@ class LoadedModel:
             raise ValueError(f"max_seq must be >= 1, got {cap}")
         assert self.runner is not None  # a decoder's
         return self.runner.new_kv(min(cap, self.context_length))
+
+    def where(self) -> Where:
+        """Its blocks on devices or the host now, and which devices."""
+        if self.placement is None:  # an encoder: whole on its device, or the host
+            device_blocks = self.num_blocks if self.device_ids else 0
+        else:
+            device_blocks = self.placement.num_device_blocks
+        return Where(device_blocks, self.num_blocks - device_blocks, tuple(self.device_ids))
+
+    def decode_bytes(self) -> int:
+        """Bytes a decode step reads besides KV: the weights, wherever they are, and the hidden state over each seam."""
+        if self.placement is None:
+            return self.weight_nbytes()
+        width = int(self.model.cfg.hidden_size) * 4  # the f32 residual stream crosses each seam
+        return self.weight_nbytes() + self.placement.num_seams * width
 
     def weight_nbytes(self) -> int:
         """Weight bytes a decode step (or an encoder's pass) reads: for a decoder every block but the embedding table,

@@ -7,15 +7,22 @@ import time
 
 import torch
 
-from .figures import request_figures
+from .figures import Figures
 from .loader import LoadedModel
 from .request import Delta, Done, Failed, FinishReason, Request, RequestState
 from .sampler import TokenLogprobs, logprobs_of
-from .scheduler import Scheduler
+from .scheduler import Row, Scheduler
 from .stats import EngineStats
 from .text import release
 
-__all__ = ["Outputs"]
+__all__ = ["Outputs", "request_figures"]
+
+
+def request_figures(req: Request, loaded: LoadedModel) -> Figures:
+    """The figures of a generation that ended (or is ending now)."""
+    return Figures.build(loaded.where(), session_id=req.session.id, arrival=req.t_arrival, first_step=req.t_first_step, first_token=req.t_first_token,
+                         last_token=req.t_last_token, queue_depth=req.queue_depth_on_entry, generated=len(req.output_ids),
+                         bytes_per_token=int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0)
 
 
 class Outputs:
@@ -27,13 +34,14 @@ class Outputs:
         self.stats = stats
         self.eos = frozenset(loaded.eos_token_ids)
 
-    def postprocess(self, rows: list[tuple[Request, int]], logits: torch.Tensor, weight_bytes: float) -> None:
+    def postprocess(self, rows: list[Row], logits: torch.Tensor, weight_bytes: float) -> None:
         """Sample each row that finished its prompt or decodes, and hand out what it produced."""
         now = time.perf_counter()
-        num_rows = sum(1 for req, _ in rows if not req.cancel_requested)
+        num_rows = sum(1 for row in rows if not row.req.cancel_requested)
         j = 0
-        for req, _ in rows:
-            mine, j = logits[j : j + req.step_logits], j + req.step_logits
+        for row in rows:
+            req = row.req
+            mine, j = logits[j : j + row.logits], j + row.logits
             if req.cancel_requested:
                 self.finish(req, FinishReason.CANCELLED)
                 continue

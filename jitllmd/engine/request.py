@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
+from .figures import Figures
+from .grammar import Constraint
 from .sampler import Sampler, SamplingParams, TokenLogprobs
 from .sessions import Session
 from .tokenizer import Detokenizer
 
-__all__ = ["Delta", "Done", "Embedded", "Event", "Failed", "FinishReason", "Request", "RequestState"]
+__all__ = ["Generation", "Delta", "Done", "Embedded", "Event", "Failed", "FinishReason", "Request", "RequestState"]
 
 _ids = itertools.count(1)
 
@@ -52,7 +54,7 @@ class Done:
     completion_tokens: int
     fed_tokens: int  # prompt tokens actually run (the rest came from the session's cache)
     stop: str | None  # the stop string that ended it, if one did
-    figures: dict[str, Any]  # the `jitllm` figures
+    figures: Figures  # the `jitllm` figures
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when no Delta carried them (see Delta)
 
 
@@ -68,10 +70,32 @@ class Embedded:
 
     vectors: Any  # numpy.ndarray
     num_tokens: int
-    figures: dict[str, Any]
+    figures: Figures
 
 
 Event = Delta | Done | Failed | Embedded
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a dialect asks the engine for (the generation spec: OpenAI, Anthropic, Connect and `run` each build one).
+    `max_tokens` None: up to the session's room (0 runs the prompt alone: with prompt_logprobs, it scores each prompt
+    token with that many alternatives). `session`: a named session to run in (None: an ephemeral one, pooled for prefix
+    reuse). `constraint`: a grammar the reply follows (engine/grammar.py), this request's own."""
+
+    prompt_ids: Sequence[int]  # kept as a tuple
+    params: SamplingParams
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()  # kept as a tuple, empty strings left out
+    session: Session | None = None
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
+    request_id: str = ""  # the caller's name for it (Cancel); r-<id> when not given
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
 
 @dataclass(eq=False)
@@ -106,7 +130,6 @@ class Request:
     t_last_token: float | None = None
     decode_steps: int = 0
     decode_bytes: float = 0.0
-    step_logits: int = 0  # logits rows this step computes for it (a scored prompt: one per token fed)
     prompt_scores: list[TokenLogprobs | None] = field(default_factory=list)  # with prompt_logprobs: the prompt's so far
     prompt_scores_sent: bool = False
     leader: Request | None = None  # a row that shares this prompt and runs it once: this one waits for its KV (n > 1)

@@ -22,7 +22,8 @@ from .cluster.remote import RemoteRun
 from .kv import RowSpan, SessionKV
 from .layers.quant import chunk_tokens
 from .memory.placement import Placement
-from .request import Request, RequestState
+from .request import RequestState
+from .scheduler import Row
 
 __all__ = ["Batch", "JointSteps", "ModelRunner", "Timing"]
 
@@ -103,7 +104,7 @@ class ModelRunner:
     def __init__(self, model: Any, placement: Placement, short_feed: int = 0):
         self.model = model
         self.placement = placement
-        self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py)
+        self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
 
     @property
     def device(self) -> torch.device:
@@ -158,55 +159,21 @@ class ModelRunner:
 
     # -- a step of requests ---------------------------------------------------------------------
 
-    def pack(self, rows: list[tuple[Request, int]]) -> Batch:
-        """Every live row's tokens: a decode row's sampled token, or the next `n` of a joining prompt (its first step
-        reuses what its session already holds). Advances each request's prompt position."""
+    def pack(self, rows: list[Row]) -> Batch:
+        """The step's rows as one token batch: their tokens and positions, a span each, the tokens whose logits are
+        taken (what each feeds was decided by the scheduler's admission: Scheduler.feed)."""
         b = Batch()
-        now = time.perf_counter()
-        for req, n in rows:
-            req.step_logits = 0
-            if req.cancel_requested:
+        for row in rows:
+            if not row.ids:
                 continue
-            if req.t_first_step is None:
-                req.t_first_step = now
-                scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
-                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids)
-                req.fed = req.cached
-                n = min(n, req.prompt_left)
-            ids = [req.next_token] if req.state is RequestState.DECODE else req.prompt_ids[req.fed : req.fed + n]
-            start, pos = len(b.tokens), req.session.kv.length
-            b.tokens.extend(ids)
-            b.positions.extend(range(pos, pos + len(ids)))
-            prompt = req.state is not RequestState.DECODE
-            b.spans.append(RowSpan(start, len(ids), req.session.kv, prompt=prompt, short=prompt and self._short(req, pos, len(ids))))
-            req.session.token_ids.extend(ids)
-            if req.state is not RequestState.DECODE and req.prompt_logprobs is not None:
-                b.logits_at.extend(range(start, len(b.tokens)))  # each scores the prompt's next token (the last: the first sampled)
-                req.step_logits = len(ids)
-            elif req.state is RequestState.DECODE or req.fed + len(ids) == len(req.prompt_ids):
-                b.logits_at.append(len(b.tokens) - 1)
-                req.step_logits = 1
-            if req.state is RequestState.PREFILL:
-                req.fed += len(ids)
-                b.num_prompt += len(ids)
+            start = len(b.tokens)
+            b.tokens.extend(row.ids)
+            b.positions.extend(range(row.pos, row.pos + len(row.ids)))
+            b.spans.append(RowSpan(start, len(row.ids), row.req.session.kv, prompt=row.prompt, short=row.short))
+            b.logits_at.extend(range(len(b.tokens) - row.logits, len(b.tokens)))
+            if row.req.state is RequestState.PREFILL:
+                b.num_prompt += len(row.ids)
         return b
-
-    def _short(self, req: Request, pos: int, n: int) -> bool:
-        """Whether a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run the
-        integer kernel (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short
-        prompt: the integer kernel is the faster); decided from the request's own counts. But a feed of
-        one token is a prompt cached but for its last (a request repeated, regenerated): that token is made the way
-        it was made the first time (`Session.short`), so its first sampled token is the one that run sampled (a near
-        tie of a small model's logits can turn on the int8 rounding of its activations)."""
-        feed = len(req.prompt_ids) - req.cached
-        if not self.short_feed or feed > self.short_feed:
-            return False
-        session = req.session
-        a, b = session.short
-        if feed == 1 and not a <= pos < b:
-            return False
-        session.short = (a if req.fed > req.cached else pos, pos + n)  # a feed the chunk budget split goes on where it was
-        return True
 
     def run(self, b: Batch, joint: JointSteps) -> torch.Tensor:
         """The batch as one packed forward or its rows one after another, as `joint` says; the step timed for it."""

@@ -1,12 +1,27 @@
-"""Which rows run in the next step: pure bookkeeping over requests, no tensors."""
+"""Which rows run in the next step, and admission: what each row feeds (a prompt's first step reuses what its session
+already holds; a short feed multiplies as decode rows do). Pure bookkeeping over requests and sessions, no tensors."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 
 from .request import Request, RequestState
 
-__all__ = ["Scheduler"]
+__all__ = ["Row", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step, admitted: the tokens it feeds and how (the runner packs these into tensors)."""
+
+    req: Request
+    ids: list[int]  # a decode row's sampled token, or the next of a joining prompt; none: a row cancelled meanwhile
+    pos: int  # where they go in its session: its KV's length now
+    prompt: bool  # prompt tokens, not a decode row's token
+    short: bool  # prompt tokens multiplied as decode rows are (layers/quant.py: a short feed)
+    logits: int  # logits rows it takes from the step: 0, 1 (its last token's), or one per token fed (a scored prompt)
 
 
 class Scheduler:
@@ -45,6 +60,54 @@ class Scheduler:
                 budget -= n
                 rows.append((req, n))
         return rows
+
+    def feed(self, rows: list[tuple[Request, int]], short_feed: int = 0) -> list[Row]:
+        """What each scheduled row feeds this step: a decode row its sampled token, a joining one the next `n` of its
+        prompt (its first step reuses what its session already holds). Advances each request's prompt position and
+        its session's tokens. `short_feed`: the model's (ModelRunner.short_feed; see _short)."""
+        out = []
+        now = time.perf_counter()
+        for req, n in rows:
+            if req.cancel_requested:
+                out.append(Row(req, [], req.session.kv.length, False, False, 0))
+                continue
+            if req.t_first_step is None:
+                req.t_first_step = now
+                scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
+                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids)
+                req.fed = req.cached
+                n = min(n, req.prompt_left)
+            prompt = req.state is not RequestState.DECODE
+            ids = req.prompt_ids[req.fed : req.fed + n] if prompt else [req.next_token]
+            pos = req.session.kv.length
+            short = prompt and self._short(req, pos, len(ids), short_feed)
+            req.session.token_ids.extend(ids)
+            if prompt and req.prompt_logprobs is not None:
+                logits = len(ids)  # each scores the prompt's next token (the last: the first sampled)
+            else:
+                logits = 1 if not prompt or req.fed + len(ids) == len(req.prompt_ids) else 0
+            if req.state is RequestState.PREFILL:
+                req.fed += len(ids)
+            out.append(Row(req, ids, pos, prompt, short, logits))
+        return out
+
+    @staticmethod
+    def _short(req: Request, pos: int, n: int, short_feed: int) -> bool:
+        """Whether a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run the
+        integer kernel (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short
+        prompt: the integer kernel is the faster); decided from the request's own counts. But a feed of
+        one token is a prompt cached but for its last (a request repeated, regenerated): that token is made the way
+        it was made the first time (`Session.short`), so its first sampled token is the one that run sampled (a near
+        tie of a small model's logits can turn on the int8 rounding of its activations)."""
+        feed = len(req.prompt_ids) - req.cached
+        if not short_feed or feed > short_feed:
+            return False
+        session = req.session
+        a, b = session.short
+        if feed == 1 and not a <= pos < b:
+            return False
+        session.short = (a if req.fed > req.cached else pos, pos + n)  # a feed the chunk budget split goes on where it was
+        return True
 
     def _admit(self) -> None:
         skipped: list[Request] = []

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
-from ..engine.request import Delta, Done, Event, Failed, FinishReason
+from ..engine.request import Delta, Done, Event, Failed, FinishReason, Generation
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
@@ -193,8 +193,9 @@ class Anthropic:
         forced = _forced_tool(f)
         grammar = tool_grammar(p.served, p.tools, forced[1], "tool_choice") if p.tools and forced[0] else None
         [constraint] = await constraints(p.served, grammar, 1, "tool_choice")
-        outbox = start(p.served, p.prompt_ids, params, param="messages", max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, session=p.session,
-                       request_id=request.state.request_id, constraint=constraint)
+        spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, ignore_eos=ignore_eos,
+                          request_id=request.state.request_id, constraint=constraint)
+        outbox = start(p.served, spec, param="messages")
         tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
         reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names)
         record = lambda text, calls: remember(p.session, p.chat, _remembered((p.prefill or "") + text, calls))
@@ -218,7 +219,7 @@ class Anthropic:
             "stop_reason": reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(done),
-            "jitllm": done.figures,
+            "jitllm": done.figures.to_json(),
         }
         return JSONResponse(body)
 
@@ -267,7 +268,7 @@ class Anthropic:
                     yield b
                 record("".join(blocks.texts), blocks.calls)
                 reason, stop_sequence = _stop_reason(ev, blocks.calls)
-                delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": _usage(ev), "jitllm": ev.figures}
+                delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": _usage(ev), "jitllm": ev.figures.to_json()}
                 yield _event("message_delta", delta)
                 yield _event("message_stop", {"type": "message_stop"})
             elif isinstance(ev, Failed):

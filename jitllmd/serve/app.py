@@ -17,8 +17,9 @@ from ..gen.jitllm.v1.model_connect import ModelServiceASGIApplication
 from ..gen.jitllm.v1.placement_connect import PlacementServiceASGIApplication
 from ..gen.jitllm.v1.session_connect import SessionServiceASGIApplication
 from ..gen.jitllm.v1.telemetry_connect import TelemetryServiceASGIApplication
-from . import anthropic, openai
+from . import anthropic, openai, rendering
 from .body import APIError
+from .embeddings import Embeddings
 from .guard import Guard
 from .metrics import Metrics
 from .services.control import Devices, ErrorMapper, Models, Sessions
@@ -47,7 +48,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     kind = "not_found" if exc.status_code == 404 else "invalid_request"
     message = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else str(exc.detail))
     err = APIError(message, kind=kind)
-    resp = anthropic.error_response(err) if request.url.path.startswith("/v1/messages") else openai.error_response(err)
+    resp = anthropic.error_response(err) if request.url.path.startswith("/v1/messages") else rendering.error_response(err)
     resp.status_code = exc.status_code
     if exc.headers:
         resp.headers.update(exc.headers)
@@ -65,7 +66,7 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
         Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
-        Route("/v1/embeddings", oa.embeddings, methods=["POST"]),
+        Route("/v1/embeddings", Embeddings(catalog).endpoint, methods=["POST"]),
         Route("/v1/models", oa.models, methods=["GET"]),
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),

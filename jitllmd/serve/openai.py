@@ -1,10 +1,9 @@
-"""The OpenAI dialect: chat completions, completions and the model list, translated to and from the engine."""
+"""The OpenAI dialect: chat completions, completions and the model list, translated to and from the engine (its
+rendering: rendering.py; /v1/embeddings: embeddings.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,19 +15,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
 from ..engine.grammar import GrammarSpec
-from ..engine.kv import RoomError
-from ..engine.request import Delta, Done, Event, Failed, FinishReason
+from ..engine.request import Delta, Done, Failed, FinishReason, Generation
 from ..engine.sampler import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.sessions import Session
 from ..engine.tokenizer import Tokenizer
 from .body import APIError, Fields, dialect, read_json
-from .outbox import Outbox, embed, until_disconnect
+from .outbox import Outbox, until_disconnect
 from .prompt import (
     chat_prompt_ids,
     check_room,
     constraints,
     conversation,
-    find_model,
     find_target,
     off_loop,
     remember,
@@ -37,26 +34,25 @@ from .prompt import (
     text_prompt_ids,
     tool_grammar,
 )
+from .rendering import (
+    SSE_HEADERS,
+    Chunks,
+    chat_logprobs,
+    completion_logprobs,
+    error_response,
+    finish_reason,
+    interleaved,
+    model_card,
+    tool_call,
+    usage,
+)
 from .tools import Piece, Text, ToolCall, ToolCallParser, parse_reply
 
-__all__ = ["OpenAI", "error_response"]
+__all__ = ["OpenAI"]
 
 
-_ERROR_TYPES = {"invalid_request": "invalid_request_error", "unauthorized": "invalid_request_error", "forbidden": "invalid_request_error",
-                "not_found": "invalid_request_error", "timeout": "invalid_request_error", "too_large": "invalid_request_error",
-                "media_type": "invalid_request_error", "http_version": "invalid_request_error", "unavailable": "server_error", "server": "server_error"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-
-def error_response(exc: APIError) -> JSONResponse:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": exc.message, "type": _ERROR_TYPES[exc.kind], "param": exc.param, "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 @dataclass(frozen=True)
@@ -91,12 +87,11 @@ class _Generation:
                 params = self.params
                 if i and params.seed is not None:
                     params = replace(params, seed=(params.seed + i) % (1 << 64))
-                outboxes.append(start(
-                    self.served, prompt_ids, params, param=param, max_tokens=self.max_tokens, stop=self.stop,
-                    ignore_eos=self.ignore_eos, session=self.session, request_id=request_id + (f"-{i}" if i else ""),
-                    prompt_logprobs=self.prompt_logprobs, follows=outboxes[0].request if i else None, hold=True,
-                    constraint=matchers[i],
-                ))
+                spec = Generation(
+                    prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session, ignore_eos=self.ignore_eos,
+                    request_id=request_id + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs, constraint=matchers[i],
+                )
+                outboxes.append(start(self.served, spec, param=param, follows=outboxes[0].request if i else None, hold=True))
         except BaseException:
             for o in outboxes:
                 o.end()  # never queued: the engine releases their slots
@@ -217,49 +212,6 @@ def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
-    """A token as OpenAI's logprobs show it: its text and that text's UTF-8 bytes (a token holding part of a
-    character shows the replacement character, as vLLM does)."""
-    text = tokenizer.decode([token], skip_special_tokens=False)
-    return text, list(text.encode("utf-8", errors="replace"))
-
-
-def _chat_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs]) -> dict[str, Any]:
-    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        text, raw = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": raw}
-
-    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]} for s in scores], "refusal": None}
-
-
-def _completion_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs | None], prompt_ids: list[int], offset: int) -> dict[str, Any]:
-    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs, text_offset (None where a token has no score:
-    the prompt's first). `prompt_ids` name the unscored tokens; `offset` is where the first token's text starts."""
-    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for i, s in enumerate(scores):
-        token = s.token if s is not None else prompt_ids[i]
-        text = _token_text(tokenizer, token)[0]
-        out["tokens"].append(text)
-        out["token_logprobs"].append(s.logprob if s is not None else None)
-        out["top_logprobs"].append({_token_text(tokenizer, t)[0]: lp for t, lp in s.top} if s is not None else None)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
-
-
-def _usage(dones: list[Done], n: int) -> dict[str, Any]:
-    """The usage of every choice: each prompt counted once (the first of its n choices ran it), every choice's tokens."""
-    runs = dones[::n]
-    prompt, completion = sum(d.prompt_tokens for d in runs), sum(d.completion_tokens for d in dones)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(d.prompt_tokens - d.fed_tokens for d in runs)},
-    }
-
-
 def _chat_messages(f: Fields) -> list[dict[str, Any]]:
     """The messages in the shape chat templates take: tool calls kept (arguments parsed by the template layer)."""
     raw = f.array("messages", required=True) or []
@@ -323,17 +275,6 @@ def _tools(f: Fields) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _tool_call(call: ToolCall) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _finish_reason(done: Done, calls: list[Any]) -> str:
-    """tool_calls only for a reply the model ended: max_tokens cutting a call (or the text after one) is length."""
-    if calls and done.finish_reason is FinishReason.STOP:
-        return "tool_calls"
-    return done.finish_reason.value
-
-
 class OpenAI:
     """The OpenAI routes over a Catalog."""
 
@@ -365,11 +306,11 @@ class OpenAI:
                 text, calls = parse_reply(text, gen.tool_names, cut=done.finish_reason is FinishReason.LENGTH)
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
             if calls:
-                message["tool_calls"] = [_tool_call(c) for c in calls]
+                message["tool_calls"] = [tool_call(c) for c in calls]
             if i == 0:
                 gen.done(message)
-            choices.append({"index": i, "message": message, "finish_reason": _finish_reason(done, calls),
-                            "logprobs": _chat_logprobs(gen.tokenizer, outbox.scores) if gen.params.logprobs is not None else None})
+            choices.append({"index": i, "message": message, "finish_reason": finish_reason(done, calls),
+                            "logprobs": chat_logprobs(gen.tokenizer, outbox.scores) if gen.params.logprobs is not None else None})
         dones = [done for _, done in results]
         body = {
             "id": ident,
@@ -377,8 +318,8 @@ class OpenAI:
             "created": created,
             "model": gen.model,
             "choices": choices,
-            "usage": _usage(dones, gen.n),
-            "jitllm": dones[0].figures,
+            "usage": usage(dones, gen.n),
+            "jitllm": dones[0].figures.to_json(),
         }
         return JSONResponse(body)
 
@@ -409,7 +350,7 @@ class OpenAI:
             logprobs = None
             if gen.params.logprobs is not None:
                 scores = [*((outbox.prompt_scores or []) if echo else []), *outbox.scores]
-                logprobs = _completion_logprobs(gen.tokenizer, scores, outbox.request.prompt_ids, 0)
+                logprobs = completion_logprobs(gen.tokenizer, scores, outbox.request.prompt_ids, 0)
             choices.append({"index": i, "text": heads[i] + text, "logprobs": logprobs, "finish_reason": done.finish_reason.value})
         dones = [done for _, done in results]
         body = {
@@ -418,63 +359,36 @@ class OpenAI:
             "created": created,
             "model": gen.model,
             "choices": choices,
-            "usage": _usage(dones, gen.n),
-            "jitllm": dones[0].figures,
+            "usage": usage(dones, gen.n),
+            "jitllm": dones[0].figures.to_json(),
         }
         return JSONResponse(body)
 
     @dialect(error_response)
-    async def embeddings(self, request: Request) -> Response:
-        f = Fields(await read_json(request))
-        name = f.string("model")
-        served = find_model(self.catalog, name)
-        loaded = served.engine.loaded
-        if not loaded.embeds:
-            raise f.error("model", f"{served.id} generates text; embeddings need an embedding model (use /v1/chat/completions with it)")
-        fmt = f.string("encoding_format", "float")
-        if fmt not in ("float", "base64"):
-            raise f.error("encoding_format", f"expected float or base64, got {fmt!r}")
-        width = int(loaded.model.cfg.hidden_size)
-        dims = f.integer("dimensions", low=1)
-        if dims is not None and dims != width:
-            raise f.error("dimensions", f"{served.id} makes {width}-dimensional vectors and does not truncate them: leave dimensions out or give {width}")
-        batch = await off_loop(_embedding_inputs, f, served)
-        try:
-            result = await embed(served.engine, batch)
-        except RoomError as exc:
-            raise f.error("input", str(exc)) from None
-        data = []
-        for i, vector in enumerate(result.vectors):
-            value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode() if fmt == "base64" else vector.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
-        return JSONResponse({"object": "list", "data": data, "model": name or served.id, "usage": usage, "jitllm": result.figures})
-
-    @dialect(error_response)
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(e.id, e.created, e.loaded, e.aliases) for e in self.catalog.entries()]})
+        return JSONResponse({"object": "list", "data": [model_card(e.id, e.created, e.loaded, e.aliases) for e in self.catalog.entries()]})
 
     @dialect(error_response)
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         for e in self.catalog.entries():
             if e.id == name:
-                return JSONResponse(_model_card(e.id, e.created, e.loaded, e.aliases))
+                return JSONResponse(model_card(e.id, e.created, e.loaded, e.aliases))
         try:
             served = self.catalog.get(name)
         except KeyError as exc:
             raise APIError(str(exc.args[0]), param="model", kind="not_found", code="model_not_found") from None
-        return JSONResponse(_model_card(name, served.created, True, (served.id, *(a for a in served.aliases if a != name))))
+        return JSONResponse(model_card(name, served.created, True, (served.id, *(a for a in served.aliases if a != name))))
 
     # -- streams --------------------------------------------------------------------------------
 
     async def _chat_stream(self, gen: _Generation, outboxes: list[Outbox], ident: str, created: int) -> AsyncIterator[bytes]:
-        out = _Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage)
+        out = Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage)
         choices = [_ChatChoice(i, gen, out) for i in range(len(outboxes))]
         for c in choices:
             yield out.choice(index=c.index, delta={"role": "assistant", "content": ""})
         dones: list[Done | None] = [None] * len(outboxes)
-        async for i, ev in _interleaved(outboxes):
+        async for i, ev in interleaved(outboxes):
             c = choices[i]
             if isinstance(ev, Delta):
                 c.pending.extend(ev.logprobs or [])
@@ -488,7 +402,7 @@ class OpenAI:
                     text = "".join(c.parts)
                     gen.done({"role": "assistant", "content": text or None, "tool_calls": c.calls} if c.calls else text)
                 dones[i] = ev
-                yield out.choice(_finish_reason(ev, c.calls), {"jitllm": ev.figures}, index=i, delta={}, **(c.scored() if c.pending else {}))
+                yield out.choice(finish_reason(ev, c.calls), {"jitllm": ev.figures.to_json()}, index=i, delta={}, **(c.scored() if c.pending else {}))
             elif isinstance(ev, Failed):
                 yield out.failed(ev.message)
         if gen.include_usage and all(d is not None for d in dones):
@@ -496,7 +410,7 @@ class OpenAI:
         yield b"data: [DONE]\n\n"
 
     async def _completion_stream(self, gen: _Generation, outboxes: list[Outbox], ident: str, created: int, heads: list[str]) -> AsyncIterator[bytes]:
-        out = _Chunks(ident, "text_completion", created, gen.model, gen.include_usage)
+        out = Chunks(ident, "text_completion", created, gen.model, gen.include_usage)
         scoring = gen.params.logprobs is not None
         offsets = [0] * len(outboxes)  # where each choice's next token's text starts, for text_offset
         pending: list[list[TokenLogprobs | None]] = [[] for _ in outboxes]
@@ -504,7 +418,7 @@ class OpenAI:
         def scored(i: int, ids: list[int]) -> dict[str, Any]:
             if not scoring:
                 return {}
-            logprobs = _completion_logprobs(gen.tokenizer, pending[i], ids, offsets[i])
+            logprobs = completion_logprobs(gen.tokenizer, pending[i], ids, offsets[i])
             offsets[i] += sum(len(t) for t in logprobs["tokens"])
             pending[i].clear()
             return {"logprobs": logprobs}
@@ -515,7 +429,7 @@ class OpenAI:
                 yield out.choice(index=i, text=head)
                 heads[i] = ""
         dones: list[Done | None] = [None] * len(outboxes)
-        async for i, ev in _interleaved(outboxes):
+        async for i, ev in interleaved(outboxes):
             if heads[i] and isinstance(ev, (Delta, Done)):  # the echoed prompt, with its scores, once the prompt ran
                 pending[i].extend(ev.prompt_logprobs or [])
                 yield out.choice(index=i, text=heads[i], **scored(i, outboxes[i].request.prompt_ids))
@@ -526,100 +440,12 @@ class OpenAI:
                     yield out.choice(index=i, text=ev.text, **scored(i, []))
             elif isinstance(ev, Done):
                 dones[i] = ev
-                yield out.choice(ev.finish_reason.value, {"jitllm": ev.figures}, index=i, text="", **(scored(i, []) if pending[i] else {}))
+                yield out.choice(ev.finish_reason.value, {"jitllm": ev.figures.to_json()}, index=i, text="", **(scored(i, []) if pending[i] else {}))
             elif isinstance(ev, Failed):
                 yield out.failed(ev.message)
         if gen.include_usage and all(d is not None for d in dones):
             yield out.usage([d for d in dones if d is not None], gen.n)
         yield b"data: [DONE]\n\n"
-
-
-class _ChatChoice:
-    """One choice of a chat stream: its text so far, its tool calls, the parser holding back what may be a call, and
-    the scores of tokens whose text has not gone out yet."""
-
-    def __init__(self, index: int, gen: _Generation, out: _Chunks):
-        self.index, self.gen, self.out = index, gen, out
-        self.parts: list[str] = []
-        self.calls: list[dict[str, Any]] = []
-        self.parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
-        self.pending: list[TokenLogprobs] = []
-
-    def scored(self) -> dict[str, Any]:
-        if self.gen.params.logprobs is None:
-            return {}
-        scores = self.pending[:]
-        self.pending.clear()
-        return {"logprobs": _chat_logprobs(self.gen.tokenizer, scores)}
-
-    def pieces(self, found: list[Piece]) -> Iterator[bytes]:
-        for piece in found:
-            if isinstance(piece, Text):
-                if piece.text:
-                    self.parts.append(piece.text)
-                    yield self.out.choice(index=self.index, delta={"content": piece.text}, **self.scored())
-            else:
-                self.calls.append(_tool_call(piece))
-                yield self.out.choice(index=self.index, delta={"tool_calls": [{"index": len(self.calls) - 1, **self.calls[-1]}]})
-
-
-async def _interleaved(outboxes: list[Outbox]) -> AsyncIterator[tuple[int, Event]]:
-    """The events of several generations as they come, each with its choice's index, until every one has ended.
-    Leaving early (a client gone) ends every generation."""
-    if len(outboxes) == 1:
-        async for ev in outboxes[0]:
-            yield 0, ev
-        return
-    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
-
-    async def pump(i: int, outbox: Outbox) -> None:
-        try:
-            async for ev in outbox:
-                queue.put_nowait((i, ev))
-                await asyncio.sleep(0)  # the others' events that came meanwhile go next: the choices interleave
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, o)) for i, o in enumerate(outboxes)]
-    try:
-        left = len(tasks)
-        while left:
-            i, got = await queue.get()
-            if got is None:
-                left -= 1
-            else:
-                yield i, got
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@dataclass(frozen=True)
-class _Chunks:
-    """The SSE events of one stream: every chunk carries the same id, object, created and model, and `usage: null`
-    until the usage chunk when the client asked for one."""
-
-    ident: str
-    object: str
-    created: int
-    model: str
-    include_usage: bool
-
-    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        obj = {"id": self.ident, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
-        return _sse(obj | extra)
-
-    def choice(self, finish: str | None = None, extra: dict[str, Any] | None = None, *, index: int = 0, **fields: Any) -> bytes:
-        """A chunk of one choice: its delta (chat) or text (completions), its logprobs, and the finish reason on its last."""
-        usage = {"usage": None} if self.include_usage else {}
-        return self._event([{"index": index, "logprobs": None, **fields, "finish_reason": finish}], **usage, **(extra or {}))
-
-    def usage(self, dones: list[Done], n: int) -> bytes:
-        return self._event([], usage=_usage(dones, n), jitllm=dones[0].figures)
-
-    def failed(self, message: str) -> bytes:
-        return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions
@@ -655,36 +481,30 @@ def _one_prompt(f: Fields, served: ServedModel, session: Session | None, prompt:
     raise APIError(f"{param}: expected a string, an array of token ids, or an array of either", param="prompt")
 
 
-def _embedding_inputs(f: Fields, served: ServedModel) -> list[list[int]]:
-    """input: a string, strings, token ids, or lists of token ids -> one token-id list per input."""
-    value = f.raw("input")
-    if value is None:
-        raise f.error("input", "this field is required")
-    tokenizer = served.engine.loaded.tokenizer
-    is_ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-    if isinstance(value, str):
-        items: list[Any] = [value]
-    elif is_ids(value):
-        items = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
-        items = value
-    else:
-        raise f.error("input", "expected a string, an array of strings, an array of token ids, or an array of arrays of token ids (none empty)")
-    if len(items) > 2048:
-        raise f.error("input", f"at most 2048 inputs per request, got {len(items)}")
-    batch = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            if not item:
-                raise f.error("input", f"input {i} is an empty string")
-            batch.append(tokenizer.encode(item))
-        else:
-            if any(not 0 <= t < tokenizer.vocab_size for t in item):
-                raise f.error("input", f"input {i}: token ids must be in [0, {tokenizer.vocab_size})")
-            batch.append(list(item))
-    return batch
+class _ChatChoice:
+    """One choice of a chat stream: its text so far, its tool calls, the parser holding back what may be a call, and
+    the scores of tokens whose text has not gone out yet."""
 
+    def __init__(self, index: int, gen: _Generation, out: Chunks):
+        self.index, self.gen, self.out = index, gen, out
+        self.parts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
+        self.pending: list[TokenLogprobs] = []
 
-def _model_card(model_id: str, created: int, loaded: bool, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
-    """An OpenAI model object; `jitllm.aliases` lists the other names the model answers to."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "jitllmd", "jitllm": {"loaded": loaded, "aliases": list(aliases)}}
+    def scored(self) -> dict[str, Any]:
+        if self.gen.params.logprobs is None:
+            return {}
+        scores = self.pending[:]
+        self.pending.clear()
+        return {"logprobs": chat_logprobs(self.gen.tokenizer, scores)}
+
+    def pieces(self, found: list[Piece]) -> Iterator[bytes]:
+        for piece in found:
+            if isinstance(piece, Text):
+                if piece.text:
+                    self.parts.append(piece.text)
+                    yield self.out.choice(index=self.index, delta={"content": piece.text}, **self.scored())
+            else:
+                self.calls.append(tool_call(piece))
+                yield self.out.choice(index=self.index, delta={"tool_calls": [{"index": len(self.calls) - 1, **self.calls[-1]}]})

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 
 from ..engine.engine import Engine
-from ..engine.figures import request_figures
-from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason, Request
-from ..engine.sampler import SamplingParams, TokenLogprobs
+from ..engine.outputs import request_figures
+from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason, Generation, Request
+from ..engine.sampler import TokenLogprobs
 from .body import APIError
 
 __all__ = ["Outbox", "embed", "end_streams", "until_disconnect"]
@@ -31,7 +31,7 @@ class Outbox:
     final event from the server's side (a server that must stop while the engine is held inside a step).
     """
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, **submit_kw: Any):
+    def __init__(self, engine: Engine, spec: Generation, *, follows: Request | None = None, hold: bool = False):
         self.engine = engine
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()  # and _END
@@ -48,7 +48,7 @@ class Outbox:
             except RuntimeError:  # the loop is closed: the server is gone, nobody waits for this
                 pass
 
-        self.request: Request = engine.submit(prompt_ids, params, emit, **submit_kw)
+        self.request: Request = engine.submit(spec, emit, follows=follows, hold=hold)
         _open.add(self)
 
     async def __aiter__(self) -> AsyncGenerator[Event, None]:

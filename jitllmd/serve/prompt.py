@@ -13,6 +13,7 @@ from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
 from ..engine.grammar import COMPACT_JSON, Constraint, GrammarError, GrammarSpec
 from ..engine.kv import RoomError
+from ..engine.request import Generation, Request
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError
@@ -124,12 +125,12 @@ def text_prompt_ids(served: ServedModel, text: str) -> list[int]:
     return served.engine.loaded.tokenizer.encode(text)
 
 
-def start(served: ServedModel, prompt_ids: list[int], params: SamplingParams, *, param: str, **submit_kw: Any) -> Outbox:
-    """Submit to the model's engine. A prompt that does not fit, or bad ids, is a 400 naming `param`."""
+def start(served: ServedModel, spec: Generation, *, param: str, follows: Request | None = None, hold: bool = False) -> Outbox:
+    """Submit to the model's engine (Outbox: `follows`, `hold`). A prompt that does not fit, or bad ids, is a 400 naming `param`."""
     if served.engine.loaded.embeds:
         raise APIError(f"model {served.id!r} is an embedding model: send its inputs to /v1/embeddings", param="model")
     try:
-        return Outbox(served.engine, prompt_ids, params, **submit_kw)
+        return Outbox(served.engine, spec, follows=follows, hold=hold)
     except RoomError as exc:
         raise APIError(f"{param}: {exc}", param=param, code="context_length_exceeded") from None
     except ValueError as exc:

@@ -270,7 +270,9 @@ def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
     Q4_K)."""
     fmt = FORMATS[name]
     n, k = w.shape
-    if fmt.quant is None or k % fmt.block:  # not quantizable(name, k)
+    if fmt.quant is None:
+        raise ValueError(f"{name}: this project reads it but does not write it (it writes {', '.join(f.name for f in _RECORDS if f.quant)})")
+    if k % fmt.block:
         raise ValueError(f"{name}: {k} inputs per row is not a multiple of its {fmt.block}-weight block")
     out = []
     for start in range(0, n, 4096):  # bounded working memory on a 150k-row embedding

@@ -11,7 +11,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from ...engine.catalog import Catalog, ServedModel
-from ...engine.request import Delta, Done, Failed, FinishReason
+from ...engine.request import Delta, Done, Failed, FinishReason, Generation
 from ...engine.sampler import SamplingParams
 from ...engine.sessions import Session
 from ...gen.jitllm.v1 import common_pb2 as common
@@ -39,16 +39,11 @@ def _params(p: common.SamplingParams) -> SamplingParams:
 
 
 def _finished(done: Done) -> inf.Finished:
-    f = done.figures
     return inf.Finished(
         finish_reason=_FINISH[done.finish_reason],
         stop_sequence=done.stop or "",
         usage=common.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens, cached_tokens=done.prompt_tokens - done.fed_tokens),
-        figures=common.Figures(
-            session_id=f["session_id"], queued_ms=f["queued_ms"], queue_depth_on_entry=f["queue_depth_on_entry"],
-            device_blocks=f["device_blocks"], host_blocks=f["host_blocks"], device_ids=f["device_ids"], prefill_ms=f["prefill_ms"],
-            decode_ms=f["decode_ms"], decode_tokens_per_second=f["decode_tokens_per_second"], bytes_per_token=f["bytes_per_token"],
-        ),
+        figures=common.Figures(**done.figures.to_json()),
     )
 
 
@@ -142,12 +137,10 @@ class Inference(InferenceService):
         if request.request_id and request.request_id in self.running:
             raise ConnectError(Code.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
         ids, chat = await off_loop(self._prompt, served, session, request)
-        outbox = Outbox(
-            served.engine, ids, _params(request.sampling),
-            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-            stop=list(request.stop), session=session, ignore_eos=request.ignore_eos,
-            request_id=request.request_id or f"r-{uuid.uuid4().hex[:12]}",
-        )
+        outbox = Outbox(served.engine, Generation(
+            ids, _params(request.sampling), max_tokens=request.max_tokens if request.HasField("max_tokens") else None, stop=list(request.stop),
+            session=session, ignore_eos=request.ignore_eos, request_id=request.request_id or f"r-{uuid.uuid4().hex[:12]}",
+        ))
         self.running[outbox.request.request_id] = outbox
         return _Run(outbox, session, chat)
 
