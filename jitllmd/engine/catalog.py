@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig, find_model_file
 from .engine import Engine
+from .kv import RoomError
 from .loader import cached_conversion
 from .memory.devices import available_devices, parse_devices, release_host_memory, trim_heap
-from .memory.relocation import Relocation
+from .memory.placement import HOST
+from .memory.relocation import Relocation, block_held
 from .sessions import Session
 
 if TYPE_CHECKING:
@@ -255,6 +257,32 @@ class Catalog:
             owner = next(m.id for m in self._models.values() if model_id in (m.id, *m.aliases))
             raise ValueError(f"a model named {model_id!r} is already loaded" + (f" (model {owner} answers to it)" if owner != model_id else ""))
         return tuple(a for a in dict.fromkeys(aliases) if a != model_id and a not in taken)
+
+    # -- placement that may take room from other models (blocking: the caller runs it off its event loop) ----------
+
+    def replace(self, served: ServedModel, devices: list[str], gpu_layers: int = -1, session: Session | None = None) -> None:
+        """Re-place a model's blocks over `devices` (SetPlacement): idle relocation-enabled models first give up what
+        the new placement wants of the devices, then its engine re-places them between steps."""
+        placement = served.engine.loaded.placement
+        if placement is not None:
+            self.relocation.prepare(placement, served.id, devices, gpu_layers, served.engine.spendable_driver, f"room to place {served.id}")
+        served.engine.replace(devices, gpu_layers, session).result()
+
+    def relocate(self, served: ServedModel, first: int, last: int, to: str, session: Session | None = None) -> None:
+        """Blocks first..last of a model to `to` (RelocateBlocks): where a device is short, idle relocation-enabled
+        models make room; under -device-mem a move that still does not fit is refused (RoomError, both figures named).
+        The engine's job checks the range and the device."""
+        placement = served.engine.loaded.placement
+        if placement is not None and to != HOST and to in placement.devices and 0 <= first <= last < len(placement.places):
+            need = sum(block_held(placement, i) for i in range(first, last + 1) if placement.places[i] != to)
+            room = lambda: self.relocation.room(to, served.engine.spendable_driver(to))  # noqa: E731
+            if need > room():
+                self.relocation.make_room(to, need - room(), served.id, f"room to move {served.id}'s blocks {first}:{last}")
+            budget = self.relocation.device_mem
+            if budget is not None and need > room():
+                raise RoomError(f"blocks {first}:{last} of {served.id} need {need / 2**20:.1f} MiB of {to}, which has "
+                                f"{room() / 2**20:.1f} MiB left of its {budget / 2**20:.0f} MiB (-device-mem)")
+        served.engine.relocate(first, last, to, session).result()
 
     def unload(self, name: str, timeout: float | None = None) -> None:
         """Stop a model's engine (its requests end as cancelled) and forget it. `timeout`: see Engine.stop."""

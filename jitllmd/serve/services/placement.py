@@ -10,7 +10,7 @@ from connectrpc.errors import ConnectError
 
 from ...engine.catalog import Catalog, ServedModel
 from ...engine.memory.placement import HOST, layer_of
-from ...engine.memory.relocation import Move, Relocation, block_held
+from ...engine.memory.relocation import Move, Relocation
 from ...engine.sessions import Session
 from ...gen.jitllm.v1 import placement_pb2 as plc
 from ...gen.jitllm.v1.placement_connect import PlacementService
@@ -100,34 +100,15 @@ class Placement(PlacementService):
         gpu_layers = request.gpu_layers if request.HasField("gpu_layers") else -1
         if gpu_layers < -1:
             raise ValueError(f"gpu_layers must be -1 (as many as fit) or >= 0, got {gpu_layers}")
-        placement = served.engine.loaded.placement
-        if placement is not None:  # idle models give up what this placement wants of the devices (relocation)
-            await asyncio.to_thread(self.relocation.prepare, placement, served.id, devices, gpu_layers, served.engine.moves.spendable_driver, f"room to place {served.id}")
-        await asyncio.wrap_future(served.engine.replace(devices, gpu_layers, session))
+        await asyncio.to_thread(self.catalog.replace, served, devices, gpu_layers, session)  # idle models may give up room first
         return plc.SetPlacementResponse(placement=_placement(served, session, self.relocation))
 
     async def relocate_blocks(self, request: plc.RelocateBlocksRequest, ctx: Any) -> plc.RelocateBlocksResponse:
         served, session = self._target(request.session_id, request.model)
         if not request.to:
             raise ConnectError(Code.INVALID_ARGUMENT, "to: give host or a device id")
-        await self._room_for(served, request.first, request.last, request.to)
-        await asyncio.wrap_future(served.engine.relocate(request.first, request.last, request.to, session))
+        await asyncio.to_thread(self.catalog.relocate, served, request.first, request.last, request.to, session)  # RoomError: resource_exhausted
         return plc.RelocateBlocksResponse(placement=_placement(served, session, self.relocation))
-
-    async def _room_for(self, served: ServedModel, first: int, last: int, to: str) -> None:
-        """Blocks first..last going to device `to`: idle relocation-enabled models make room where it is short; under
-        -device-mem, a move that still does not fit is refused (the job itself checks the range and the device)."""
-        placement = served.engine.loaded.placement
-        if placement is None or to == HOST or to not in placement.devices or not 0 <= first <= last < len(placement.places):
-            return
-        need = sum(block_held(placement, i) for i in range(first, last + 1) if placement.places[i] != to)
-        room = lambda: self.relocation.room(to, served.engine.moves.spendable_driver(to))  # noqa: E731
-        if need > room():
-            await asyncio.to_thread(self.relocation.make_room, to, need - room(), served.id, f"room to move {served.id}'s blocks {first}:{last}")
-        budget = self.relocation.device_mem
-        if budget is not None and need > room():
-            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"blocks {first}:{last} of {served.id} need {need / 2**20:.1f} MiB of {to}, which has "
-                                                        f"{room() / 2**20:.1f} MiB left of its {budget / 2**20:.0f} MiB (-device-mem)")
 
     async def set_relocation(self, request: plc.SetRelocationRequest, ctx: Any) -> plc.SetRelocationResponse:
         served = model_of(self.catalog, request.model)
