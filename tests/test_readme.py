@@ -1,4 +1,5 @@
-"""The README's examples, run as written against servers started the way the README starts them."""
+"""The README's examples and those of the docs it links to, run as written against servers started the way they start
+them; and the README's tour, links and speed table checked against the docs."""
 
 from __future__ import annotations
 
@@ -18,16 +19,22 @@ from tests.serving import Server
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+SERVING = DOCS / "serving.md"
+CLI = DOCS / "cli.md"
+PERFORMANCE = DOCS / "performance.md"
 README_ADDR = "127.0.0.1:8080"
 
 
-def section(title: str) -> str:
-    """The README's text under `## title`, up to the next `## ` heading."""
-    text = README.read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
+def section(path: Path, title: str, level: int = 2) -> str:
+    """The text of `path` under the heading `title` (`## title` at level 2), up to the next heading of that level or
+    above."""
+    text = path.read_text()
+    start = text.index(f"\n{'#' * level} {title}\n")
+    after = re.compile(rf"^#{{2,{level}}} ", re.M).search(text, start + 2)
+    return text[start : after.start() - 1 if after else len(text)]
 
 
 def blocks(text: str, lang: str = "") -> list[str]:
@@ -67,10 +74,10 @@ def command_one(smollm2_gguf):
 
 def test_serve_section_examples_against_command_one(command_one) -> None:
     addr = command_one.url.removeprefix("http://")
-    serve = section("Serve")
+    serve = section(SERVING, "Serve")
     [python] = blocks(serve, "python")
     ns: dict = {}
-    exec(compile(python.replace(README_ADDR, addr), "README.md", "exec"), ns)  # the SDK snippet, as written
+    exec(compile(python.replace(README_ADDR, addr), str(SERVING), "exec"), ns)  # the SDK snippet, as written
     assert ns["r"].choices[0].message.content and ns["r"].model == "smol"
     assert ns["msg"].content[0].text and ns["msg"].stop_reason in ("end_turn", "max_tokens")
     [curl] = [b for b in blocks(serve) if b.startswith("curl ")]
@@ -92,7 +99,7 @@ def test_model_names_are_listed_and_named_in_the_404(command_one) -> None:
 def test_manage_section_runs_as_written(tmp_path: Path, smollm2_gguf) -> None:
     """Its first line converts the models, its second starts the server (here by the test, on a free port, waiting
     for its start line), and every other line runs against it with exit code 0."""
-    block = blocks(section("Manage a running server"))[0]
+    block = blocks(section(CLI, "Manage a running server"))[0]
     lines = block.strip().splitlines()
     assert lines[1].startswith("jitllmd serve ") and lines[1].split("#")[0].rstrip().endswith("&")
     p = shell(lines[0], README_ADDR, tmp_path)
@@ -118,10 +125,70 @@ def test_use_section_runs_as_written(tmp_path: Path, smollm2_gguf) -> None:
     (the packaged SmolLM2 under both names); interactive chats read an empty stdin and end as at Ctrl-D."""
     for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "some.gguf"):
         (tmp_path / name).symlink_to(smollm2_gguf)
-    block = blocks(section("Use"))[0]
+    block = blocks(section(SERVING, "Use"))[0]
     lines = [line for line in block.strip().splitlines() if "some-hf-model-dir" not in line]
     p = shell("\n".join(lines), README_ADDR, tmp_path, local=True)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     assert (tmp_path / "models" / "smollm2.jlm").is_file() and (tmp_path / "models" / "smol-f32.jlm").is_file()
     assert p.stderr.count(" prompt tokens (") >= 3  # the three one-shot runs answered (sampled: the words vary)
     assert json.loads(p.stdout.splitlines()[-1])["finish_reason"] in ("stop", "length")  # run -json: one JSON object
+
+
+def command(line: str) -> str:
+    """A shell line without its trailing `# comment`."""
+    return re.split(r"\s+# ", line, maxsplit=1)[0].rstrip()
+
+
+def test_readme_tour_lines_are_the_docs_examples() -> None:
+    """Every line of the README's tour is a line of an example in docs/ (the Serve, Use and Manage ones run above)."""
+    documented = {command(line) for doc in DOCS.glob("*.md") for block in blocks(doc.read_text()) for line in block.splitlines()}
+    tour = blocks(section(README, "Tour"))
+    assert len(tour) == 4  # serve, run, place, the cluster
+    for block in tour:
+        for line in block.strip().splitlines():
+            assert command(line) in documented, line
+
+
+def test_readme_speed_table_and_links_match_the_docs() -> None:
+    """The README's speed table is performance.md's first, figure for figure, and every link from the README and
+    docs/ names a file that exists and, with `#`, a heading in it."""
+    table = re.compile(r"^\|.*\|$", re.M)
+    readme_table = table.findall(section(README, "Speed"))
+    assert readme_table and readme_table == table.findall(PERFORMANCE.read_text())[: len(readme_table)]
+
+    def anchors(path: Path) -> set[str]:
+        headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```$", "", path.read_text(), flags=re.S | re.M), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+    for page in [README, *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            assert path.is_file(), f"{page.name}: {target}"
+            assert not anchor or anchor in anchors(path), f"{page.name}: {target}"
+
+
+def test_readme_tour_place_runs_as_written(tmp_path: Path, smollm2_gguf) -> None:
+    """The tour's Place example after the Serve example's convert line: its first line starts the server (here by the
+    test, on a free port), and the others run against it; the conversation goes on after its blocks moved."""
+    convert = blocks(section(README, "Serve", level=3))[0].splitlines()[0]
+    lines = blocks(section(README, "Place", level=3))[0].strip().splitlines()
+    assert convert.startswith("jitllmd convert ") and lines[0].split("#")[0].rstrip().endswith("&")
+    p = shell(convert, README_ADDR, tmp_path)
+    assert p.returncode == 0, p.stderr
+    args = shlex.split(lines[0].split("#")[0].rstrip().removesuffix("&"))[2:]
+    server = Server(*args, cwd=tmp_path)
+    try:
+        p = shell("\n".join(lines[1:]), server.url.removeprefix("http://"), tmp_path)
+        assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+        assert re.search(r"^\s*20\s+blocks\.19\s+host", p.stdout, re.M)  # place -move 20:29 -to host
+        assert "page budget 120 MiB" in p.stdout  # place -model smol -maxmem 120M
+        summaries = re.findall(r"(\d+) prompt tokens \((\d+) fed\)", p.stderr)
+        assert len(summaries) == 2  # run -chat, then run -continue after the move
+        prompt, fed = map(int, summaries[1])
+        assert fed < prompt  # the moved session kept its KV: only the new text was fed
+    finally:
+        server.signal(signal.SIGINT)
+        server.wait()
