@@ -444,6 +444,25 @@ def tiny_serve_q8_jlm(tiny_serve_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def serve():
+    """serve(*flags): `jitllmd serve FLAGS` in this process (tests.serving.InProcessServer), started the first time
+    these flags are asked for and shared with every later test that asks for the same; all stopped at the session's
+    end. A test that changes what a shared server holds puts it back, or asks for flags (or a -models) of its own."""
+    from tests.serving import InProcessServer
+
+    servers: dict[tuple[str, ...], InProcessServer] = {}
+
+    def get(*flags: str) -> InProcessServer:
+        if flags not in servers:
+            servers[flags] = InProcessServer(*flags)
+        return servers[flags]
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_serve_jlm):
     """One `jitllmd serve` of the tiny model for the whole test session: -models holds tiny.jlm and spare.jlm."""
     from tests.serving import Server, tiny_models_dir

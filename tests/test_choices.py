@@ -8,16 +8,17 @@ import json
 import httpx
 import pytest
 
-from tests.serving import served_with_sdk, stats
+from tests.serving import openai_sdk, stats
 
 N = 3
 SEED = 1234
 
 
 @pytest.fixture(scope="module")
-def served(tiny_serve_jlm):
-    with served_with_sdk("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512") as both:
-        yield both
+def served(serve, tiny_serve_jlm):
+    server = serve("-load", str(tiny_serve_jlm), "-id", "tiny", "-devices", "cpu", "-sessions", "8", "-max-batch", "8", "-max-seq", "512")
+    with openai_sdk(server) as client:
+        yield server, client
 
 
 
@@ -105,5 +106,8 @@ def test_bad_choices_are_400s(served, path, body, words):
 def test_n_with_a_named_session_is_refused(served):
     server = served[0]
     sid = httpx.post(server.url + "/jitllm.v1.SessionService/CreateSession", json={"model": "tiny"}, timeout=60).json()["session"]["id"]
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "n": 2, "jitllm_session": sid}, timeout=60)
-    assert r.status_code == 400 and "jitllm_session" in r.json()["error"]["message"]
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "n": 2, "jitllm_session": sid}, timeout=60)
+        assert r.status_code == 400 and "jitllm_session" in r.json()["error"]["message"]
+    finally:  # the server is shared by every test that asks for its flags: leave it as found
+        httpx.post(server.url + "/jitllm.v1.SessionService/CloseSession", json={"sessionId": sid}, timeout=60).raise_for_status()

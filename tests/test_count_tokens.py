@@ -20,16 +20,13 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city.", "
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, serve):
     from jitllmd.engine.convert import convert
-    from tests.serving import Server
 
     root = tmp_path_factory.mktemp("count_tokens")
     hf_dir, _ = write_tiny_llama(root / "hf", chat_template=TOOLS_TEMPLATE, max_position_embeddings=512)
     jlm = convert(hf_dir, root / "tools.jlm", "f32").path
-    s = Server("-load", str(jlm), "-id", "tools", "-max-seq", "512")
-    yield s
-    s.stop()
+    return serve("-load", str(jlm), "-id", "tools", "-max-seq", "512")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from jitllmd.engine.convert import convert
 from jitllmd.engine.jlm import JLMFile
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.loader import load_model
+from jitllmd.engine.request import Generation
 
 from .conftest import write_tiny_gguf, write_tiny_hf
 
@@ -209,9 +210,9 @@ def test_serve_chats_with_the_instruct_checkpoint_and_refuses_chat_on_a_base_mod
 
     import openai
 
-    from .serving import Server
+    from .serving import InProcessServer
 
-    server = Server("-models", str(gemma_base_dir), "-load", "gemma3-it.jlm", "-id", "it")
+    server = InProcessServer("-models", str(gemma_base_dir), "-load", "gemma3-it.jlm", "-id", "it")  # its own: the test loads base into it
     try:
         addr = server.url.removeprefix("http://")
         subprocess.run([sys.executable, "-m", "jitllmd", "models", "-load", "base.jlm", "-id", "base", "-addr", addr], check=True, capture_output=True)
@@ -259,7 +260,7 @@ def test_a_session_goes_on_past_its_window_and_rewinds_where_it_can(tiny_gemma_j
     greedy = SamplingParams(temperature=0)
 
     def turn(engine, session, prompt):
-        events = list(engine.generate(prompt, greedy, max_tokens=40, session=session, ignore_eos=True))
+        events = list(engine.generate(Generation(prompt, greedy, max_tokens=40, session=session, ignore_eos=True)))
         return [t for ev in events if isinstance(ev, Delta) for t in ev.token_ids], events[-1]
 
     engine = Engine.load(tiny_gemma_jlm, max_seq=512)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.serving import served_with_sdk
+from tests.serving import openai_sdk
 
 TOL = 1e-4
 
@@ -21,9 +21,10 @@ def reference(smollm2_hf_model):
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_jlm):
-    with served_with_sdk("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "512") as both:
-        yield both
+def served(serve, smollm2_jlm):
+    server = serve("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "512")
+    with openai_sdk(server) as client:
+        yield server, client
 
 
 

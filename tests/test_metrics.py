@@ -1,29 +1,20 @@
-"""GET /metrics of a real server (the app on hypercorn on a loopback port, in this process): the
+"""GET /metrics of a real server (serve's app on hypercorn on a loopback port, in this process): the
 engine counters move by what the responses report, the gauges follow the queue, and the text parses as Prometheus's."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from jitllmd.engine.catalog import Catalog
-from jitllmd.engine.config import EngineConfig
-from jitllmd.serve.app import build_app
 from jitllmd.serve.metrics import Metrics
-from jitllmd.serve.server import bind
-from jitllmd.serve.services.telemetry import ServerInfo
-from tests.serving import wait_for
+from tests.serving import InProcessServer, openai_sdk, wait_for
 
 ENGINE_COUNTERS = {
     "prompt_tokens", "generation_tokens", "request_success", "n_decode", "pager_reads", "pager_read_bytes", "pager_read_seconds",
@@ -35,57 +26,33 @@ ENGINE_GAUGES = {
 HISTOGRAMS = {"time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"}
 
 
-@dataclass
-class Served:
-    url: str
-    catalog: Catalog
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_serve_jlm) -> Iterator[Served]:
+def served(tmp_path_factory, tiny_serve_jlm) -> Iterator[InProcessServer]:
     """`tiny` wholly resident, and `paged` (the same weights) with a page budget of one layer: its other blocks are
-    read from the file at every step."""
+    read from the file at every step. A server of its own: the fixture re-budgets `paged` in it."""
     d = tmp_path_factory.mktemp("metrics")
     shutil.copyfile(tiny_serve_jlm, d / "paged.jlm")
-    catalog = Catalog(None, EngineConfig(max_seq=3000), d / "cache")
-    catalog.load(tiny_serve_jlm, id="tiny")
-    paged = catalog.load(d / "paged.jlm", id="paged")
-    placement = paged.engine.loaded.placement
-    assert placement is not None
-    paged.engine.set_page_budget(placement.pager.largest_layer()[1]).result(timeout=120)
-    app = build_app(catalog, ServerInfo("", "", 0.0))
-    sock = bind("127.0.0.1", 0)
-    sock.listen(64)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    config = Config()
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    stop = threading.Event()
-
-    async def stopped() -> None:
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve(app, config, shutdown_trigger=stopped)), daemon=True)  # type: ignore[arg-type]
-    thread.start()
+    server = InProcessServer("-load", str(tiny_serve_jlm), "-id", "tiny", "-load", str(d / "paged.jlm"), "-id", "paged", "-max-seq", "3000")
     try:
-        yield Served(url, catalog)
+        paged = server.catalog.get("paged")
+        placement = paged.engine.loaded.placement
+        assert placement is not None
+        paged.engine.set_page_budget(placement.pager.largest_layer()[1]).result(timeout=120)
+        yield server
     finally:
-        stop.set()
-        thread.join(30)
-        catalog.stop()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(served) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as c:
+    with openai_sdk(served) as c:
         yield c
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(served: Served) -> Samples:
+def scrape(served: InProcessServer) -> Samples:
     """Every sample of GET /metrics by (name, labels), through Prometheus's own parser."""
     r = httpx.get(served.url + "/metrics", timeout=60)
     assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
@@ -100,7 +67,7 @@ def delta(before: Samples, after: Samples, name: str, model: str = "tiny", **lab
     return value(after, name, model_name=model, **labels) - value(before, name, model_name=model, **labels)
 
 
-def idle(served: Served) -> Samples:
+def idle(served: InProcessServer) -> Samples:
     """The samples once neither model runs or queues anything (what earlier tests left has ended)."""
     def quiet() -> bool:
         s = scrape(served)

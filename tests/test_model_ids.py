@@ -17,21 +17,19 @@ from jitllmd.commands.run import _is_local
 from jitllmd.engine.catalog import Catalog, check_id
 from jitllmd.engine.config import EngineConfig
 
-from .serving import Server, jitllmd, tiny_models_dir
+from .serving import jitllmd, tiny_models_dir
 
 QWEN = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_serve_jlm):
+def server(tmp_path_factory, serve, tiny_serve_jlm):
     """tiny.jlm served as QWEN; -models also holds spare.jlm and Qwen/nested.jlm (a file in a folder named like an org)."""
     models = tiny_models_dir(tmp_path_factory.mktemp("ids"), tiny_serve_jlm)
     (models / "Qwen").mkdir()
     shutil.copyfile(tiny_serve_jlm, models / "Qwen" / "nested.jlm")
-    s = Server("-models", str(models), "-load", "tiny.jlm", "-id", QWEN, "-max-seq", "256")
-    yield s
-    s.stop()
+    return serve("-models", str(models), "-load", "tiny.jlm", "-id", QWEN, "-max-seq", "256")
 
 
 @pytest.fixture(scope="module")

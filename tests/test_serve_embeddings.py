@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.serving import Server
+from tests.serving import InProcessServer
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def server(tmp_path_factory, minilm_jlm, tiny_serve_jlm):
     models = tmp_path_factory.mktemp("embed_models")
     shutil.copyfile(minilm_jlm, models / "minilm.jlm")
     shutil.copyfile(tiny_serve_jlm, models / "tiny.jlm")
-    s = Server("-models", str(models), "-load", "minilm.jlm", "-id", "minilm")
+    s = InProcessServer("-models", str(models), "-load", "minilm.jlm", "-id", "minilm")  # its own: the fixture loads tiny into it
     loaded = httpx.post(s.url + "/jitllm.v1.ModelService/LoadModel", json={"file": "tiny.jlm", "id": "tiny"}, timeout=60)
     assert loaded.status_code == 200, loaded.text
     yield s

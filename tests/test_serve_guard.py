@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from jitllmd.cli import app
 from jitllmd.gen.jitllm.v1 import model_pb2 as mdl
-from tests.serving import Server, wait_for
+from tests.serving import InProcessServer, Server, wait_for
 
 KEY = "k-3f9a-test"
 
@@ -27,7 +27,7 @@ def keyed(tiny_serve_jlm, tmp_path_factory):
     """The tiny model served with an API key read from a file (a mounted secret)."""
     secret = tmp_path_factory.mktemp("secret") / "key"
     secret.write_text(KEY + "\n")
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-max-seq", "3000", "-api-key-file", str(secret))
+    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-max-seq", "3000", "-api-key-file", str(secret))  # a process: its log is read
     yield server
     server.stop()
 
@@ -100,7 +100,7 @@ def test_host_names_other_than_the_servers_are_refused(keyed):
 
 
 def test_allow_host_names_are_accepted(tiny_serve_jlm):
-    server = Server("-load", str(tiny_serve_jlm), "-id", "tiny", "-allow-host", "box.lan")
+    server = InProcessServer("-load", str(tiny_serve_jlm), "-id", "tiny", "-allow-host", "box.lan")
     try:
         assert httpx.get(server.url + "/v1/models", headers={"host": "box.lan:8080"}).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers={"host": "other.lan"}).status_code == 403
@@ -226,7 +226,7 @@ def test_errors_name_files_relative_to_models(tiny_serve_jlm, tmp_path):
     data = tiny_serve_jlm.read_bytes()
     (models / "cut.jlm").write_bytes(data[: len(data) // 2])
     (models / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
-    server = Server("-models", str(models), "-load", str(tiny_serve_jlm), "-id", "tiny")
+    server = InProcessServer("-models", str(models), "-load", str(tiny_serve_jlm), "-id", "tiny")
     try:
         calls = [("LoadModel", {"file": "cut.jlm"}), ("GetModel", {"model": "cut"}), ("LoadModel", {"file": "bad.gguf"}),
                  ("Convert", {"source": "bad.gguf", "output": "out.jlm"})]

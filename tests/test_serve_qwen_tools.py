@@ -8,8 +8,6 @@ import anthropic
 import openai
 import pytest
 
-from tests.serving import Server
-
 pytestmark = pytest.mark.slow
 
 WEATHER = {
@@ -26,10 +24,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(qwen_jlm):
-    s = Server("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "4096")
-    yield s
-    s.stop()
+def server(serve, qwen_jlm):
+    return serve("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "4096")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serving import served_with_sdk
+from tests.serving import openai_sdk
 
 CALLS = 5  # sampled replies per schema, temperature 0.7: each must validate
 PERSON = {
@@ -38,15 +38,17 @@ HELLO = [{"role": "user", "content": "Hello! How are you today?"}]  # a prompt t
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_jlm):
-    with served_with_sdk("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "1024", "-devices", "cpu", "-sessions", "4", "-max-batch", "4") as both:
-        yield both
+def smol(serve, smollm2_jlm):
+    server = serve("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "1024", "-devices", "cpu", "-sessions", "4", "-max-batch", "4")
+    with openai_sdk(server) as client:
+        yield server, client
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen_jlm):
-    with served_with_sdk("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "2048") as both:
-        yield both
+def qwen(serve, qwen_jlm):
+    server = serve("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "2048")
+    with openai_sdk(server) as client:
+        yield server, client
 
 
 def _schema_format(schema: dict) -> dict:

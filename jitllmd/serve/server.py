@@ -1,4 +1,4 @@
-"""Serving the app with hypercorn on a listening socket, with a graceful shutdown on SIGINT/SIGTERM."""
+"""Serving the app with hypercorn on a listening socket: until SIGINT/SIGTERM (graceful), or on a thread until stopped."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 from starlette.types import ASGIApp
 
-__all__ = ["GRACE_SECONDS", "STOP_SECONDS", "bind", "host_name", "is_loopback", "parse_addr", "run_server"]
+__all__ = ["GRACE_SECONDS", "STOP_SECONDS", "ServerThread", "bind", "host_name", "is_loopback", "parse_addr", "run_server"]
 
 log = logging.getLogger("jitllmd.serve")
 
@@ -74,20 +74,71 @@ def run_server(app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], No
     engine ends it within ENGINE_SECONDS, or the server does (an engine held inside a long step), with `cancelled`.
     `startup` (loading the start-up models) runs on its own thread while the server already answers; what it raises
     stops the server, and is raised here once it has stopped."""
+
+    def on_signals(loop: asyncio.AbstractEventLoop, shut_down: Callable[[str, bool], None]) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, shut_down, signal.Signals(signum).name, False)
+
+    failed: list[BaseException] = []
+    asyncio.run(_serve(app, _config(sock), cancel_all, startup, failed, on_signals))
+    if failed:
+        raise failed[0]
+
+
+class ServerThread:
+    """The app served as run_server serves it, on a thread with its own event loop and no signal handlers, for a
+    program that serves beside its own work (the tests' in-process servers). stop() does what a second signal does:
+    no new connections, in-flight requests cancelled, each stream still ended properly."""
+
+    def __init__(self, app: ASGIApp, sock: socket.socket, *, cancel_all: Callable[[], None]):
+        config = _config(sock)
+        attached = threading.Event()
+        self._stop: Callable[[], object] = lambda: None
+        self._failed: list[BaseException] = []
+
+        def attach(loop: asyncio.AbstractEventLoop, shut_down: Callable[[str, bool], None]) -> None:
+            self._stop = lambda: loop.call_soon_threadsafe(shut_down, "stop", True)
+            attached.set()
+
+        def run() -> None:
+            try:
+                asyncio.run(_serve(app, config, cancel_all, None, self._failed, attach))
+            except BaseException as exc:  # raised by stop(), or here when the loop never started
+                self._failed.append(exc)
+            finally:
+                attached.set()
+
+        self._thread = threading.Thread(target=run, name="jitllmd-server", daemon=True)
+        self._thread.start()
+        attached.wait()
+        if self._failed:
+            raise self._failed[0]
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop serving and wait up to `timeout` seconds for the thread to end (-> whether it ended); what ended the
+        serving loop with an error is raised here."""
+        if self._thread.is_alive():
+            self._stop()
+        self._thread.join(timeout)
+        if self._failed:
+            raise self._failed[0]
+        return not self._thread.is_alive()
+
+
+def _config(sock: socket.socket) -> Config:
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here and closes it
     config.keep_alive_max_requests = 1 << 30  # the default 1000 drops an in-flight call every thousand requests
     config.graceful_timeout = GRACE_SECONDS + ENGINE_SECONDS + CLOSE_SECONDS
     config.accesslog = None
     config.errorlog = log
-    failed: list[BaseException] = []
-    asyncio.run(_serve(app, config, cancel_all, startup, failed))
-    if failed:
-        raise failed[0]
+    return config
 
 
 async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None], startup: Callable[[], None] | None,
-                 failed: list[BaseException]) -> None:
+                 failed: list[BaseException], attach: Callable[[asyncio.AbstractEventLoop, Callable[[str, bool], None]], None]) -> None:
+    """Serve until shut down. `attach(loop, shut_down)` hands out how to stop: shut_down(why, now) from the loop's
+    thread (a signal handler); the first call without `now` gives in-flight requests their grace."""
     from .outbox import end_streams  # the engine's side (torch): not before `serve` has checked its flags
 
     loop = asyncio.get_running_loop()
@@ -101,17 +152,17 @@ async def _serve(app: ASGIApp, config: Config, cancel_all: Callable[[], None], s
         cancel_all()
         loop.call_later(ENGINE_SECONDS, end_the_rest)
 
-    def on_signal(signum: int) -> None:
-        if not stop.is_set():
-            log.info("%s: shutting down; in-flight requests have %gs to finish (again to cancel them now)", signal.Signals(signum).name, GRACE_SECONDS)
+    def shut_down(why: str, now: bool) -> None:
+        if not stop.is_set() and not now:
+            log.info("%s: shutting down; in-flight requests have %gs to finish (again to cancel them now)", why, GRACE_SECONDS)
             stop.set()
             loop.call_later(GRACE_SECONDS, cancel)
         else:
-            log.info("%s: cancelling in-flight requests", signal.Signals(signum).name)
+            log.info("%s: cancelling in-flight requests", why)
+            stop.set()
             cancel()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
+    attach(loop, shut_down)
     if startup is not None:
 
         def start() -> None:
