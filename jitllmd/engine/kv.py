@@ -226,7 +226,7 @@ class RowSpan:
     kv: SessionKV
     prompt: bool = False  # tokens of a prompt (even one): quantized projections multiply them exactly
     short: bool = False  # ... unless it is a short feed: its tokens multiply as decode rows do (runner.pack)
-    exact: bool = field(init=False)  # its tokens take the prompt chunks' exact products (a prompt's, or any row of several)
+    exact: bool = field(init=False)  # its tokens take the prompt chunks' products (a prompt's, or any row of several)
     _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from .build import rows_kernel
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "GATES", "KV_DTYPES", "MAX_ROWS", "Gate", "QuantLayer", "attend_chunk", "attend_rows", "bf16_attention", "bf16_round",
-    "bf16_runs", "bf16_units", "check_quant_weight", "decode_layer", "dequant_rows", "gated_rows", "pack_panels", "panel_linear", "quant_rows",
+    "bf16_runs", "bf16_units", "check_quant_weight", "decode_layer", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
     "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear",
 ]
 
@@ -258,9 +258,22 @@ def quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: in
     return y
 
 
+def gemm_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
+              gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`quant_runs`' product as an int8 GEMM (quant.c's gemm_rows: a prompt chunk's many rows where the CPU has no bf16
+    units): x rounded to int8 per 32 inputs exactly as there, the integer sums the same, the f32 steps after them in
+    another order (within f32 rounding of quant_runs'; each row's result its own, whatever the rows beside it). -> [T, n]"""
+    x = x.float().contiguous()
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if x.shape[0]:
+        _quant_runs(x, runs, y, norm, gated, add, gemm=True)
+    return y
+
+
 def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
-                gated: Gate, add: torch.Tensor | None) -> None:
+                gated: Gate, add: torch.Tensor | None, gemm: bool = False) -> None:
     lib = _lib()
+    fn = lib.gemm_rows if gemm else lib.quant_rows
     T, n = y.shape
     mode, width, norm_w, eps = _input(x, norm, gated)
     add_at, ld_add = 0, 0
@@ -269,9 +282,8 @@ def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: t
         add_at, ld_add = add.data_ptr(), (n if add.dim() == 2 else 0)
     xp, yp, ldy, threads, col = x.data_ptr(), y.data_ptr(), y.stride(0), torch.get_num_threads(), 0
     for w, qtype, rows in runs:
-        if lib.quant_rows(xp, w.data_ptr(), yp + 4 * col, T, width, rows, ldy, qtype, mode, norm_w, eps, add_at + 4 * col if add_at else None,
-                          ld_add, threads):
-            raise MemoryError("quant_rows: no memory for x's int8 codes")
+        if fn(xp, w.data_ptr(), yp + 4 * col, T, width, rows, ldy, qtype, mode, norm_w, eps, add_at + 4 * col if add_at else None, ld_add, threads):
+            raise MemoryError(f"{'gemm_rows' if gemm else 'quant_rows'}: no memory for x's int8 codes or a panel's")
         col += rows
 
 

@@ -669,6 +669,279 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     return 0;
 }
 
+/* ---- many rows at once: an int8 GEMM (prompt chunks where the CPU has no bf16 units) ----
+ *
+ * gemm_rows: quant_rows' product for many x rows: x quantized per 32 inputs exactly as there (quantize_block: the
+ * same codes and d, so the same error bound), the integer sums the same exact numbers; the f32 steps after them go
+ * in another order (per block rather than per group), so a row's result is within f32 rounding of quant_rows', and
+ * depends on its own row only (not on T, the rows beside it, the threads or the build).
+ *
+ * A pool item is a panel of GM_NR weight rows. Its codes are unpacked once into a scratch in the layout the
+ * microkernel reads: per 32-block, 8 steps of 32 bytes, step s holding codes 4s .. 4s + 3 of each of the panel's rows
+ * (an 8 x 8 transpose of dwords); beside them, per block, the rows' scales (d, or a K-format's d * sc) and offsets
+ * (Q4_0's -8 d, Q5_0's -16 d, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin * m). Then every GM_MR x rows run over it: each
+ * step's 32 bytes against each x row's 4 codes broadcast, u8 codes times s8 x (maddubs; the signed formats Q8_0 and
+ * Q6_K as |w| times x * sign(w)), summed in int16 for as many steps as cannot overflow (15 * 127 * 2 * 8 < 2^15),
+ * then in int32 lanes, one per weight row (VNNI: dpbusd, straight into int32), converted once per block (per 16
+ * inputs for Q6_K, whose scales are per 16) and scaled by d_w * d_x into an f32 accumulator per x row; an offset
+ * comes in as offset * (d_x * sum(q_x)) once per block.
+ */
+#define GM_MR 4 /* x rows per tile: 4 f32 accumulators, 4 int16 and 4 int32 sums in 16 AVX2 registers */
+#define GM_NR 8 /* weight rows per panel: one f32 vector of outputs */
+
+static inline int gm_signed(int type) { return type == Q8_0 || type == Q6_K; }
+/* steps (4 codes each) whose maddubs pairs can add up in int16: u8 code max * 127 * 2 * steps < 2^15 */
+static inline int gm_flush(int type) {
+    switch (type) {
+    case Q4_0: case Q4_1: case Q4_K: return 8; /* 15 */
+    case Q5_0: case Q5_1: case Q5_K: return 4; /* 31 */
+    case Q6_K: return 4;                       /* |q - 32| <= 32 */
+    default: return 1;                         /* Q8_0: |q| <= 128 */
+    }
+}
+static inline int gm_scales(int type) { return type == Q6_K ? 2 : 1; } /* scales per 32-block */
+
+/* 8 rows' dwords transposed: r[s] holds dword s of each of the 8 rows, row i in dword i */
+static inline void transpose8_epi32(__m256i *r) {
+    const __m256 a0 = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[0]), _mm256_castsi256_ps(r[1]));
+    const __m256 a1 = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[0]), _mm256_castsi256_ps(r[1]));
+    const __m256 a2 = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[2]), _mm256_castsi256_ps(r[3]));
+    const __m256 a3 = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[2]), _mm256_castsi256_ps(r[3]));
+    const __m256 a4 = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[4]), _mm256_castsi256_ps(r[5]));
+    const __m256 a5 = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[4]), _mm256_castsi256_ps(r[5]));
+    const __m256 a6 = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[6]), _mm256_castsi256_ps(r[7]));
+    const __m256 a7 = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[6]), _mm256_castsi256_ps(r[7]));
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xee);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xee);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xee);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xee);
+    r[0] = _mm256_castps_si256(_mm256_permute2f128_ps(b0, b4, 0x20));
+    r[1] = _mm256_castps_si256(_mm256_permute2f128_ps(b1, b5, 0x20));
+    r[2] = _mm256_castps_si256(_mm256_permute2f128_ps(b2, b6, 0x20));
+    r[3] = _mm256_castps_si256(_mm256_permute2f128_ps(b3, b7, 0x20));
+    r[4] = _mm256_castps_si256(_mm256_permute2f128_ps(b0, b4, 0x31));
+    r[5] = _mm256_castps_si256(_mm256_permute2f128_ps(b1, b5, 0x31));
+    r[6] = _mm256_castps_si256(_mm256_permute2f128_ps(b2, b6, 0x31));
+    r[7] = _mm256_castps_si256(_mm256_permute2f128_ps(b3, b7, 0x31));
+}
+
+typedef struct {
+    const uint8_t *W;
+    float *y;
+    const float *add;
+    const int8_t *xq; /* [T][K] codes */
+    const float *xd;  /* [T][nb] d */
+    const float *xs;  /* [T][nb] d * sum(q) */
+    const float *x, *norm_w;
+    float eps;
+    int64_t T, K, N, ldy, ld_add, nb, row_bytes;
+    int type, input;
+    atomic_int failed; /* a worker without memory for its panel scratch */
+} gemm_job;
+
+static void gemm_quantize_item(void *arg, int64_t t) {
+    const gemm_job *j = arg;
+    const float *x = j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K);
+    const __m256 scale = _mm256_set1_ps(j->input == NORMED ? inv_rms(x, j->K, j->eps) : 0.0f);
+    int8_t *xq = (int8_t *)j->xq + t * j->K;
+    float *xd = (float *)j->xd + t * j->nb, *xs = (float *)j->xs + t * j->nb;
+    for (int64_t b = 0; b < j->nb; b++) {
+        __m256 v[4];
+        int sum;
+        input_block(j->input, x, j->K, b * QB, j->norm_w, scale, v);
+        _mm256_storeu_si256((__m256i *)(xq + b * QB), quantize_block(v, &xd[b], &sum));
+        xs[b] = xd[b] * (float)sum;
+    }
+}
+
+/* The panel of weight rows o0 .. o0 + 7 (those past N zero), unpacked: codes [nb][8 steps][32 bytes], scales
+ * [nb][gm_scales][8], offsets [nb][8]. */
+static inline __attribute__((always_inline)) void gemm_unpack(const int type, const gemm_job *j, int64_t o0, uint8_t *codes, float *sc, float *off) {
+    const int64_t bytes = block_bytes(type);
+    const uint8_t *row[GM_NR];
+    for (int r = 0; r < GM_NR; r++) row[r] = o0 + r < j->N ? j->W + (o0 + r) * j->row_bytes : NULL;
+    float ksc[GM_NR][8], kmin[GM_NR][8];
+    for (int64_t b = 0; b < j->nb; b++) {
+        __m256i c[GM_NR];
+        for (int r = 0; r < GM_NR; r++) {
+            float s0 = 0.0f, s1 = 0.0f, m = 0.0f;
+            if (!row[r]) {
+                c[r] = _mm256_setzero_si256();
+            } else if (!is_k(type)) {
+                const uint8_t *p = row[r] + b * bytes;
+                c[r] = codes32(type, p);
+                s0 = f16(p);
+                m = type == Q4_0 ? -8.0f * s0 : type == Q5_0 ? -16.0f * s0 : (type == Q4_1 || type == Q5_1) ? f16(p + 2) : 0.0f;
+            } else {
+                const uint8_t *p = row[r] + b / 8 * bytes;
+                const int sub = (int)(b % 8);
+                if (type == Q6_K) {
+                    c[r] = codes_q6k(p, sub);
+                    const float d = f16(p + 208);
+                    s0 = d * (float)(int8_t)p[192 + 2 * sub];
+                    s1 = d * (float)(int8_t)p[192 + 2 * sub + 1];
+                } else {
+                    if (sub == 0) {
+                        __m256 dsc, dmin_m;
+                        k_scales(p, &dsc, &dmin_m);
+                        _mm256_storeu_ps(ksc[r], dsc);
+                        _mm256_storeu_ps(kmin[r], dmin_m);
+                    }
+                    c[r] = codes_k(type, p, sub);
+                    s0 = ksc[r][sub];
+                    m = -kmin[r][sub];
+                }
+            }
+            sc[(b * gm_scales(type)) * GM_NR + r] = s0;
+            if (gm_scales(type) == 2) sc[(b * 2 + 1) * GM_NR + r] = s1;
+            off[b * GM_NR + r] = m;
+        }
+        transpose8_epi32(c);
+        for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 32), c[s]);
+    }
+}
+
+/* y rows t0 .. t0 + m - 1, outputs o0 .. o0 + 7 (those below N), from the unpacked panel */
+static inline __attribute__((always_inline)) void gemm_tile(const int type, const int m, const gemm_job *j, int64_t t0, int64_t o0, const uint8_t *codes,
+                                                            const float *sc, const float *off) {
+    const int flush = gm_flush(type), sgn = gm_signed(type), per = 8 / gm_scales(type);
+    (void)flush; /* VNNI sums straight into int32 */
+    const int64_t K = j->K, nb = j->nb;
+    const int8_t *xq = j->xq + t0 * K;
+    const float *xd = j->xd + t0 * nb, *xs = j->xs + t0 * nb;
+    __m256 acc[GM_MR];
+    __m256i s32[GM_MR], s16[GM_MR];
+    (void)s16;
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i *c = (const __m256i *)(codes + b * 256);
+        for (int r = 0; r < m; r++) s32[r] = s16[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i w = _mm256_loadu_si256(c + s);
+            const __m256i aw = sgn ? _mm256_abs_epi8(w) : w;
+            for (int r = 0; r < m; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + b * QB + 4 * s, 4);
+                __m256i xb = _mm256_set1_epi32(four);
+                if (sgn) xb = _mm256_sign_epi8(xb, w);
+#ifdef HAVE_VNNI
+                s32[r] = _mm256_dpbusd_epi32(s32[r], aw, xb);
+#else
+                const __m256i p = _mm256_maddubs_epi16(aw, xb);
+                if (flush == 1) s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                else s16[r] = _mm256_add_epi16(s16[r], p);
+#endif
+            }
+#ifndef HAVE_VNNI
+            if (flush > 1 && (s + 1) % flush == 0)
+                for (int r = 0; r < m; r++) {
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1)));
+                    s16[r] = _mm256_setzero_si256();
+                }
+#endif
+            if ((s + 1) % per == 0) {
+                const __m256 dw = _mm256_loadu_ps(sc + (b * gm_scales(type) + s / per) * GM_NR);
+                for (int r = 0; r < m; r++) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * nb + b)), acc[r]);
+                    s32[r] = _mm256_setzero_si256();
+                }
+            }
+        }
+        if (has_offset(type)) {
+            const __m256 o = _mm256_loadu_ps(off + b * GM_NR);
+            for (int r = 0; r < m; r++) acc[r] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(xs + r * nb + b), acc[r]);
+        }
+    }
+    const int n = j->N - o0 < GM_NR ? (int)(j->N - o0) : GM_NR;
+    for (int r = 0; r < m; r++) {
+        __m256 v = acc[r];
+        float *y = j->y + (t0 + r) * j->ldy + o0;
+        if (j->add) {
+            const float *a = j->add + (t0 + r) * j->ld_add + o0;
+            if (n == GM_NR) v = _mm256_add_ps(_mm256_loadu_ps(a), v);
+            else {
+                float tmp[GM_NR] = {0};
+                memcpy(tmp, a, (size_t)n * sizeof(float));
+                v = _mm256_add_ps(_mm256_loadu_ps(tmp), v);
+            }
+        }
+        if (n == GM_NR) _mm256_storeu_ps(y, v);
+        else {
+            float tmp[GM_NR];
+            _mm256_storeu_ps(tmp, v);
+            memcpy(y, tmp, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+static __thread uint8_t *gm_scratch;
+static __thread size_t gm_scratch_bytes;
+
+static inline __attribute__((always_inline)) void gemm_panel(const int type, const gemm_job *j, int64_t p) {
+    const int64_t nb = j->nb, o0 = p * GM_NR;
+    const size_t need = (size_t)nb * (256 + (gm_scales(type) + 1) * GM_NR * sizeof(float));
+    if (need > gm_scratch_bytes) {
+        free(gm_scratch);
+        gm_scratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        gm_scratch_bytes = gm_scratch ? need : 0;
+        if (!gm_scratch) {
+            atomic_store_explicit(&((gemm_job *)j)->failed, 1, memory_order_relaxed);
+            return;
+        }
+    }
+    uint8_t *codes = gm_scratch;
+    float *sc = (float *)(codes + nb * 256), *off = sc + nb * gm_scales(type) * GM_NR;
+    gemm_unpack(type, j, o0, codes, sc, off);
+    int64_t t = 0;
+    for (; t + GM_MR <= j->T; t += GM_MR) gemm_tile(type, GM_MR, j, t, o0, codes, sc, off);
+    switch (j->T - t) {
+    case 3: gemm_tile(type, 3, j, t, o0, codes, sc, off); break;
+    case 2: gemm_tile(type, 2, j, t, o0, codes, sc, off); break;
+    case 1: gemm_tile(type, 1, j, t, o0, codes, sc, off); break;
+    default: break;
+    }
+}
+
+#define GEMM_FN(NAME, TYPE) \
+    static void NAME(void *arg, int64_t p) { gemm_panel(TYPE, arg, p); }
+GEMM_FN(gemm_q4_0, Q4_0)
+GEMM_FN(gemm_q4_1, Q4_1)
+GEMM_FN(gemm_q5_0, Q5_0)
+GEMM_FN(gemm_q5_1, Q5_1)
+GEMM_FN(gemm_q8_0, Q8_0)
+GEMM_FN(gemm_q4_k, Q4_K)
+GEMM_FN(gemm_q5_k, Q5_K)
+GEMM_FN(gemm_q6_k, Q6_K)
+
+/* quant_rows' product (same arguments, same meaning) as an int8 GEMM, for many rows: see this section's head.
+ * Returns 0, -1 without memory, -2 for a type it does not know. */
+int gemm_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
+              float eps, const float *r, int64_t ldr, int threads) {
+    void (*fn)(void *, int64_t);
+    switch (type) {
+    case Q4_0: fn = gemm_q4_0; break;
+    case Q4_1: fn = gemm_q4_1; break;
+    case Q5_0: fn = gemm_q5_0; break;
+    case Q5_1: fn = gemm_q5_1; break;
+    case Q8_0: fn = gemm_q8_0; break;
+    case Q4_K: fn = gemm_q4_k; break;
+    case Q5_K: fn = gemm_q5_k; break;
+    case Q6_K: fn = gemm_q6_k; break;
+    default: return -2;
+    }
+    const int64_t nb = K / QB;
+    char *buf = malloc((size_t)T * (K + 2 * nb * sizeof(float)) + 64);
+    if (!buf) return -1;
+    gemm_job job = {.W = W, .y = y, .add = r, .xq = (int8_t *)buf, .x = x, .norm_w = norm_w, .eps = eps, .T = T, .K = K, .N = N, .ldy = ldy,
+                    .ld_add = ldr, .nb = nb, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .input = input};
+    job.xd = (float *)(buf + ((size_t)T * K + 63) / 64 * 64);
+    job.xs = job.xd + T * nb;
+    pool_for(T, T >= 8 ? threads : 1, gemm_quantize_item, &job);
+    pool_for((N + GM_NR - 1) / GM_NR, threads, fn, &job);
+    free(buf);
+    return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
+}
+
 /* ---- dequantization ---- */
 
 /* f32 -> bf16, to nearest even (NaN stays a quiet NaN) */

@@ -23,7 +23,7 @@ Blocks = Callable[[torch.Tensor], torch.Tensor]  # [n, nbytes] uint8 -> [n, bloc
 class QFormat:
     """A GGUF block format: `block` weights in `nbytes` bytes; `ggml` is ggml's type id (the kernels' too). `short`:
     per kernel variant, the most tokens of a prompt feed whose product the decode rows' integer kernel still runs no
-    slower than the prompt chunks' exact path (bench/short_prompt.py measures them; see layers/quant.py's short_feed).
+    slower than the prompt chunks' path (bf16 or the int8 GEMM: bench/short_prompt.py measures them; see layers/quant.py's short_feed).
     `dequant`: blocks [n, nbytes] uint8 -> [n, block] f32, the reference; `quant`: [n, block] f32 -> blocks, rounding
     to nearest, or None where the project writes no such blocks."""
 

@@ -25,7 +25,7 @@ _UPCAST_MIN_TOKENS = 8  # below this an emulated bf16 GEMV beats upcasting the w
 class Projection(Protocol):
     """What a block calls: x [T, in] -> [T, out], added to `residual` where given. `panels`: the kernel can fold a
     norm (`norm`) or the MLP's gate (`gated`) into how it packs its input. `chunk` (bool [T], or None): the tokens of
-    prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies exactly."""
+    prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies by its prompt path (bf16 or the int8 GEMM)."""
 
     panels: bool
     folds: bool  # takes `norm` and `gated`

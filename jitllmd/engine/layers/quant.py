@@ -7,15 +7,17 @@ A quantized weight [N, K] is N rows of bytes, each row K / block_elems blocks ba
 independent, so q, k and v (or gate and up) stack by concatenating their bytes, even where their types differ (a
 Q4_K_M file mixes Q4_K and Q6_K rows): a projection is a list of segments, one per stacked tensor.
 
-Where rounding happens: the tokens of a step's single-token rows (decode rows) are multiplied llama.cpp's way (kernels/quant.c), each x row quantized to int8 per 32 inputs and dotted in integers, so
-|y - x @ W.T| <= sum_k |W[o, k]| * d_k / 2 with d_k that block's amax / 127, nothing else rounding but f32 sums; the
+Where rounding happens: the tokens of a step's single-token rows (decode rows) are multiplied llama.cpp's way
+(kernels/quant.c's quant_rows), each x row quantized to int8 per 32 inputs and dotted in integers, so
+|y - x @ W.T| <= sum_k |W[o, k]| * d_k / 2 with d_k that block's amax / 127, nothing else rounding but f32 sums. The
 tokens of a longer row (a prompt chunk, whatever its size: a server's prompt chunk must not change a prompt's
-numbers) are multiplied against the weights dequantized a panel at a time, unless the row's prompt feeds so few new
-tokens (a follow-up turn) that the integer kernel is the faster (formats.py's QFormat.short, short_feed): then they are multiplied as
-decode rows are, decided from that row's own feed: where the kernels have bf16 units
-(kernels/ops.py's bf16_units: AMX or AVX512_BF16) x and those weights are rounded to bf16 (to nearest even) and the products
-summed in f32, a bf16 model's rounding at 3-4x f32's speed; elsewhere in f32, exact up to f32 sums. A token's path
-depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU)
+numbers): where the kernels have bf16 units (kernels/ops.py's bf16_units: AMX or AVX512_BF16) x and the weights are
+rounded to bf16 (to nearest even) and the products summed in f32, a bf16 model's rounding; elsewhere (AVX2, AVX-512
+VNNI) an int8 GEMM (quant.c's gemm_rows) with the decode rows' rounding and bound, x's codes the same, its f32 sums
+in another order (llama.cpp's rounding, at 2-6x the f32 product over dequantized panels it replaces). Unless the
+row's prompt feeds so few new tokens (a follow-up turn) that the decode rows' kernel is the faster (formats.py's
+QFormat.short, short_feed): then they are multiplied as decode rows are, decided from that row's own feed. A token's
+path depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU)
 dequantizes and multiplies in f32.
 """
 
@@ -28,7 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import rows_kernel
-from ..kernels.ops import BF16Rows, Gate, bf16_runs, bf16_units, check_quant_weight, dequant_rows, gated_rows, quant_runs, rms_norm_rows
+from ..kernels.ops import (
+    BF16Rows,
+    Gate,
+    bf16_runs,
+    bf16_units,
+    check_quant_weight,
+    dequant_rows,
+    gated_rows,
+    gemm_runs,
+    quant_runs,
+    rms_norm_rows,
+)
 from ..kv import RowSpan
 from .formats import FORMATS, QFormat, dequantize
 
@@ -61,8 +74,6 @@ class Segment:
 
 # -- running them --------------------------------------------------------------------------------------------------
 
-_PANEL_FLOATS = 1 << 20  # a prompt chunk's product dequantizes this many weights at a time (4 MB of f32)
-
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
     """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
@@ -83,10 +94,10 @@ class QuantLinear:
     On the CPU with the kernels: the integer kernel for short rows' tokens (each block read once for all of them),
     with the norm or the gate folded into its quantizing of x and the residual or bias into its sums, one call per
     run of same-format rows; for the tokens `chunk` marks (prompt chunks), the bf16 product where the CPU has bf16
-    units, else the exact f32 product over panels dequantized in turn (a prompt's logits are the dequantized weights'). Elsewhere (another device, no kernels): the
-    reference, each segment dequantized whole per call."""
+    units, else the int8 GEMM (both fold the norm, the gate and the residual in too). Elsewhere (another device, no
+    kernels): the reference, each segment dequantized whole per call."""
 
-    __slots__ = ("bf16_chunks", "bias", "folds", "kernel", "out_features", "runs", "segments", "views")
+    __slots__ = ("bf16_chunks", "bias", "folds", "gemm_chunks", "kernel", "out_features", "runs", "segments", "views")
     panels = False  # the f32 panel kernel's: not this
 
     def __init__(self, weight: torch.Tensor, segments: list[Segment], bias: torch.Tensor | None):
@@ -109,6 +120,7 @@ class QuantLinear:
         self.kernel = weight.device.type == "cpu" and rows_kernel() is not None  # every format is one the kernels multiply (formats.py)
         self.folds = self.kernel and all(s.k % 8 == 0 for s in merged)  # a norm or the gate made as x rows are quantized
         self.bf16_chunks = self.kernel and bf16_units() is not None  # prompt chunks multiply in bf16 (bf16_runs)
+        self.gemm_chunks = self.kernel and not self.bf16_chunks  # ... or as an int8 GEMM (gemm_runs)
         self.runs = [(w, s.fmt.ggml, s.rows) for s, w in zip(merged, self.views)] if self.kernel else []
         for w, qtype, rows in self.runs:
             check_quant_weight(w, qtype, rows, merged[0].k)
@@ -117,14 +129,13 @@ class QuantLinear:
                  gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where given. With `norm` (weight, eps) the product is of RMSNorm(x) *
         weight, with `gated` of act(gate) * up (silu, or `gated` names it) of x [T, 2 * in]: folded into the kernel's reading of x rows for decode
-        rows and for a prompt chunk's bf16 product, made first (the same f32 values) where the rows mix or the product
-        is f32."""
-        whole = chunk is None or (self.bf16_chunks and bool(chunk.all()))  # one kernel call for every row
+        rows and for a prompt chunk's product, made first (the same f32 values) where the rows mix or there are no kernels."""
+        whole = chunk is None or (self.kernel and bool(chunk.all()))  # one kernel call for every row
         if (norm is not None or gated) and not (self.folds and whole):
             x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else gated_rows(x.float(), gated)
             norm, gated = None, False
         if self.kernel and whole and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
-            # decode rows, or a prompt chunk in bf16: one kernel call per run, the bias or else the residual added in it
+            # decode rows, or a prompt chunk: one kernel call per run, the bias or else the residual added in it
             y = self._run(x.float(), chunk is not None, norm, gated, self.bias if self.bias is not None or residual is None else residual)
             return y if residual is None or self.bias is None else residual + y
         y = self.project(x, chunk, norm=norm, gated=gated)
@@ -167,28 +178,17 @@ class QuantLinear:
 
     def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: Gate = False,
              add: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the integer
-        kernel (which may fold `norm` or `gated` in, and adds `add` in its sums), or a prompt chunk's product (bf16
-        panels where the CPU has bf16 units, which fold them too; else exactly: dequantized f32 panels, or the
-        reference, given x made)."""
+        """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the decode rows'
+        integer kernel, or (`exact`: a prompt chunk's rows) the bf16 product where the CPU has bf16 units, else the int8
+        GEMM; each folds `norm` or `gated` into its reading of x and adds `add` in its sums. Without kernels: the
+        reference, given x made."""
         if self.kernel and not exact:
             return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
         if self.bf16_chunks:
             return bf16_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
-        T = x.shape[0]
-        y = torch.empty((T, self.out_features), dtype=torch.float32, device=x.device)
-        col = 0
-        for s, w in zip(self.segments, self.views):
-            out = y[:, col : col + s.rows]
-            if not self.kernel:
-                out.copy_(F.linear(x, dequantize(w, s.fmt, s.rows, s.k)))
-            else:
-                step = max(1, _PANEL_FLOATS // s.k)
-                for r in range(0, s.rows, step):
-                    panel = dequant_rows(w[r : r + step], s.fmt.ggml, min(step, s.rows - r), s.k)  # [rows, in] f32
-                    out[:, r : r + panel.shape[0]] = x @ panel.t()
-                    del panel  # gone before the next is made: one panel at a time (4 MB), not two
-            col += s.rows
+        if self.gemm_chunks:
+            return gemm_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
+        y = torch.cat([F.linear(x, dequantize(w, s.fmt, s.rows, s.k)) for s, w in zip(self.segments, self.views)], 1)
         return y if add is None else y.add_(add)  # add + y, in y's own storage
 
 

@@ -151,7 +151,7 @@ class DecoderBlock:
         if self.fused is not None and not any(r.exact or (r.prompt and self.attn.bf16) for r in rows):
             return self._fused_step(x, tables, rows, keep)  # decode rows and short feeds (but AMX's bf16 prompt attention): one kernel call
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections multiply them exactly
+        chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections' prompt path (bf16 or int8 GEMM)
         if self.fold:
             qkv = self.qkv(x, norm=(self.input_norm.weight, self.input_norm.eps), chunk=chunk)  # [T, (H + 2*Hkv) * D]
         else:
