@@ -23,6 +23,9 @@
  * dequant_rows: the rows as f32 (or bf16, rounded to nearest even from the f32), bit for bit gguf.quants.dequantize
  * (the same f32 operations in the same order: d * sc first, then * q, then the min; never fused into an FMA).
  *
+ * gemm_rows: quant_rows' product for many rows (a prompt chunk where the CPU has no bf16 units) as an int8 GEMM over
+ * panels of 8 weight rows unpacked once, see its section below.
+ *
  * bf16_rows (built with AVX512_BF16, and AMX where asked): a prompt chunk's product in bf16, see its section below.
  *
  * x86-64 with AVX2, FMA and F16C; built with AVX-512 VL + VNNI + BW, the dot products are dpbusd and Q5's fifth
