@@ -195,13 +195,14 @@ def test_langchain_with_structured_output(qwen, k, method):
     from langchain_openai import ChatOpenAI
 
     server, _ = qwen
-    llm = ChatOpenAI(model="qwen", base_url=server.url + "/v1", api_key="unused", temperature=0.7, max_tokens=300, max_retries=0)  # type: ignore[arg-type]
-    structured = llm.with_structured_output(Person, method=method)  # type: ignore[arg-type]
     prompt = "Invent a person who lives in Italy."
     if method == "json_mode":  # only "a JSON object" is enforced: the schema is the prompt's to give, as LangChain's docs say
         prompt += (' Answer with a JSON object shaped like {"name": "Ann", "age": 30, "role": "user", "hobbies": ["chess"], '
                    '"address": {"city": "Rome", "country": "Italy"}} (role is admin, user or guest).')
-    for i in range(FRAMEWORK_CALLS[k]):
+    for i in range(FRAMEWORK_CALLS[k]):  # sampled, each call its own seed: the same samples every run, not a rare one
+        llm = ChatOpenAI(model="qwen", base_url=server.url + "/v1", api_key="unused", temperature=0.7, max_tokens=300, max_retries=0,  # type: ignore[arg-type]
+                         seed=100 * k + i)
+        structured = llm.with_structured_output(Person, method=method)  # type: ignore[arg-type]
         assert isinstance(structured.invoke(prompt), Person), i
 
 
