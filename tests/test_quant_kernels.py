@@ -211,24 +211,6 @@ def test_gemm_rows_within_the_decode_bound_and_row_independent(variant: str, qty
                            (add + product).view(torch.int32))
 
 
-def test_gemm_rows_agree_bit_for_bit_on_every_variant() -> None:
-    """The GEMM's integer sums are exact and its f32 steps the same on every variant (maddubs or dpbusd)."""
-    results = []
-    for v in variants():
-        use_variant(v)
-        try:
-            out = []
-            for qtype in BY_GGML:
-                wb = torch.from_numpy(quantized(qtype, N, width(qtype), qtype))
-                g = torch.Generator().manual_seed(qtype)
-                out.append(ops.gemm_runs(torch.randn(7, width(qtype), generator=g), [(wb, qtype, N)], N))
-            results.append(out)
-        finally:
-            use_variant(None)
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-
-
 BF16_VARIANTS = {"avx512+bf16": "avx512_bf16", "avx512+amx": "amx"}  # variant -> the units bf16_rows runs on
 
 
@@ -282,7 +264,8 @@ def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
 
 
 def test_the_variants_agree_bit_for_bit() -> None:
-    """Integer sums are exact and the f32 steps the same on every variant: their (decode rows') results are identical."""
+    """Integer sums are exact and the f32 steps the same on every variant (maddubs or dpbusd): decode rows' results and
+    the int8 GEMM's are identical."""
     results = []
     for v in variants():
         use_variant(v)
@@ -295,6 +278,7 @@ def test_the_variants_agree_bit_for_bit() -> None:
                 out.append(quant_rows(torch.randn(5, width(qtype), generator=g), wb, qtype, N, norm=(torch.rand(width(qtype), generator=g), 1e-6)))
                 out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated=True))
                 out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated="gelu_tanh"))
+                out.append(ops.gemm_runs(torch.randn(7, width(qtype), generator=g), [(wb, qtype, N)], N))  # the prompt chunks' GEMM too
             results.append(out)
         finally:
             use_variant(None)
