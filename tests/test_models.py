@@ -125,3 +125,28 @@ def test_logits_of_some_tokens_match(pair, at):
     assert (logits - ref[at]).abs().max().item() <= TOL
     nxt = m.forward(torch.tensor([7]), torch.tensor([len(PROMPT)]), [RowSpan(0, 1, kv)])
     assert (nxt[0] - _reference(hf, PROMPT + [7])[-1]).abs().max().item() <= TOL
+
+
+def test_rope_tables_are_rows_of_one_cache() -> None:
+    """A forward's RoPE tables are rows of a cache that grows to the furthest position seen: the bits a table made
+    afresh for those positions has (any order, repeats, across a growth), and the cache grows only past its end."""
+    from jitllmd.engine.layers.rope import RopeCache, rope_inv_freq
+
+    inv = rope_inv_freq(64, 10000.0)
+    cache = RopeCache(inv, torch.float32)
+
+    def fresh(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        sin = emb.sin()
+        return emb.cos(), torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+
+    for positions in ([5], [0, 1, 2, 3], [900, 7, 7, 1023], [1500, 3], [4097, 4096, 12]):
+        p = torch.tensor(positions)
+        cos, sin = cache.tables(p).on(torch.device("cpu"))
+        want_cos, want_sin = fresh(p)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions
+    size = cache._rows[torch.device("cpu")][0].shape[0]
+    assert size == 4098  # 1024, doubled to 2048 for 1500, then to the 4098 positions 4097 needs
+    cache.tables(torch.tensor([4000, 1]))
+    assert cache._rows[torch.device("cpu")][0].shape[0] == size

@@ -16,7 +16,7 @@ from ..layers.attention import Attention
 from ..layers.linear import make_linear
 from ..layers.norm import RMSNorm
 from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, segments_for
-from ..layers.rope import Rope, RopeTables, rope_inv_freq
+from ..layers.rope import Rope, RopeCache, RopeTables, rope_inv_freq
 from ..memory.devices import bf16_matmul_native
 from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix
 
@@ -304,7 +304,7 @@ class LlamaModel:
             block: {part: seg for part, names in parts.items() if (seg := segments_for(names, quantization)) is not None}
             for block, parts in self.layouts.items()
         }
-        self.inv_freqs = self.rope_freqs(cfg)
+        self.rope_caches = [RopeCache(inv, self.act) for inv in self.rope_freqs(cfg)]  # a forward's RoPE tables are rows of these
         # A kept-quantized model keeps K/V in f16, as llama.cpp does: half an f32 cache's bytes to hold and to read
         # at every step; each value rounds to f16's 11 significant bits once, as it is written, and is read exactly.
         self.kv_dtype = torch.float16 if quantization and self.act == torch.float32 else self.act
@@ -332,7 +332,7 @@ class LlamaModel:
 
     def begin(self, positions: torch.Tensor) -> tuple[RopeTables, ...]:
         """What every block of a forward over `positions` [T] reads: the RoPE tables, one per `rope_freqs`."""
-        return tuple(RopeTables(positions, inv, self.act) for inv in self.inv_freqs)
+        return tuple(cache.tables(positions) for cache in self.rope_caches)
 
     def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV:
         """A session's KV, each layer's on its block's place (`devices`, one per layer; default the CPU); a sliding
