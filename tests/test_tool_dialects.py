@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from jitllmd.engine.chat import ChatTemplate
-from jitllmd.serve import anthropic, openai
+from jitllmd.serve import anthropic, openai_request
 from jitllmd.serve.body import Fields
 
 # A template that shows exactly what it was given.
@@ -25,13 +25,13 @@ def test_anthropic_definitions_become_openai_shape_with_the_schema_unchanged():
 
 def test_openai_definitions_reach_the_template_as_sent():
     sent = json.loads('[{"type": "function", "function": {"name": "f", "parameters": ' + SCHEMA_TEXT + ', "strict": true}}]')
-    tools = openai._tools(Fields({"tools": sent, "tool_choice": "required"}))
+    tools = openai_request.tools_of(Fields({"tools": sent, "tool_choice": "required"}))
     assert tools == sent and json.dumps(sent, ensure_ascii=False) in DUMP.render([{"role": "user", "content": "hi"}], tools=tools)
-    assert openai._tools(Fields({"tools": sent, "tool_choice": "none"})) is None
+    assert openai_request.tools_of(Fields({"tools": sent, "tool_choice": "none"})) is None
 
 
 def test_tool_turns_render_with_arguments_as_objects():
-    openai_turns = openai._chat_messages(Fields({"messages": [
+    openai_turns = openai_request.chat_messages(Fields({"messages": [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
