@@ -463,6 +463,19 @@ def serve():
 
 
 @pytest.fixture(scope="session")
+def smol_server(serve, smollm2_jlm):
+    """SmolLM2 (f32) served once for the session, for every test that talks to it: on the CPU as a device, 4 sessions
+    batched as rows of one step, room 1024. Id "smol"."""
+    return serve("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "1024", "-devices", "cpu", "-sessions", "4", "-max-batch", "4")
+
+
+@pytest.fixture(scope="session")
+def qwen_server(serve, qwen_jlm):
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, kept quantized) served once for the session, room 4096. Id "qwen"."""
+    return serve("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "4096")
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_serve_jlm):
     """One `jitllmd serve` of the tiny model for the whole test session: -models holds tiny.jlm and spare.jlm."""
     from tests.serving import Server, tiny_models_dir

@@ -21,10 +21,9 @@ def reference(smollm2_hf_model):
 
 
 @pytest.fixture(scope="module")
-def served(serve, smollm2_jlm):
-    server = serve("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "512")
-    with openai_sdk(server) as client:
-        yield server, client
+def served(smol_server):
+    with openai_sdk(smol_server) as client:
+        yield smol_server, client
 
 
 

@@ -24,8 +24,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(serve, qwen_jlm):
-    return serve("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "4096")
+def server(qwen_server):
+    return qwen_server
 
 
 @pytest.fixture(scope="module")

@@ -38,17 +38,15 @@ HELLO = [{"role": "user", "content": "Hello! How are you today?"}]  # a prompt t
 
 
 @pytest.fixture(scope="module")
-def smol(serve, smollm2_jlm):
-    server = serve("-load", str(smollm2_jlm), "-id", "smol", "-max-seq", "1024", "-devices", "cpu", "-sessions", "4", "-max-batch", "4")
-    with openai_sdk(server) as client:
-        yield server, client
+def smol(smol_server):
+    with openai_sdk(smol_server) as client:
+        yield smol_server, client
 
 
 @pytest.fixture(scope="module")
-def qwen(serve, qwen_jlm):
-    server = serve("-load", str(qwen_jlm), "-id", "qwen", "-max-seq", "2048")
-    with openai_sdk(server) as client:
-        yield server, client
+def qwen(qwen_server):
+    with openai_sdk(qwen_server) as client:
+        yield qwen_server, client
 
 
 def _schema_format(schema: dict) -> dict:
