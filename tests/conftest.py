@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,50 @@ def pytest_configure(config) -> None:
 
     SUITE_KERNELS = cache_dir() / "kernels"
     kernels.configure(SUITE_KERNELS)
+
+
+# -- markers derived from what a test does: `process` and `machine` (pyproject.toml lists them) ---------------------
+
+_PROCESS = re.compile(r"\bServer\(|\bjitllmd\(|\bsubprocess\.|\bPopen\(|_peak_rss_mb\(")  # starts a process of its own
+_MACHINE = re.compile(r"VmHWM|_peak_rss_mb\(|ru_maxrss|_fallen_below\(|MALLOC_ARENA|malloc_trim")  # measures the process or the machine
+_PROCESS_FIXTURES = {"tiny_server"}  # a `jitllmd serve` process shared by the session
+
+
+def _source(fn: Any, depth: int = 2, seen: set[str] | None = None) -> str:
+    """fn's source, with the module-level functions and strings of its module it names, `depth` levels down (a test's
+    helpers, theirs, and the scripts they run)."""
+    import inspect
+
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+    module, seen = inspect.getmodule(fn), seen if seen is not None else {fn.__name__}
+    for name in set(re.findall(r"\b([A-Za-z_]\w*)\b", text)) - seen:
+        seen.add(name)
+        helper = getattr(module, name, None)
+        if isinstance(helper, str):
+            text += helper
+        elif depth and inspect.isfunction(helper) and helper.__module__ == fn.__module__:
+            text += _source(helper, depth - 1, seen)
+    return text
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`process`: the test starts a jitllmd process (a server, a CLI verb, a worker, a peak-RSS probe) or talks to the
+    session's served process: seconds of start-up each, and the process itself is what it tests. `machine`: it
+    measures the process or the machine (peak RSS, malloc arenas), so it means most on a machine running nothing
+    else. `-m "not process"` is the quick in-process loop."""
+    texts: dict[Any, str] = {}  # per function: a parametrized test's items share it
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn not in texts:
+            texts[fn] = _source(fn) if fn is not None else ""
+        text = texts[fn]
+        if _PROCESS.search(text) or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+        if _MACHINE.search(text):
+            item.add_marker(pytest.mark.machine)
 
 
 def seeded_cache(path: Path) -> Path:
