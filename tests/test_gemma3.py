@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jitllmd.engine import kernels
 from jitllmd.engine import kv as kv_module
 from jitllmd.engine.convert import convert
 from jitllmd.engine.jlm import JLMFile
@@ -296,3 +297,38 @@ def test_soft_capped_attention_matches_eager_attention_with_its_cap(tmp_path, mo
     assert (ref - _reference(hf, PROMPT)).abs().max().item() > 10 * TOL  # the cap matters here
     assert (_run(loaded, [PROMPT]) - ref).abs().max().item() <= TOL
     assert (_run(loaded, [PROMPT[:5]] + [[t] for t in PROMPT[5:]]) - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("variant", kernels.variants())
+def test_a_quantized_layer_in_one_call_is_the_layer_call_by_call(tiny_gemma_q8_jlm, variant) -> None:
+    """Gemma's decode rows kept quantized run each layer in one kernel call (layer.c, with the q/k norms, the
+    sublayers' output norms and gelu): the same bits as its kernel calls from Python, for one row and for rows of
+    several sessions packed, past the sliding window."""
+    kernels.use_variant(variant)
+    try:
+        loaded = load_model(tiny_gemma_q8_jlm, max_seq=64)
+        blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]
+        assert all(b.fused is not None for b in blocks)
+        ids = list(range(3, 60))
+
+        def decode(fused: bool) -> torch.Tensor:
+            saved = [b.fused for b in blocks]
+            if not fused:
+                for b in blocks:
+                    b.fused = None
+            try:
+                kvs = [loaded.new_kv() for _ in range(3)]
+                for kv, prompt in zip(kvs, (ids[:5], ids[5:7], ids[9:20])):
+                    loaded.runner.forward(torch.tensor(prompt), torch.arange(len(prompt)), [RowSpan(0, len(prompt), kv)])
+                out = []
+                for step in range(12):  # the first session's rows go past the window of 8
+                    out.append(loaded.runner.forward(torch.tensor(ids[step : step + 3]), torch.tensor([kv.length for kv in kvs]),
+                                                     [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)]))
+                return torch.cat(out)
+            finally:
+                for b, f in zip(blocks, saved):
+                    b.fused = f
+
+        assert torch.equal(decode(True).view(torch.int32), decode(False).view(torch.int32))
+    finally:
+        kernels.use_variant(None)

@@ -202,7 +202,7 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     reference's on x so rounded), fed whole or after earlier chunks. The reference path is the f32 model's sums throughout. K/V stay f32 here, as the f32 model's
     (test_an_f16_cache_rounds_kv_only: the one rounding more that a quantized model's own f16 cache makes)."""
     name, result, ref = case
-    monkeypatch.setattr(llama, "QuantLayer", lambda *args: None)  # each projection a call of its own, to check (layer.c's: the same bits)
+    monkeypatch.setattr(llama, "QuantLayer", lambda *args, **kwargs: None)  # each projection a call of its own, to check (layer.c's: the same bits)
     monkeypatch.setattr(llama, "MLP_COLUMNS", 64 if name == "gguf-mix" else 256)  # a bf16 chunk's MLP in 2 slices (96: 64 + 32; 512)
     want = _run(load_model(ref, max_seq=64), [PROMPT])
     scale = want.abs().max()

@@ -2,12 +2,15 @@
  * rows, kernel by kernel, without a return to Python between them (each return, with its wrapper, ctypes conversions
  * and the allocation of the next output, cost ~20 us: a third of a 135M model's step).
  *
- * decode_layer runs, for R rows of x [R, hidden]:
+ * decode_layer runs, for R rows of x [R, hidden] (Llama's layer; Gemma's adds what is in brackets):
  *     qkv  = quant(RMSNorm(x) * input_norm) (+ qkv bias)       quant_rows, the norm folded, the bias added in its sums
+ *     [q, k = RMSNorm per head of q, k]                        rms_norm_heads, in qkv's own rows
  *     q, k = RoPE(q, k)                                        rope_rows, in qkv's own rows
  *     attn = attention(q, k, v) with each row's session KV     attend_rows, which writes k and v into the cache first
  *     y    = x + quant(attn) @ o                               quant_rows, the residual added in its sums
- *     y    = y + quant(silu(gate) * up) @ down, gate_up = quant(RMSNorm(y) * post_norm) @ gate_up
+ *          [x + RMSNorm(quant(attn) @ o) * attn_out_norm]      ... or quant_rows, then rms_norm_add_rows
+ *     y    = y + quant(act(gate) * up) @ down, gate_up = quant(RMSNorm(y) * post_norm) @ gate_up (act: silu [or gelu])
+ *          [y + RMSNorm(quant(...) @ down) * mlp_out_norm]
  * the same calls with the same arguments as the layer's Python path makes them, so it gives the same bits. Each
  * projection is its runs of same-format rows stacked along the output (a Q5_0 q/k and a Q8_0 v: two runs).
  */
@@ -22,6 +25,8 @@
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
                float eps, const float *r, int64_t ldr, int threads);
 void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads);
+void rms_norm_add_rows(const float *x, const float *w, const float *r, float *y, int64_t T, int64_t D, float eps, int threads);
+void rms_norm_heads(float *x, int64_t stride, const float *w, int64_t T, int64_t heads, int64_t D, float eps, int threads);
 int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs, const int64_t *v_ptrs,
                  const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R, int64_t H, int64_t Hkv, int64_t D, float scale,
                  int kv16, int threads);
@@ -33,12 +38,15 @@ typedef struct {
     int64_t type[MAX_RUNS], rows[MAX_RUNS];
 } qproj;
 
-/* A layer (every field 8 bytes: ctypes lays it out alike). qkv_bias may be NULL. */
+/* A layer (every field 8 bytes: ctypes lays it out alike). qkv_bias, q_norm, k_norm, attn_out_norm and mlp_out_norm
+ * may be NULL (Llama's have none of the norms); gate: the down projection's input (GATED: silu, GATED_GELU: gelu). */
 typedef struct {
     qproj qkv, o, gate_up, down;
     const float *qkv_bias, *input_norm, *post_norm;
     double eps, scale;
     int64_t H, Hkv, D, hidden, inter;
+    const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+    int64_t gate;
 } qlayer;
 
 /* y [T, out] (rows ldy apart) = add (+ its row t at ldr, or with ldr 0 a bias) + a @ W.T, a made from x per input. */
@@ -59,11 +67,14 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
     const int64_t H = L->H, Hkv = L->Hkv, D = L->D, W = (H + 2 * Hkv) * D, hidden = L->hidden, I = L->inter;
     const float eps = (float)L->eps;
     const int64_t packed = R > 1 ? R * W : 0; /* several rows: q, k and v each packed row after row, as attend_rows reads them */
-    float *qkv = malloc((size_t)(R * W + R * H * D + R * 2 * I + packed) * sizeof(float));
+    const int64_t normed = L->attn_out_norm || L->mlp_out_norm ? R * hidden : 0; /* a sublayer's output before its norm */
+    float *qkv = malloc((size_t)(R * W + R * H * D + R * 2 * I + packed + normed) * sizeof(float));
     if (!qkv) return -1;
-    float *attn = qkv + R * W, *gate_up = attn + R * H * D, *pack = gate_up + R * 2 * I;
+    float *attn = qkv + R * W, *gate_up = attn + R * H * D, *pack = gate_up + R * 2 * I, *out = pack + packed;
     int rc = project(&L->qkv, x, qkv, R, W, NORMED, L->input_norm, eps, L->qkv_bias, 0, threads);
     if (!rc) {
+        if (L->q_norm) rms_norm_heads(qkv, W, L->q_norm, R, H, D, eps, threads);
+        if (L->k_norm) rms_norm_heads(qkv + H * D, W, L->k_norm, R, Hkv, D, eps, threads);
         rope_rows(qkv, W, cos, sin, R, H + Hkv, D, threads);
         const float *q = qkv, *k = qkv + H * D, *v = qkv + (H + Hkv) * D;
         if (R > 1) {
@@ -80,10 +91,20 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
         int64_t keys = 0; /* attention's multiply-adds, about: a short history is quicker on one thread */
         for (int64_t r = 0; r < R; r++) keys += lengths[r] - starts[r];
         rc = attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, strides, R, H, Hkv, D, (float)L->scale, kv16, keys * H * D >= (1 << 15) ? threads : 1);
-        if (!rc) rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
+        if (!rc && L->attn_out_norm) {
+            rc = project(&L->o, attn, out, R, hidden, PLAIN, NULL, 0.0f, NULL, 0, threads);
+            if (!rc) rms_norm_add_rows(out, L->attn_out_norm, x, y, R, hidden, eps, threads);
+        } else if (!rc) {
+            rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
+        }
     }
     if (!rc) rc = project(&L->gate_up, y, gate_up, R, 2 * I, NORMED, L->post_norm, eps, NULL, 0, threads);
-    if (!rc) rc = project(&L->down, gate_up, y, R, hidden, GATED, NULL, 0.0f, y, hidden, threads); /* each y element read, then written, by one thread */
+    if (!rc && L->mlp_out_norm) {
+        rc = project(&L->down, gate_up, out, R, hidden, (int)L->gate, NULL, 0.0f, NULL, 0, threads);
+        if (!rc) rms_norm_add_rows(out, L->mlp_out_norm, y, y, R, hidden, eps, threads);
+    } else if (!rc) {
+        rc = project(&L->down, gate_up, y, R, hidden, (int)L->gate, NULL, 0.0f, y, hidden, threads); /* each y element read, then written, by one thread */
+    }
     free(qkv);
     return rc ? -1 : 0;
 }

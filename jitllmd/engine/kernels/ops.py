@@ -373,7 +373,8 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p),
                 ("post_norm", ctypes.c_void_p), ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
-                ("D", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64)]
+                ("D", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p), ("gate", ctypes.c_int64)]
 
 
 Runs = list[tuple[torch.Tensor, int, int]]  # (w, qtype, rows): quant_runs's
@@ -381,16 +382,20 @@ Runs = list[tuple[torch.Tensor, int, int]]  # (w, qtype, rows): quant_runs's
 
 class QuantLayer:
     """A decoder layer's quantized projections, norms and shape as layer.c's decode_layer reads them (the tensors kept
-    alive here). Projections are runs (quant_runs's), each checked by its owner; `qkv_bias` [(H + 2 Hkv) D] or None."""
+    alive here). Projections are runs (quant_runs's), each checked by its owner; `qkv_bias` [(H + 2 Hkv) D] or None.
+    Gemma's layer also has per-head q and k norms ([D]), norms of the attention's and the MLP's outputs before they
+    join the stream ([hidden]) and a gelu gate: None and "silu" for Llama's. Every norm takes `eps`."""
 
     def __init__(self, qkv: tuple[Runs, int], o: tuple[Runs, int], gate_up: tuple[Runs, int], down: tuple[Runs, int],
                  qkv_bias: torch.Tensor | None, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
-                 head_dim: int):
+                 head_dim: int, *, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 attn_out_norm: torch.Tensor | None = None, mlp_out_norm: torch.Tensor | None = None, gate: Gate = "silu"):
         parts = (qkv, o, gate_up, down)
         if any(len(runs) > _MAX_RUNS for runs, _ in parts):
             raise ValueError(f"decode_layer takes at most {_MAX_RUNS} runs of rows per projection")
-        self.keep = [input_norm, post_norm, qkv_bias, *(w for runs, _ in parts for w, _, _ in runs)]
-        for t in self.keep[:3]:
+        norms = (q_norm, k_norm, attn_out_norm, mlp_out_norm)
+        self.keep = [input_norm, post_norm, qkv_bias, *norms, *(w for runs, _ in parts for w, _, _ in runs)]
+        for t in self.keep[:7]:
             assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
         hidden, inter = sum(rows for _, _, rows in o[0]), down[1]
         self.hidden, self.struct = hidden, _Layer()
@@ -403,15 +408,18 @@ class QuantLayer:
         L.qkv_bias = None if qkv_bias is None else qkv_bias.data_ptr()
         L.input_norm, L.post_norm, L.eps, L.scale = input_norm.data_ptr(), post_norm.data_ptr(), eps, head_dim**-0.5
         L.H, L.Hkv, L.D, L.hidden, L.inter = heads, kv_heads, head_dim, hidden, inter
+        L.q_norm, L.k_norm, L.attn_out_norm, L.mlp_out_norm = (None if t is None else t.data_ptr() for t in norms)
+        L.gate = _gate_mode(gate)
         self.address = ctypes.addressof(L)
 
 
 def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                  lengths: list[int], starts: list[int]) -> torch.Tensor:
-    """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, RoPE
-    (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache (keys[r], values[r]
-    [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o and the residual, norm,
-    gate_up, the gate and down, and the residual: the calls the Python path makes, with the same bits."""
+    """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, the q/k
+    norms (Gemma's), RoPE (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
+    (keys[r], values[r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o
+    (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the calls the
+    Python path makes, with the same bits."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden

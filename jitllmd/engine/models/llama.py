@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..jlm import JLMFile
-from ..kernels.ops import QuantLayer, bf16_round, decode_layer
+from ..kernels.ops import GATES, QuantLayer, bf16_round, decode_layer
 from ..kv import RowSpan, SessionKV
 from ..layers.activation import GatedAct
 from ..layers.attention import Attention
@@ -126,9 +126,12 @@ class DecoderBlock:
             and cfg.intermediate_size % 8 == 0
         )
         # quantized on the CPU with the kernels: a step's single-token rows go through the whole layer in one call
-        # (layer.c's layer: Llama's, with silu)
-        plain = self.q_norm is None and self.attn_out_norm is None and self.mlp_out_norm is None and self.gate == "silu"
-        self.fused = self._fused(cfg) if self.fold and plain and self.rope.kernel and self.attn.decode_kernel else None
+        # (layer.c's layer: Llama's, or Gemma's with its four extra norms and gelu)
+        norms = [n for n in (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm) if n is not None]
+        kernel_norms = all(n.kernel and n.eps == eps for n in norms)  # the kernels the Python path calls on them
+        self.fused = (
+            self._fused(cfg) if self.fold and kernel_norms and self.gate in GATES and self.rope.kernel and self.attn.decode_kernel else None
+        )
 
     def _fused(self, cfg: LlamaConfig) -> QuantLayer | None:
         """layer.c's view of this layer, where every projection is quantized rows the kernels multiply (no bias but
@@ -138,8 +141,10 @@ class DecoderBlock:
         if len(quant) < len(parts):
             return None
         qkv, o, gate_up, down = ((p.runs, p.segments[0].k) for p in quant)
+        weight = lambda n: None if n is None else n.weight.contiguous()
         return QuantLayer(qkv, o, gate_up, down, quant[0].bias, self.input_norm.weight, self.post_norm.weight, cfg.rms_norm_eps, cfg.num_heads,
-                          cfg.num_kv_heads, cfg.head_dim)
+                          cfg.num_kv_heads, cfg.head_dim, q_norm=weight(self.q_norm), k_norm=weight(self.k_norm),
+                          attn_out_norm=weight(self.attn_out_norm), mlp_out_norm=weight(self.mlp_out_norm), gate=self.gate)
 
     def __call__(self, x: torch.Tensor, rope: tuple[RopeTables, ...], rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """x [T, hidden] f32 -> the new hidden states [T, hidden]; with `keep` (ascending token indices) only those
