@@ -497,8 +497,8 @@ def header(bin_dir: Path, st: Settings, info: dict | str) -> None:
     print(f"CPU flags: {' '.join(flags) or '(no avx512/amx)'}")
     if isinstance(info, dict):
         print(f"jitllmd kernels: {info['kernels']} (variants this CPU runs: {', '.join(info['variants'])}); "
-              f"bf16 units: {'yes' if info['bf16_units'] else 'no'}; quantized prompt chunks multiply "
-              f"{'in bf16 on ' + info['prompt_units'] if info['prompt_units'] else 'in f32 (dequantized panels)'}; torch {info['torch']}")
+              f"torch's bf16 matmul native: {'yes' if info['bf16_units'] else 'no'}; quantized prompt chunks multiply "
+              f"{'in bf16 on ' + info['prompt_units'] if info['prompt_units'] else 'as an int8 GEMM (quant.c gemm_rows)'}; torch {info['torch']}")
     else:
         print(f"jitllmd info failed: {info}")
     print(f"llama.cpp: {bin_dir} ({short(version.stdout + version.stderr)}), --repack 0 / --no-repack; peak RSS of a llama.cpp "
