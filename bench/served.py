@@ -49,10 +49,16 @@ def llama_server_cmd(bin_dir: Path, gguf: Path, port: int, threads: int) -> list
             "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
 
 
-def jitllmd_cmd(models_dir: Path, gguf_name: str, port: int) -> list[str]:
-    """`jitllmd serve` at its defaults but for the sessions and their room (no -max-batch, no -prompt-chunk)."""
+# `jitllmd` with a kernel variant forced (kernels.use_variant, which the CLI's configure leaves as it is): ARGV[1] the
+# variant, the rest the CLI's arguments
+FORCED = "import sys; from jitllmd.engine import kernels; kernels.use_variant(sys.argv[1]); sys.argv[1:2] = []; from jitllmd.cli import main; main()"
+
+
+def jitllmd_cmd(models_dir: Path, gguf_name: str, port: int, kernel: str | None = None) -> list[str]:
+    """`jitllmd serve` at its defaults but for the sessions and their room (no -max-batch, no -prompt-chunk); `kernel`:
+    with that kernel variant forced (the AVX2 kind on an AVX-512 machine)."""
     exe = Path(sys.executable).parent / "jitllmd"
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "jitllmd"]
+    head = [sys.executable, "-c", FORCED, kernel] if kernel else [str(exe)] if exe.exists() else [sys.executable, "-m", "jitllmd"]
     return [*head, "serve", "-addr", f"127.0.0.1:{port}", "-models", str(models_dir), "-load", gguf_name, "-id", "m", "-devices", "cpu",
             "-sessions", str(SESSIONS), "-max-seq", str(MAX_SEQ)]
 
@@ -258,9 +264,9 @@ class Served:
 
 
 def measure(gguf: Path, bin_dir: Path, models_dir: Path, threads: int, rounds: int, clients: tuple[int, ...], num_tokens: int,
-            quiet: Quiet, log: Callable[[str], None]) -> Served:
+            quiet: Quiet, log: Callable[[str], None], kernel: str | None = None) -> Served:
     """`rounds` interleaved rounds (llama-server first in the first round, jitllmd in the second, ...), each engine a
-    fresh server a round, `quiet` around each."""
+    fresh server a round, `quiet` around each; `kernel`: jitllmd's kernel variant forced."""
     models_dir.mkdir(parents=True, exist_ok=True)
     link = models_dir / gguf.name
     if not link.exists():  # absent, or a link left dangling
@@ -272,7 +278,7 @@ def measure(gguf: Path, bin_dir: Path, models_dir: Path, threads: int, rounds: i
         url = f"http://127.0.0.1:{port}"
         if engine == "llama-server":
             return Server(llama_server_cmd(bin_dir, gguf, port, threads), url, "/health")
-        return Server(jitllmd_cmd(models_dir, gguf.name, port), url, "/healthz")
+        return Server(jitllmd_cmd(models_dir, gguf.name, port, kernel), url, "/healthz")
 
     notes: list[str] = []
     first = spawn("jitllmd")

@@ -535,7 +535,8 @@ def print_served(label: str, gguf: Path, threads: int, rounds: int, clients: tup
         print(f"    {line}")
 
 
-def served(model: str, bin_dir: Path, threads: int, rounds: int, clients: tuple[int, ...], num_tokens: int, quiet: Quiet) -> None:
+def served(model: str, bin_dir: Path, threads: int, rounds: int, clients: tuple[int, ...], num_tokens: int, quiet: Quiet,
+           kernel: str | None = None) -> None:
     from bench import served as section
 
     label, make = MODELS[model]
@@ -545,7 +546,7 @@ def served(model: str, bin_dir: Path, threads: int, rounds: int, clients: tuple[
         print(f"\n### served: {label}\n\nfailed to prepare: {exc}")
         return
     res = section.measure(gguf, bin_dir, cache() / "served-models", threads, rounds, clients, num_tokens, quiet,
-                          lambda line: print(f"{model} {line}", file=sys.stderr, flush=True))
+                          lambda line: print(f"{model} {line}", file=sys.stderr, flush=True), kernel)
     print_served(label, gguf, threads, rounds, clients, num_tokens, res)
 
 
@@ -635,7 +636,7 @@ def main() -> None:
             measure(m, st, bin_dir, rounds, quiet)
     if a.section != "offline":
         for m in served_models:
-            served(m, bin_dir, st.threads, rounds, clients, a.served_tokens, quiet)
+            served(m, bin_dir, st.threads, rounds, clients, a.served_tokens, quiet, a.kernel)
     noisy = [o for o in quiet.others if o > 0.3]
     print(f"\n{len(noisy)} of {len(quiet.others)} measurements ran while other processes kept > 0.3 of {os.cpu_count()} cores busy "
           f"(on average over the measurement; the log on stderr gives each){': ' + ', '.join(f'{o:.1f}' for o in noisy) if noisy else ''}; "
