@@ -285,7 +285,8 @@ def test_convert_list_sessions_queue_and_placement_on_a_host_model(clients, tiny
     clients["sessions"].close_session(ses.CloseSessionRequest(session_id=made.id))
 
     stream = clients["inference"].generate(inf.GenerateRequest(model="tiny", prompt="abc", sampling=GREEDY, ignore_eos=True, request_id="queued-view"))
-    next(stream)
+    assert next(stream).HasField("started")  # sent once it is queued: the engine may not have taken it up yet
+    assert next(stream).HasField("delta")  # it has run a step: a row now, for the thousands of tokens its room holds
     queue = clients["sessions"].get_device_queue(ses.GetDeviceQueueRequest(model="tiny")).queues[0]
     assert queue.model == "tiny" and queue.max_rows == 1
     assert [e.request_id for e in queue.running] == ["queued-view"] and queue.running[0].prompt_tokens == 3
