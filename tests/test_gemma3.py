@@ -32,6 +32,7 @@ from .test_models import (  # noqa: F401
     test_token_by_token_through_kv_matches,
     test_whole_prompt_matches_transformers,
 )
+from .test_quant import decode_both_ways
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 BASE = {"tie_word_embeddings": True, "sliding_window": 4, "layer_types": [SLIDING, FULL], "query_pre_attn_scalar": 24, "max_position_embeddings": 256}
@@ -306,29 +307,8 @@ def test_a_quantized_layer_in_one_call_is_the_layer_call_by_call(tiny_gemma_q8_j
     several sessions packed, past the sliding window."""
     kernels.use_variant(variant)
     try:
-        loaded = load_model(tiny_gemma_q8_jlm, max_seq=64)
-        blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]
-        assert all(b.fused is not None for b in blocks)
-        ids = list(range(3, 60))
-
-        def decode(fused: bool) -> torch.Tensor:
-            saved = [b.fused for b in blocks]
-            if not fused:
-                for b in blocks:
-                    b.fused = None
-            try:
-                kvs = [loaded.new_kv() for _ in range(3)]
-                for kv, prompt in zip(kvs, (ids[:5], ids[5:7], ids[9:20])):
-                    loaded.runner.forward(torch.tensor(prompt), torch.arange(len(prompt)), [RowSpan(0, len(prompt), kv)])
-                out = []
-                for step in range(12):  # the first session's rows go past the window of 8
-                    out.append(loaded.runner.forward(torch.tensor(ids[step : step + 3]), torch.tensor([kv.length for kv in kvs]),
-                                                     [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)]))
-                return torch.cat(out)
-            finally:
-                for b, f in zip(blocks, saved):
-                    b.fused = f
-
-        assert torch.equal(decode(True).view(torch.int32), decode(False).view(torch.int32))
+        # the first session's rows go past the window of 8
+        together, apart = decode_both_ways(load_model(tiny_gemma_q8_jlm, max_seq=64), list(range(3, 60)), 12)
+        assert torch.equal(together.view(torch.int32), apart.view(torch.int32))
     finally:
         kernels.use_variant(None)

@@ -321,35 +321,43 @@ def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) 
     assert torch.equal(mixed[1:].view(torch.int32), alone.view(torch.int32))
 
 
+def decode_both_ways(loaded, ids: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of decode rows through every layer in one kernel call (layer.c) and through the same layers call by
+    call from Python, as (fused, call by call): three sessions prefilled from `ids`, one row alone, then `steps` steps
+    of the three sessions' rows packed."""
+    blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]  # host blocks, kept
+    assert all(b.fused is not None for b in blocks)
+    fused = [b.fused for b in blocks]
+
+    def decode() -> torch.Tensor:
+        kvs = [loaded.new_kv() for _ in range(3)]
+        for kv, prompt in zip(kvs, (ids[:5], ids[5:7], ids[9:20])):
+            loaded.runner.forward(torch.tensor(prompt), torch.arange(len(prompt)), [RowSpan(0, len(prompt), kv)])
+        out = [loaded.runner.forward(torch.tensor([ids[1]]), torch.tensor([kvs[0].length]), [RowSpan(0, 1, kvs[0])])]
+        for step in range(steps):
+            out.append(loaded.runner.forward(torch.tensor(ids[step : step + 3]), torch.tensor([kv.length for kv in kvs]),
+                                             [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)]))
+        return torch.cat(out)
+
+    together = decode()
+    try:
+        for b in blocks:
+            b.fused = None
+        apart = decode()
+    finally:
+        for b, f in zip(blocks, fused):
+            b.fused = f
+    return together, apart
+
+
 def test_a_layer_in_one_call_is_the_layer_call_by_call(case, path) -> None:
     """Decode rows of a quantized model run each layer in one kernel call (layer.c): the same bits as the layer's
     kernel calls from Python, for one row and for rows of several sessions packed."""
     name, result, _ = case
     if path == "reference":
         pytest.skip("the reference path has no kernels to fuse")
-    loaded = load_model(result.path, max_seq=64)
-    blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]  # host blocks, kept
-    assert all(b.fused is not None for b in blocks)
-
-    def decode(fused: bool) -> torch.Tensor:
-        saved = [b.fused for b in blocks]
-        if not fused:
-            for b in blocks:
-                b.fused = None
-        try:
-            kvs = [loaded.new_kv() for _ in range(3)]
-            for kv, ids in zip(kvs, (PROMPT[:5], PROMPT[5:7], PROMPT[9:20])):
-                loaded.runner.forward(torch.tensor(ids), torch.arange(len(ids)), [RowSpan(0, len(ids), kv)])
-            out = [loaded.runner.forward(torch.tensor([PROMPT[1]]), torch.tensor([kvs[0].length]), [RowSpan(0, 1, kvs[0])])]
-            for step in range(3):
-                out.append(loaded.runner.forward(torch.tensor(PROMPT[step : step + 3]), torch.tensor([kv.length for kv in kvs]),
-                                                 [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)]))
-            return torch.cat(out)
-        finally:
-            for b, f in zip(blocks, saved):
-                b.fused = f
-
-    assert torch.equal(decode(True).view(torch.int32), decode(False).view(torch.int32))
+    together, apart = decode_both_ways(load_model(result.path, max_seq=64), PROMPT, 3)
+    assert torch.equal(together.view(torch.int32), apart.view(torch.int32))
 
 
 def test_convert_quantizes_with_fallbacks(tiny) -> None:
