@@ -111,3 +111,17 @@ def test_n_with_a_named_session_is_refused(served):
         assert r.status_code == 400 and "jitllm_session" in r.json()["error"]["message"]
     finally:  # the server is shared by every test that asks for its flags: leave it as found
         httpx.post(server.url + "/jitllm.v1.SessionService/CloseSession", json={"sessionId": sid}, timeout=60).raise_for_status()
+
+
+def test_n_choices_after_a_connect_call(served):
+    """A Connect Complete (or Generate) runs in a session its service makes; the next n > 1 request copies the
+    prompt's KV between sessions: both must work, one after the other, on one server."""
+    server, client = served
+    r = httpx.post(f"{server.url}/jitllm.v1.InferenceService/Complete", timeout=60,
+                   json={"model": "tiny", "prompt": "hello", "maxTokens": 4})
+    assert r.status_code == 200, r.text
+    messages = [{"role": "user", "content": "tell me something"}]
+    for _ in range(2):
+        many = client.chat.completions.create(model="tiny", messages=messages, n=2, **_sampled())  # type: ignore[arg-type]
+        assert [c.index for c in many.choices] == [0, 1]
+        assert many.usage is not None and many.usage.completion_tokens == 2 * 12

@@ -9,6 +9,7 @@ import torch
 from jitllmd.engine.kv import RoomError, SessionKV
 
 
+@torch.inference_mode()  # as a forward writes it
 def _fill(kv: SessionKV, start: int, n: int) -> None:
     for i in range(kv.num_layers):
         for t in range(start, start + n):
@@ -55,10 +56,11 @@ def test_a_window_layer_keeps_about_its_window() -> None:
     kv = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=4000, dtype=torch.float32, windows=[100, None])
     for start in range(0, 1000, 5):
         kv.reserve(start + 5)
-        for i in range(2):
-            for t in range(start, start + 5):
-                kv.k[i][:, kv.slot(i, t)] = t
-                kv.v[i][:, kv.slot(i, t)] = -t
+        with torch.inference_mode():  # as a forward writes it
+            for i in range(2):
+                for t in range(start, start + 5):
+                    kv.k[i][:, kv.slot(i, t)] = t
+                    kv.v[i][:, kv.slot(i, t)] = -t
         kv.length = start + 5
     off = kv.offsets[0]
     assert 0 < off <= 1000 - 100 and off % 64 == 0 and kv.offsets[1] == 0
@@ -79,3 +81,24 @@ def test_a_window_longer_than_the_session_is_no_window() -> None:
     assert kv.windows == [None]
     kv.reserve(10)
     assert kv.k[0].shape[1] == 64
+
+
+def test_storage_made_inside_a_forward_takes_copies_moves_and_slides_outside_one() -> None:
+    """A forward runs under torch.inference_mode, so KV storage it reserves is an inference tensor; the engine then
+    forks a prompt's KV into it (n > 1), moves it (place -move) and slides a window outside any forward: each must
+    still work (a RuntimeError about inference tensors answered n > 1 chats 500 after a Connect call)."""
+    src = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32, windows=[70, None])
+    dst = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32, windows=[70, None])
+    with torch.inference_mode():
+        for kv in (src, dst):  # both ran a forward before
+            kv.reserve(40)
+            for i in range(2):
+                kv.k[i][:, :40] = torch.randn(1, 40, 4)
+                kv.v[i][:, :40] = torch.randn(1, 40, 4)
+            kv.length = 40
+    dst.copy_from(src, 30)
+    assert dst.length == 30 and all(torch.equal(dst.k[i][:, :30], src.k[i][:, :30]) for i in range(2))
+    dst.reserve(600)  # the window layer slides its positions in place
+    dst.move(1, torch.device("cpu"))
+    dst.move(0, torch.device("meta"))
+    dst.move(0, torch.device("cpu"), filled=src.filled(0))

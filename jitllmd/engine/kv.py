@@ -94,6 +94,9 @@ class SessionKV:
             return self._allocated * self._layer_bytes  # the positions reserved (a CPU layer maps only those it writes)
         return self.k[layer].shape[1] * self._layer_bytes if layer < len(self.k) else 0
 
+    # K/V storage is written inside forwards (torch.inference_mode) and outside them (forks, moves, slides): every
+    # method that writes it runs in inference mode, where writing either kind of tensor is allowed
+    @torch.inference_mode()
     def reserve(self, total: int) -> None:
         """Make room for positions up to `total` (grows storage, never past capacity; a window layer first drops what
         its queries from position `length` on cannot see)."""
@@ -144,6 +147,7 @@ class SessionKV:
         """Where the first layer's K/V are (the masks of a forward are built there)."""
         return self.devices[0]
 
+    @torch.inference_mode()
     def move(self, layer: int, device: torch.device, filled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Carry one layer's K/V (the positions filled) to `device`, where its block now runs: a full-attention
         layer's storage there for the positions reserved, a window layer's as it was. `filled`: the K/V another rank
@@ -195,6 +199,7 @@ class SessionKV:
         """Whether copy_from can take this cache's positions: every window layer still holds them from position 0."""
         return not any(self.offsets)
 
+    @torch.inference_mode()
     def copy_from(self, src: SessionKV, length: int) -> None:
         """Become a copy of `src`'s first `length` positions (a prompt run once for several rows); src.forkable()."""
         assert src.forkable() and length <= src.length and src.num_layers == self.num_layers
