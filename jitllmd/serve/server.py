@@ -14,6 +14,8 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 from starlette.types import ASGIApp
 
+from . import http2
+
 __all__ = ["GRACE_SECONDS", "STOP_SECONDS", "ServerThread", "bind", "host_name", "is_loopback", "parse_addr", "run_server"]
 
 log = logging.getLogger("jitllmd.serve")
@@ -126,6 +128,7 @@ class ServerThread:
 
 
 def _config(sock: socket.socket) -> Config:
+    http2.install()  # a body sent after its stream's early answer (401, 404) must not close the connection's other streams
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here and closes it
     config.keep_alive_max_requests = 1 << 30  # the default 1000 drops an in-flight call every thousand requests
