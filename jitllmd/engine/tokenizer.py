@@ -14,6 +14,13 @@ _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 6
 # A valid UTF-8 character spans a few tokens at most; past this many held tokens the bytes are invalid for good.
 _MAX_PENDING = 32
+# A text longer than this many characters per token of room is counted a piece at a time before it is encoded whole,
+# stopping once it surely makes too many tokens: tokenizing costs per character, and a huge prompt that cannot fit
+# costs only what fits. Pieces end at whitespace where they can; each cut may add a few tokens the whole would not
+# have, which the count takes off.
+_COUNT_PAST = 8
+_PIECE = 16384
+_CUT_TOKENS = 4
 
 
 class Tokenizer:
@@ -76,6 +83,24 @@ class Tokenizer:
         if self.add_bos_token and ids[:1] != [bos]:
             return [bos, *ids]
         return ids
+
+    def count_past(self, text: str, most: int) -> int | None:
+        """A lower bound on the tokens `text` makes, when it is surely more than `most`: found a piece at a time,
+        so a text far too long for `most` costs about `most` tokens' worth of work; None when it may fit."""
+        if len(text) <= max(_PIECE, _COUNT_PAST * most):
+            return None  # encoding it whole costs no more than the prompt it may be
+        total = cuts = start = 0
+        while start < len(text):
+            end = min(len(text), start + _PIECE)
+            if end < len(text):
+                space = max(text.rfind(c, start + _PIECE // 2, end) for c in " \n\t")
+                end = space if space > start else end
+            total += len(self._backend.encode(text[start:end], add_special_tokens=False).ids)
+            cuts += 1
+            if total - _CUT_TOKENS * cuts > most:
+                return total - _CUT_TOKENS * cuts
+            start = end
+        return None
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary are ignored."""

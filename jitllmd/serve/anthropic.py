@@ -16,7 +16,17 @@ from ..engine.request import Delta, Done, Event, Failed, FinishReason, Generatio
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
 from .outbox import Outbox, until_disconnect
-from .prompt import chat_prompt_ids, constraints, conversation, find_target, remember, sampling_params, start, tool_grammar
+from .prompt import (
+    chat_prompt_ids,
+    check_tool_schema,
+    constraints,
+    conversation,
+    find_target,
+    remember,
+    sampling_params,
+    start,
+    tool_grammar,
+)
 from .tools import Piece, Text, ToolCall, ToolCallParser, complete_members, parse_pieces
 
 __all__ = ["Anthropic", "content_blocks", "error_response"]
@@ -125,6 +135,7 @@ def _tools(f: Fields) -> list[dict[str, Any]] | None:
         schema = t.object("input_schema")
         if schema is None:
             raise t.error("input_schema", "this field is required")
+        check_tool_schema(schema)
         fn["parameters"] = schema.obj
         out.append({"type": "function", "function": fn})
     return out
@@ -133,11 +144,13 @@ def _tools(f: Fields) -> list[dict[str, Any]] | None:
 def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
     if done.finish_reason is FinishReason.LENGTH:  # even after a call: max_tokens may have cut it, or the text after it
         return "max_tokens", None
+    if done.finish_reason is FinishReason.CANCELLED:  # cut by the server (shutdown, unload): not a turn that ended
+        return "cancelled", None
     if calls and done.finish_reason is not FinishReason.CANCELLED:
         return "tool_use", None
     if done.stop is not None:
         return "stop_sequence", done.stop
-    return "end_turn", None  # end of sequence (or cancelled: the turn ends where it was cut)
+    return "end_turn", None
 
 
 @dataclass(frozen=True)

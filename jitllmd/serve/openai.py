@@ -3,7 +3,6 @@ read: openai_request.py; its rendering: rendering.py; /v1/embeddings: embeddings
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,9 +15,10 @@ from ..engine.catalog import Catalog
 from ..engine.request import Delta, Done, Failed, FinishReason
 from ..engine.sampler import TokenLogprobs
 from .body import APIError, Fields, dialect, read_json
-from .openai_request import OpenAIGeneration, chat_messages, completion_prompts, parse_common, tools_of
-from .outbox import Outbox, until_disconnect
+from .openai_request import Limits, OpenAIGeneration, chat_messages, completion_prompts, parse_common, prompt_items, tools_of
+from .outbox import Outbox, collect_all, until_disconnect
 from .prompt import (
+    chars,
     chat_prompt_ids,
     conversation,
     find_target,
@@ -44,8 +44,8 @@ __all__ = ["OpenAI"]
 class OpenAI:
     """The OpenAI routes over a Catalog."""
 
-    def __init__(self, catalog: Catalog):
-        self.catalog = catalog
+    def __init__(self, catalog: Catalog, limits: Limits | None = None):
+        self.catalog, self.limits = catalog, limits or Limits()
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -56,13 +56,13 @@ class OpenAI:
         name = f.string("model")
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         chat = conversation(session, chat_messages(f))
+        gen = parse_common(f, served, name or served.id, ("max_completion_tokens", "max_tokens"), session, chat, tools, limits=self.limits)
         prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools)
-        gen = parse_common(f, served, name or served.id, prompt_ids, ("max_completion_tokens", "max_tokens"), session, chat, tools)
-        outboxes = await gen.start_all("messages", request.state.request_id, prompt_ids)
+        outboxes = await gen.start_all("messages", request.state.request_id, [prompt_ids])
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
             return StreamingResponse(self._chat_stream(gen, outboxes, ident, created), media_type="text/event-stream", headers=SSE_HEADERS)
-        results = await until_disconnect(request, lambda: asyncio.gather(*(o.collect() for o in outboxes)))
+        results = await until_disconnect(request, lambda: collect_all(outboxes))
         if results is None:
             return Response(status_code=499)  # nobody is listening
         choices = []
@@ -98,17 +98,18 @@ class OpenAI:
             raise f.error("suffix", "suffix (fill in the middle) is not supported")
         if f.integer("best_of", 1, low=1) != 1:
             raise f.error("best_of", "only best_of=1 is supported")
-        prompts = await off_loop(completion_prompts, f, served, session)
-        gen = parse_common(f, served, name or served.id, prompts[0][0], ("max_tokens",), session)
-        if len(prompts) > 1 and session is not None:
+        num_prompts = len(prompt_items(f))
+        if num_prompts > 1 and session is not None:
             raise f.error("prompt", "a named session takes one prompt")
+        gen = parse_common(f, served, name or served.id, ("max_tokens",), session, prompts=num_prompts, limits=self.limits)
+        prompts = await off_loop(completion_prompts, f, served, session, size=chars(f.raw("prompt")))
         echo = f.boolean("echo")
-        outboxes = [o for k, (ids, _) in enumerate(prompts) for o in await gen.start_all("prompt", request.state.request_id + (f"-p{k}" if k else ""), ids)]
+        outboxes = await gen.start_all("prompt", request.state.request_id, [ids for ids, _ in prompts])
         heads = [text if echo else "" for _, text in prompts for _ in range(gen.n)]  # per choice: the echoed prompt
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
             return StreamingResponse(self._completion_stream(gen, outboxes, ident, created, heads), media_type="text/event-stream", headers=SSE_HEADERS)
-        results = await until_disconnect(request, lambda: asyncio.gather(*(o.collect() for o in outboxes)))
+        results = await until_disconnect(request, lambda: collect_all(outboxes))
         if results is None:
             return Response(status_code=499)
         choices = []

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.catalog import ServedModel
 from ..engine.grammar import GrammarSpec
+from ..engine.kv import RoomError
 from ..engine.request import Generation
 from ..engine.sampler import MAX_LOGPROBS, SamplingParams
 from ..engine.sessions import Session
@@ -17,15 +18,17 @@ from .body import APIError, Fields
 from .outbox import Outbox
 from .prompt import (
     check_room,
+    check_tool_schema,
     constraints,
+    encode_in_room,
     remember,
+    room_error,
     sampling_params,
     start,
-    text_prompt_ids,
     tool_grammar,
 )
 
-__all__ = ["OpenAIGeneration", "chat_messages", "completion_prompts", "parse_common", "tools_of"]
+__all__ = ["Limits", "OpenAIGeneration", "chat_messages", "completion_prompts", "parse_common", "prompt_items", "tools_of"]
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -38,7 +41,6 @@ class OpenAIGeneration:
 
     served: ServedModel
     model: str  # the name the client sent, echoed back
-    prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int | None
     stop: list[str]
@@ -53,22 +55,28 @@ class OpenAIGeneration:
     grammar: GrammarSpec | None = None  # what every reply must be: response_format's JSON, or a forced tool call
     grammar_param: str = "response_format"  # the field that asked for it, for its errors
 
-    async def start_all(self, param: str, request_id: str, prompt_ids: list[int]) -> list[Outbox]:
-        """The n choices of one prompt: the first runs the prompt, the others follow it (the prompt is fed once) and
-        sample on their own, with seed + i when a seed is given, each under its own matcher of the grammar, if any. A
-        refusal cancels what already started."""
-        matchers = await constraints(self.served, self.grammar, self.n, self.grammar_param)
+    async def start_all(self, param: str, request_id: str, prompts: list[list[int]]) -> list[Outbox]:
+        """The n choices of each prompt: the first runs the prompt, the others follow it (the prompt is fed once) and
+        sample on their own, with seed + i when a seed is given, each under its own matcher of the grammar, if any.
+        Every one is built before any is queued, and all are queued together: a refusal of one (a prompt with no room)
+        ends those already built, before any ran."""
+        matchers = await constraints(self.served, self.grammar, self.n * len(prompts), self.grammar_param)
         outboxes: list[Outbox] = []
         try:
-            for i in range(self.n):
-                params = self.params
-                if i and params.seed is not None:
-                    params = replace(params, seed=(params.seed + i) % (1 << 64))
-                spec = Generation(
-                    prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session, ignore_eos=self.ignore_eos,
-                    request_id=request_id + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs, constraint=matchers[i],
-                )
-                outboxes.append(start(self.served, spec, param=param, follows=outboxes[0].request if i else None, hold=True))
+            for k, prompt_ids in enumerate(prompts):
+                first: Outbox | None = None
+                for i in range(self.n):
+                    params = self.params
+                    if i and params.seed is not None:
+                        params = replace(params, seed=(params.seed + i) % (1 << 64))
+                    spec = Generation(
+                        prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session, ignore_eos=self.ignore_eos,
+                        request_id=request_id + (f"-p{k}" if k else "") + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs,
+                        constraint=matchers[k * self.n + i],
+                    )
+                    where = f"{param}[{k}]" if len(prompts) > 1 else param
+                    outboxes.append(start(self.served, spec, param=where, follows=first.request if first else None, hold=True))
+                    first = first or outboxes[-1]
         except BaseException:
             for o in outboxes:
                 o.end()  # never queued: the engine releases their slots
@@ -85,17 +93,28 @@ class OpenAIGeneration:
             remember(self.session, self.chat, reply)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may fan out to (serve's -max-choices and -max-constrained): each choice is a row with its own
+    session, each constrained one also a grammar matcher with its token masks (megabytes for a large vocabulary)."""
+
+    choices: int = 64  # prompts x n
+    constrained: int = 16  # choices under a grammar: response_format, or a forced tool call
+
+
 def parse_common(
-    f: Fields, served: ServedModel, model: str, prompt_ids: list[int], max_tokens_keys: tuple[str, ...], session: Session | None,
-    chat: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+    f: Fields, served: ServedModel, model: str, max_tokens_keys: tuple[str, ...], session: Session | None,
+    chat: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None, *, prompts: int = 1, limits: Limits = Limits(),
 ) -> OpenAIGeneration:
+    """The fields both routes read, checked before any prompt is templated or tokenized; `prompts`: how many the
+    request holds, whose choices the limits count."""
     max_tokens = None
     echo = chat is None and f.boolean("echo")
     for key in max_tokens_keys:  # the first one given wins
         if f.has(key):
             max_tokens = f.integer(key, low=0 if echo else 1)  # echo with max_tokens 0: the prompt alone (scored)
             break
-    n = f.integer("n", 1, low=1, high=MAX_CHOICES) or 1
+    n = f.integer("n", 1, low=1, high=128) or 1  # OpenAI's own bound; the server's is limits.choices
     if n > 1 and session is not None:
         raise f.error("n", "a named session holds one conversation: n must be 1 with jitllm_session")
     if chat is not None:  # chat: logprobs true, top_logprobs 0-20
@@ -111,6 +130,12 @@ def parse_common(
     forced, name = _forced_tool(f)
     if tools and forced:  # the reply is a call: the tool grammar wins over response_format
         grammar, grammar_param = tool_grammar(served, tools, name, "tool_choice"), "tool_choice"
+    if prompts * n > limits.choices:
+        raise f.error("n", f"{prompts} prompt{'s' if prompts > 1 else ''} x n={n} make {prompts * n} choices; this server runs at most "
+                           f"{limits.choices} for one request (serve -max-choices)")
+    if grammar is not None and prompts * n > limits.constrained:
+        raise f.error(grammar_param, f"{prompts * n} choices each under its own grammar; this server compiles at most {limits.constrained} "
+                                     "for one request (serve -max-constrained)")
     top_k = f.integer("top_k", 40, low=-1)
     params = sampling_params(
         temperature=f.number("temperature", 1.0, low=0.0, high=2.0),
@@ -121,7 +146,7 @@ def parse_common(
         presence_penalty=f.number("presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
         repetition_penalty=f.number("repetition_penalty", 1.0, low=0.0),
-        logit_bias=_logit_bias(f),
+        logit_bias=_logit_bias(f, served.engine.loaded.tokenizer.vocab_size),
         logprobs=logprobs,
     )
     options = f.object("stream_options")
@@ -130,7 +155,6 @@ def parse_common(
     return OpenAIGeneration(
         served=served,
         model=model,
-        prompt_ids=prompt_ids,
         params=params,
         max_tokens=max_tokens,
         stop=f.strings("stop"),
@@ -176,15 +200,17 @@ def _forced_tool(f: Fields) -> tuple[bool, str | None]:
     return False, None
 
 
-def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
+def _logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
     """logit_bias: {"token id": bias in [-100, 100]} -> ((id, bias), ...) sorted by id."""
     biases = f.object("logit_bias")
     if biases is None:
         return ()
+    if len(biases.obj) > vocab:  # distinct ids: no more than the vocabulary has
+        raise f.error("logit_bias", f"{len(biases.obj)} entries, but the vocabulary has {vocab} tokens")
     out = []
     for key in biases.obj:
-        if not key.isdigit():
-            raise f.error("logit_bias", f"keys are token ids (strings of digits), got {key!r}")
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):  # "²" is a digit int() refuses; 5,000 digits, one it refuses too
+            raise f.error("logit_bias", f"keys are token ids (strings of at most 10 digits 0-9), got {key[:40]!r}")
         out.append((int(key), biases.number(key, 0.0, low=-100.0, high=100.0)))
     return tuple(sorted(out))
 
@@ -247,18 +273,17 @@ def tools_of(f: Fields) -> list[dict[str, Any]] | None:
         if fn is None:
             raise t.error("function", "this field is required")
         fn.string("name", required=True)
-        if fn.has("parameters"):
-            fn.object("parameters")
+        parameters = fn.object("parameters")
+        if parameters is not None:
+            check_tool_schema(parameters)
     return tools
 
 
-MAX_PROMPTS = 64  # prompts in one /v1/completions
-MAX_CHOICES = 16  # choices (n) per prompt
+MAX_PROMPTS = 2048  # prompts in one /v1/completions (OpenAI's bound); the server's is on choices (Limits)
 
 
-def completion_prompts(f: Fields, served: ServedModel, session: Session | None) -> list[tuple[list[int], str]]:
-    """prompt: a string, token ids, or an array of either (one choice per prompt). Returns (ids, the prompt's text
-    for echo) per prompt. Runs on a prompt thread (off_loop)."""
+def prompt_items(f: Fields) -> list[Any]:
+    """prompt: a string, token ids, or an array of either (one choice per prompt): the prompts, unread."""
     prompt = f.raw("prompt")
     if prompt is None:
         raise f.error("prompt", "this field is required")
@@ -266,6 +291,13 @@ def completion_prompts(f: Fields, served: ServedModel, session: Session | None) 
     items = prompt if many else [prompt]
     if len(items) > MAX_PROMPTS:
         raise f.error("prompt", f"{len(items)} prompts in one request: at most {MAX_PROMPTS}")
+    return items
+
+
+def completion_prompts(f: Fields, served: ServedModel, session: Session | None) -> list[tuple[list[int], str]]:
+    """(ids, the prompt's text for echo) per prompt (prompt_items). Runs on a prompt thread (off_loop)."""
+    items = prompt_items(f)
+    many = isinstance(f.raw("prompt"), list) and items is f.raw("prompt")
     return [_one_prompt(f, served, session, p, f"prompt[{k}]" if many else "prompt") for k, p in enumerate(items)]
 
 
@@ -274,7 +306,10 @@ def _one_prompt(f: Fields, served: ServedModel, session: Session | None, prompt:
         check_room(served, session, prompt, param)
         if not prompt:
             raise APIError(f"{param}: the prompt is empty", param="prompt")
-        return text_prompt_ids(served, prompt), prompt
+        try:
+            return encode_in_room(served, session, prompt), prompt
+        except RoomError as exc:
+            raise room_error(exc, param) from None
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
             raise APIError(f"{param}: the prompt is empty", param="prompt")

@@ -15,7 +15,7 @@ from ..engine.request import Delta, Done, Embedded, Event, Failed, FinishReason,
 from ..engine.sampler import TokenLogprobs
 from .body import APIError
 
-__all__ = ["Outbox", "embed", "end_streams", "until_disconnect"]
+__all__ = ["Outbox", "collect_all", "embed", "end_streams", "until_disconnect"]
 
 T = TypeVar("T")
 
@@ -98,6 +98,17 @@ class Outbox:
                     raise APIError(ev.message, kind="unavailable")
                 raise RuntimeError(ev.message)
         raise RuntimeError("the engine ended the request without a final event")
+
+
+async def collect_all(outboxes: list[Outbox]) -> list[tuple[str, Done]]:
+    """Each generation's whole text and final event; when one fails (or the wait is cancelled), the others are
+    ended too: nothing runs on for a request that has been answered."""
+    try:
+        return list(await asyncio.gather(*(o.collect() for o in outboxes)))
+    except BaseException:
+        for o in outboxes:
+            o.end()  # a no-op for those that ended
+        raise
 
 
 def end_streams() -> int:

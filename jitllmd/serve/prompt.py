@@ -16,44 +16,65 @@ from ..engine.kv import RoomError
 from ..engine.request import Generation, Request
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
-from .body import APIError
+from .body import APIError, Fields
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "check_room", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "text_prompt_ids"]
+__all__ = ["chat_prompt_ids", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "encode_in_room", "room_error", "BIG", "chars"]
 
 T = TypeVar("T")
 
-# Templating and tokenizing run here, off the event loop (a 10 MiB prompt takes seconds), this many at once: the
-# rest wait their turn, so a few huge requests hold a bounded amount of memory and /healthz answers meanwhile.
+# Templating, tokenizing and grammar compiling run here, off the event loop (a 10 MiB prompt takes seconds), this many
+# at once: the rest wait their turn, so a few huge requests hold a bounded amount of memory and /healthz answers
+# meanwhile. Work on more than BIG characters has threads of its own, so a short request never waits behind it.
 _PREPARERS = 2
+BIG = 1 << 16
 _pool = ThreadPoolExecutor(max_workers=_PREPARERS, thread_name_prefix="jitllmd-prompt")
+_big_pool = ThreadPoolExecutor(max_workers=_PREPARERS, thread_name_prefix="jitllmd-prompt-big")
 _NORMALIZED = 2  # a normalizer may shorten text (NFKC, collapsed spaces): refuse only at twice the bound
 
 
-async def off_loop(work: Callable[..., T], *args: Any, **kw: Any) -> T:
-    """`work(*args, **kw)` on a prompt thread; its exceptions raise here."""
-    return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(work, *args, **kw))
+async def off_loop(work: Callable[..., T], *args: Any, size: int = 0, **kw: Any) -> T:
+    """`work(*args, **kw)` on a prompt thread (`size`: the characters it works on); its exceptions raise here."""
+    pool = _big_pool if size > BIG else _pool
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(work, *args, **kw))
 
 
-def _chars(value: Any) -> int:
+def chars(value: Any) -> int:
     """Characters in the strings of a JSON value."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum(_chars(v) for v in value.values())
+        return sum(chars(v) for v in value.values())
     if isinstance(value, list):
-        return sum(_chars(v) for v in value)
+        return sum(chars(v) for v in value)
     return 0
+
+
+def _room(served: ServedModel, session: Session | None) -> int:
+    return session.max_seq if session is not None else served.engine.loaded.max_seq
 
 
 def check_room(served: ServedModel, session: Session | None, value: Any, param: str) -> None:
     """Refuse, before tokenizing any of it, a prompt whose characters alone make more tokens than the session holds."""
-    loaded = served.engine.loaded
-    room = session.max_seq if session is not None else loaded.max_seq
-    least = _chars(value) // (loaded.tokenizer.most_chars_per_token * _NORMALIZED)
+    loaded, room = served.engine.loaded, _room(served, session)
+    least = chars(value) // (loaded.tokenizer.most_chars_per_token * _NORMALIZED)
     if least >= room:
-        raise APIError(f"{param}: {_chars(value)} characters make at least {least} tokens, but the session has room for {room}",
+        raise APIError(f"{param}: {chars(value)} characters make at least {least} tokens, but the session has room for {room}",
                        param=param, code="context_length_exceeded")
+
+
+def encode_in_room(served: ServedModel, session: Session | None, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's ids (on a prompt thread: see off_loop). One that surely makes more tokens than the session holds is
+    refused (RoomError) once a piece of it shows that, not after tokenizing all of it."""
+    tokenizer, room = served.engine.loaded.tokenizer, _room(served, session)
+    least = tokenizer.count_past(text, room - 1)
+    if least is not None:
+        raise RoomError(f"the prompt makes more than {least} tokens, but the session has room for {room}")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def room_error(exc: RoomError, param: str) -> APIError:
+    return APIError(f"{param}: {exc}", param=param, code="context_length_exceeded")
 
 
 def find_target(catalog: Catalog, name: str | None, session_id: str | None) -> tuple[ServedModel, Session | None]:
@@ -115,14 +136,12 @@ async def chat_prompt_ids(
             text = loaded.chat.render(messages, add_generation_prompt=True, tools=tools)
         except ChatTemplateError as exc:
             raise APIError(f"messages: {exc}", param="messages") from None
-        return loaded.tokenizer.encode(text + (prefill or ""))
+        try:
+            return encode_in_room(served, session, text + (prefill or ""))
+        except RoomError as exc:
+            raise room_error(exc, "messages") from None
 
-    return await off_loop(render)
-
-
-def text_prompt_ids(served: ServedModel, text: str) -> list[int]:
-    """A raw prompt's ids (on a prompt thread: see off_loop)."""
-    return served.engine.loaded.tokenizer.encode(text)
+    return await off_loop(render, size=chars([messages, prefill, tools]))
 
 
 def start(served: ServedModel, spec: Generation, *, param: str, follows: Request | None = None, hold: bool = False) -> Outbox:
@@ -132,7 +151,7 @@ def start(served: ServedModel, spec: Generation, *, param: str, follows: Request
     try:
         return Outbox(served.engine, spec, follows=follows, hold=hold)
     except RoomError as exc:
-        raise APIError(f"{param}: {exc}", param=param, code="context_length_exceeded") from None
+        raise room_error(exc, param) from None
     except ValueError as exc:
         raise APIError(f"{param}: {exc}", param=param) from None
 
@@ -164,6 +183,18 @@ def tool_grammar(served: ServedModel, tools: list[dict[str, Any]], name: str | N
     if served.engine.loaded.tokenizer.token_id("<tool_call>") is None:
         return GrammarSpec(schema=schema)
     return GrammarSpec(lark='start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json ' + json.dumps({**schema, "x-guidance": COMPACT_JSON}))
+
+
+def check_tool_schema(schema: Fields) -> None:
+    """A tool's parameters schema, as far as this server reads it itself: its $defs and definitions, where given, are
+    objects of schemas (the grammar of a forced call lifts them); the rest is llguidance's to judge."""
+    for key in ("$defs", "definitions"):
+        defs = schema.object(key)
+        if defs is None:
+            continue
+        for name, value in defs.obj.items():
+            if not isinstance(value, (dict, bool)):
+                raise defs.error(name, "expected a schema (an object or a boolean)")
 
 
 def _lift_defs(schema: dict[str, Any], defs: dict[str, Any], tool: str) -> dict[str, Any]:

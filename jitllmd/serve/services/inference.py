@@ -18,7 +18,7 @@ from ...gen.jitllm.v1 import common_pb2 as common
 from ...gen.jitllm.v1 import inference_pb2 as inf
 from ...gen.jitllm.v1.inference_connect import InferenceService
 from ..outbox import Outbox, embed
-from ..prompt import conversation, off_loop, remember
+from ..prompt import conversation, encode_in_room, off_loop, remember
 from .control import model_of, session_of
 
 __all__ = ["Inference"]
@@ -123,7 +123,7 @@ class Inference(InferenceService):
         for i, text in enumerate(request.inputs):
             if not text:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"inputs[{i}] is empty")
-        batch = await off_loop(lambda: [loaded.tokenizer.encode(text) for text in request.inputs])
+        batch = await off_loop(lambda: [loaded.tokenizer.encode(text) for text in request.inputs], size=request.ByteSize())
         result = await embed(served.engine, batch)  # RoomError: resource_exhausted
         return inf.EmbedResponse(embeddings=[inf.Embedding(values=v.tolist()) for v in result.vectors], prompt_tokens=result.num_tokens)
 
@@ -136,7 +136,7 @@ class Inference(InferenceService):
             served = model_of(self.catalog, request.model)
         if request.request_id and request.request_id in self.running:
             raise ConnectError(Code.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
-        ids, chat = await off_loop(self._prompt, served, session, request)
+        ids, chat = await off_loop(self._prompt, served, session, request, size=request.ByteSize())
         outbox = Outbox(served.engine, Generation(
             ids, _params(request.sampling), max_tokens=request.max_tokens if request.HasField("max_tokens") else None, stop=list(request.stop),
             session=session, ignore_eos=request.ignore_eos, request_id=request.request_id or f"r-{uuid.uuid4().hex[:12]}",
@@ -152,9 +152,9 @@ class Inference(InferenceService):
                 raise ConnectError(Code.INVALID_ARGUMENT, "continue_session needs a session_id")
             if kind != "prompt":
                 raise ConnectError(Code.INVALID_ARGUMENT, "continue_session takes a raw prompt")
-            return session.token_ids + loaded.tokenizer.encode(request.prompt, add_special_tokens=False), None
+            return session.token_ids + encode_in_room(served, session, request.prompt, add_special_tokens=False), None
         if kind == "prompt":
-            return loaded.tokenizer.encode(request.prompt), None
+            return encode_in_room(served, session, request.prompt), None
         if kind == "tokens":
             return list(request.tokens.token_ids), None
         if kind == "chat":
@@ -165,5 +165,5 @@ class Inference(InferenceService):
                 raise ConnectError(Code.INVALID_ARGUMENT, "chat.messages: at least one message")
             chat = conversation(session, messages)
             text = loaded.chat.render(chat, add_generation_prompt=True)
-            return loaded.tokenizer.encode(text), chat
+            return encode_in_room(served, session, text), chat
         raise ConnectError(Code.INVALID_ARGUMENT, "input: give a prompt, chat or tokens")
