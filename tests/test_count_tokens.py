@@ -103,7 +103,7 @@ def test_errors_in_anthropic_shape(server, client):
     url = server.url + "/v1/messages/count_tokens"
     r = httpx.post(url, json={"model": "tools", "messages": USER, "max_tokens": 0}, timeout=30)  # max_tokens is not count_tokens' field
     assert r.status_code == 200 and r.json() == {"input_tokens": client.messages.count_tokens(model="tools", messages=USER).input_tokens}
-    r = httpx.post(url, content=b"{nope", timeout=30)
+    r = httpx.post(url, content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(url, timeout=30)
     assert r.status_code == 405 and r.json()["type"] == "error"

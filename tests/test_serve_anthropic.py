@@ -106,7 +106,7 @@ def test_errors_in_anthropic_shape(tiny_server, client):
         client.messages.create(model="tiny", max_tokens=4, messages=[])
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\].role"):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "system", "content": "x"}])
-    r = httpx.post(tiny_server.url + "/v1/messages", content=b"{nope", timeout=10)
+    r = httpx.post(tiny_server.url + "/v1/messages", content=b"{nope", headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 

@@ -41,7 +41,7 @@ def test_healthz(tiny_server):
         ({"model": "tiny", "messages": USER, "max_tokens": 0}, "max_tokens", ">= 1"),
         ({"model": "tiny", "messages": USER, "max_tokens": True}, "max_tokens", "integer"),
         ({"model": "tiny", "messages": USER, "top_p": 1.5}, "top_p", "between"),
-        ({"model": "tiny", "messages": USER, "n": 17}, "n", "between 1 and 16"),
+        ({"model": "tiny", "messages": USER, "n": 129}, "n", "between 1 and 128"),
         ({"model": "tiny", "messages": USER, "stop": [1, 2]}, "stop", "strings"),
         ({"model": "tiny", "messages": USER, "stream": "yes"}, "stream", "true or false"),
         ({"model": "tiny", "messages": USER, "seed": 1.5}, "seed", "integer"),
@@ -78,7 +78,7 @@ def test_completion_bad_prompts(tiny_server, body, param):
 
 def test_malformed_bodies(tiny_server):
     for raw in (b"{not json", b"", b"[1, 2]", b'{"model": NaN}', b"\xff\xfe", b"[" * 100000, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'):
-        r = post(tiny_server, "/v1/chat/completions", content=raw)
+        r = post(tiny_server, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, (raw[:10], r.text)
         assert "error" in r.json()
 

@@ -153,3 +153,20 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server, path, extra, field):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["message"].startswith(field), error
+
+
+def test_the_limits_are_flags(serve, tiny_serve_jlm):
+    """-max-choices and -max-constrained set what the 400s name; a limit below 1 is refused at start."""
+    from typer.testing import CliRunner
+
+    from jitllmd.cli import app
+
+    server = serve("-load", str(tiny_serve_jlm), "-id", "tiny", "-max-seq", "512", "-max-choices", "3", "-max-constrained", "1")
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "n": 4, "max_tokens": 1})
+    assert r.status_code == 400 and "at most 3 for one request (serve -max-choices)" in r.json()["error"]["message"], r.text
+    body = {"model": "tiny", "messages": MESSAGES, "n": 2, "max_tokens": 4, "response_format": {"type": "json_object"}}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "at most 1 for one request (serve -max-constrained)" in r.json()["error"]["message"], r.text
+    assert _post(server, "/v1/chat/completions", {**body, "n": 1}).status_code == 200
+    result = CliRunner().invoke(app, ["serve", "-max-choices", "0", "-load", str(tiny_serve_jlm)])
+    assert result.exit_code == 1 and "-max-choices must be >= 1, got 0" in result.output

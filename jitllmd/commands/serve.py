@@ -15,6 +15,7 @@ from ..console import err_console, fail, progress_bar
 
 if TYPE_CHECKING:
     from ..engine.config import EngineConfig
+    from ..serve.openai_request import Limits
 
 __all__ = ["ServePlan", "serve", "serve_plan", "start_models"]
 
@@ -36,11 +37,13 @@ def serve(
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
     api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
     api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
-    allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost and IP addresses (repeat it for more; * accepts any). A server on the loopback refuses other Host names, so a web page that renamed itself cannot reach it.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost, this machine's own names and IP addresses (repeat it for more; * accepts any). Other Host names are refused, so a web page that renamed itself (DNS rebinding) cannot reach the server; with -api-key, only a server on the loopback refuses them.")] = None,
     device_mem: Annotated[str | None, typer.Option("-device-mem", "--device-mem", metavar="SIZE", show_default=False, help="At most SIZE (e.g. 6G) of each device for the loaded models' device blocks and the KV reserved for them, together. Default: the device's free memory.")] = None,
     relocate: Annotated[str, typer.Option("-relocate", "--relocate", metavar="on|off", help="Each model's automatic relocation at load (place -model M -relocate changes it): its blocks leave the devices for the host while it is idle and another model needs the room, and come back while it is busy where that repays their copy.")] = "off",
     relocate_idle: Annotated[float, typer.Option("-relocate-idle", "--relocate-idle", metavar="SECONDS", help="With relocation: a model with no request for this long may give up its device blocks; 0 is whenever it has none.")] = 10.0,
     relocate_horizon: Annotated[int, typer.Option("-relocate-horizon", "--relocate-horizon", metavar="TOKENS", help="With relocation: a host block comes back to a device when the time it saves a step, measured, repays its copy within this many tokens.")] = 256,
+    max_choices: Annotated[int, typer.Option("-max-choices", "--max-choices", metavar="N", help="Choices one OpenAI request may run: its prompts times n. Each is a row with a session of its own; more is a 400 that names this flag.")] = 64,
+    max_constrained: Annotated[int, typer.Option("-max-constrained", "--max-constrained", metavar="N", help="Choices of one request that run under a grammar (response_format, a forced tool call): each holds a matcher and its token masks, megabytes for a large vocabulary; more is a 400 that names this flag.")] = 16,
     cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Be rank 0 of a cluster: tcp://HOST:PORT, the address this server listens on for its workers (`jitllmd worker`), or env:// (torch's MASTER_ADDR and MASTER_PORT). Other ranks' devices are named with their rank first (1:cpu, 1:cuda:0). Default: env:// under torchrun (RANK and WORLD_SIZE set), else none.")] = None,
     world: Annotated[int | None, typer.Option("-world", "--world", metavar="N", show_default=False, help="Ranks in the cluster, this server included; it waits for ranks 1..N-1 to join at start-up. Default: WORLD_SIZE under torchrun.")] = None,
     cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for a rank's answer: a rank that stops answering fails its models' requests (503) after this long.")] = 60.0,
@@ -65,7 +68,8 @@ def serve(
     plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
-                      device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon)
+                      device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
+                      max_choices=max_choices, max_constrained=max_constrained)
     try:
         sock = bind(plan.host, plan.port)
     except OSError as exc:
@@ -122,7 +126,8 @@ def serve(
 
     try:
         info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
-        run_server(build_app(catalog, info, api_key=key, allowed_hosts=plan.hosts, health=health), sock, cancel_all=catalog.cancel_all, startup=load_all)
+        app = build_app(catalog, info, api_key=key, allowed_hosts=plan.hosts, health=health, limits=plan.limits())
+        run_server(app, sock, cancel_all=catalog.cancel_all, startup=load_all)
     finally:
         catalog.stop(timeout=STOP_SECONDS)
         sock.close()
@@ -145,12 +150,20 @@ class ServePlan:
     gguf: Path | None
     key: str | None
     hosts: frozenset[str] | None
+    max_choices: int = 64
+    max_constrained: int = 16
+
+    def limits(self) -> Limits:
+        """What one request may fan out to (serve.openai_request imports torch: not before the flags are checked)."""
+        from ..serve.openai_request import Limits
+
+        return Limits(choices=self.max_choices, constrained=self.max_constrained)
 
 
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int) -> ServePlan:
+               relocate_horizon: int, max_choices: int = 64, max_constrained: int = 16) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
     from ..embedded import INSTALL_HINT, default_gguf
@@ -161,6 +174,9 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
         host, port = parse_addr(addr)
         if relocate not in ("on", "off"):
             raise ValueError(f"-relocate {relocate!r}: give on or off")
+        for flag, value in (("-max-choices", max_choices), ("-max-constrained", max_constrained)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         config = EngineConfig(
             devices=devices,
             maxmem=parse_size(maxmem) if maxmem is not None else None,
@@ -191,7 +207,8 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             find_model_file(file, models)
     except FileNotFoundError as exc:
         raise fail(str(exc)) from None
-    return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host))
+    return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host, keyed=key is not None),
+                     max_choices, max_constrained)
 
 
 def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = False) -> None:
@@ -309,14 +326,19 @@ def _api_key(key: str | None, path: Path | None) -> str | None:
     return key
 
 
-def _allowed_hosts(host: str, allowed: list[str]) -> frozenset[str] | None:
-    """The Host names accepted: checked on a loopback server (a DNS-rebinding page's target) or where -allow-host
-    names some; * (or a server on every interface with none named) accepts any."""
+def _allowed_hosts(host: str, allowed: list[str], *, keyed: bool) -> frozenset[str] | None:
+    """The Host names accepted besides IP literals: localhost, this machine's own names, the bound one and -allow-host's.
+    Without a key they are checked wherever the server listens (a DNS-rebinding page reaches a server on every
+    interface as well as one on the loopback); with one, on a loopback server or where -allow-host names some (the key
+    guards the rest). * accepts any."""
+    import socket
+
     from ..serve.server import host_name, is_loopback
 
-    if "*" in allowed or not (is_loopback(host) or allowed):
+    if "*" in allowed or (keyed and not is_loopback(host) and not allowed):
         return None
-    return frozenset({"localhost", host_name(host), *(host_name(a) for a in allowed)})
+    own = socket.gethostname().lower()
+    return frozenset({"localhost", own, f"{own}.local", socket.getfqdn().lower(), host_name(host), *(host_name(a) for a in allowed)})
 
 
 def _where(loaded) -> str:

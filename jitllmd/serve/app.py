@@ -22,6 +22,7 @@ from .body import APIError
 from .embeddings import Embeddings
 from .guard import Guard
 from .metrics import Metrics
+from .openai_request import Limits
 from .services.control import Devices, ErrorMapper, Models, Sessions
 from .services.inference import Inference
 from .services.placement import Placement
@@ -56,11 +57,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None, allowed_hosts: frozenset[str] | None = None,
-              health: Health | None = None) -> Starlette:
+              health: Health | None = None, limits: Limits | None = None) -> Starlette:
     """Every route behind the Guard (jitllmd/serve/guard.py): api_key, when given, is asked of all but /healthz;
     allowed_hosts, when given, are the only names a Host header may carry besides IP addresses. `health`: what
-    /healthz says (default: always ok)."""
-    oa, an, metrics = openai.OpenAI(catalog), anthropic.Anthropic(catalog), Metrics(catalog)
+    /healthz says (default: always ok). `limits`: what one OpenAI request may fan out to."""
+    oa, an, metrics = openai.OpenAI(catalog, limits), anthropic.Anthropic(catalog), Metrics(catalog)
     routes: list[BaseRoute] = [
         Route("/healthz", (health or Health()).endpoint, methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),

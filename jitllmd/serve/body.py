@@ -3,10 +3,12 @@ guard that renders a handler's errors in its dialect."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +23,8 @@ log = logging.getLogger("jitllmd.serve")
 Handler = Callable[[Any, Request], Awaitable[Response]]
 
 MAX_BODY = 32 << 20  # bytes
+_OFF_LOOP = 256 << 10  # a body longer than this is parsed on a thread (tens of ms on the event loop otherwise)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped or raw UTF-16 surrogate: what makes a string not text
 _EXACT_INTEGERS = 1 << 53  # a JSON number written as a float stands for an integer only up to here
 
 
@@ -74,10 +78,13 @@ def _no_constant(name: str) -> float:
 
 
 async def read_json(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
-    """The body as a JSON object. Refuses a Content-Type other than JSON's (415: what a web page can post without
-    asking first, text/plain or a form, never reaches a model) and bodies over `limit` bytes before reading them
-    whole."""
-    media = request.headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+    """The body as a JSON object. Refuses a Content-Type other than JSON's, or none (415: what a web page can post
+    without asking first, text/plain or a form, never reaches a model), and bodies over `limit` bytes before reading
+    them whole. A long body is parsed off the event loop, so other requests (/healthz) are answered meanwhile."""
+    given = request.headers.get("content-type")
+    if given is None:
+        raise APIError("the request has no Content-Type: send Content-Type: application/json", kind="media_type")
+    media = given.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise APIError(f"Content-Type {media or '(empty)'!r} is not JSON: send application/json", kind="media_type")
     declared = request.headers.get("content-length")
@@ -93,21 +100,59 @@ async def read_json(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError("the request body is empty: send a JSON object")
+    body = await asyncio.to_thread(_parse, raw, yielding=True) if len(raw) > _OFF_LOOP else _parse(raw)
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def _parse(raw: bytes, *, yielding: bool = False) -> Any:
+    """JSON text -> its value, whose strings are all valid Unicode. `yielding`, on a thread: the C parser holds the GIL
+    from start to end unless it calls Python, so Python hooks let the event loop's thread take turns (each call is a
+    point where the GIL changes hands), for every object and number."""
+    hooks: dict[str, Any] = {"object_hook": _same, "parse_float": _float, "parse_int": _int} if yielding else {}
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = json.loads(raw, parse_constant=_no_constant, **hooks)
     except UnicodeDecodeError:
         raise APIError("the request body is not UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
         raise APIError(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (ValueError, RecursionError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, not {_kind(body)}")
-    try:  # a \ud800-style escape decodes to a lone surrogate, which is not text and no tokenizer takes
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise APIError("the request body holds a lone UTF-16 surrogate escape (such as \\ud800): strings must be valid Unicode") from None
+    if _SURROGATE.search(raw) and not _is_text(body):  # a \ud800-style escape decodes to a lone surrogate, which no tokenizer takes
+        raise APIError("the request body holds a lone UTF-16 surrogate escape (such as \\ud800): strings must be valid Unicode")
     return body
+
+
+def _same(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _is_text(value: Any) -> bool:
+    """Whether every string in a parsed JSON value, keys too, is valid Unicode (no lone surrogate): walked in Python,
+    so that on a thread it lets the event loop take turns."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str) and not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return False
+    return True
 
 
 def _kind(value: Any) -> str:

@@ -1,6 +1,6 @@
 """What every request passes before a route sees it, as one ASGI middleware: the Host header (a page that renamed
-itself to reach a loopback server is refused), the API key, gRPC's need for HTTP/2 and a body that must arrive in
-time; and what every response gains: its request id and its count in /metrics."""
+itself to reach the server is refused), the API key, gRPC's need for HTTP/2 and a body that must arrive in time and
+within MAX_BODY; and what every response gains: its request id and its count in /metrics."""
 
 from __future__ import annotations
 
@@ -19,24 +19,25 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import anthropic, openai
-from .body import APIError
+from .body import MAX_BODY, APIError
 from .server import host_name
 
-__all__ = ["BODY_RATE", "BODY_SECONDS", "Guard"]
+__all__ = ["BODY_RATE", "BODY_SECONDS", "BodyRefused", "Guard"]
 
 log = logging.getLogger("jitllmd.http")
 
-BODY_SECONDS = 10.0  # a request body must arrive within this long ...
-BODY_RATE = 256 << 10  # ... plus a second per this many bytes its Content-Length declares (a chunked one: BODY_SECONDS * 6)
+BODY_SECONDS = 10.0  # a request body must start, and keep, arriving: a pause this long in it is a 408 ...
+BODY_RATE = 256 << 10  # ... and all of it must arrive within BODY_SECONDS plus a second per this many bytes of its
+# Content-Length (a chunked one: of MAX_BODY), so no body holds a connection past BODY_SECONDS + MAX_BODY / BODY_RATE
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's own X-Request-Id is kept when it looks like this
 _OPEN = ("/healthz",)  # paths no key guards
 _GRPC_STATUS = {401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 415: 3, 426: 12}  # HTTP status -> gRPC code, for trailers-only answers
-_CONNECT_CODE = {401: "unauthenticated", 403: "permission_denied", 404: "unimplemented", 408: "deadline_exceeded"}
+_CONNECT_CODE = {401: "unauthenticated", 403: "permission_denied", 404: "unimplemented", 408: "deadline_exceeded",
+                 413: "resource_exhausted"}
 
 
-class BodyTimeout(APIError):
-    def __init__(self, seconds: float):
-        super().__init__(f"the request body did not arrive within {seconds:.3g} s", kind="timeout")
+class BodyRefused(APIError):
+    """The body came too slowly (408) or too big (413): the guard answered, and whichever route read it gets this."""
 
 
 def _is_ip(name: str) -> bool:
@@ -70,7 +71,7 @@ class Guard:
         path, method = scope["path"], scope["method"]
         t0 = time.perf_counter()
         status = 0
-        late = False  # the body timed out and the guard answered: the route's own answer goes nowhere
+        late = False  # the guard refused the body and answered: the route's own answer goes nowhere
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -90,7 +91,7 @@ class Guard:
                 return
             await send_with_id(message)
 
-        async def on_late(exc: BodyTimeout) -> None:
+        async def on_refused(exc: BodyRefused) -> None:
             nonlocal late
             if status == 0:  # the connection cannot carry another request: the rest of the body may still come
                 await _answer(exc, scope, headers, send_with_id, close=True)
@@ -101,9 +102,14 @@ class Guard:
             if refusal is not None:
                 await _answer(refusal, scope, headers, send_with_id)
                 return
+            declared = _declared(headers)
+            if declared is not None and declared > MAX_BODY:  # refused before a byte of it is waited for, on every route
+                await _answer(BodyRefused(f"the request body is {declared} bytes; the limit is {MAX_BODY}", kind="too_large"),
+                              scope, headers, send_with_id, close=True)
+                return
             try:
-                await self.app(scope, self._timed(receive, headers, on_late), send_unless_late)
-            except BodyTimeout:  # answered already
+                await self.app(scope, self._metered(receive, declared, on_refused), send_unless_late)
+            except BodyRefused:  # answered already
                 pass
         finally:
             ms = (time.perf_counter() - t0) * 1000
@@ -129,30 +135,48 @@ class Guard:
                                 kind="unauthorized", code="invalid_api_key")
         return None
 
-    def _timed(self, receive: Receive, headers: dict[str, str], on_late: Callable[[BodyTimeout], Awaitable[None]]) -> Receive:
-        """`receive` that answers 408 (on_late) and raises BodyTimeout once the body is late, in whichever route
-        reads it (the Connect services read their own); after the body, waits are the route's own."""
-        declared = headers.get("content-length", "")
-        seconds = BODY_SECONDS + int(declared) / BODY_RATE if declared.isdigit() else BODY_SECONDS * 6
-        deadline = asyncio.get_running_loop().time() + seconds
+    def _metered(self, receive: Receive, declared: int | None, on_refused: Callable[[BodyRefused], Awaitable[None]]) -> Receive:
+        """`receive` that answers (on_refused) and raises BodyRefused, in whichever route reads the body (the Connect
+        services read their own), once the body pauses for BODY_SECONDS, is late (BODY_SECONDS plus a second per
+        BODY_RATE bytes it declares, or MAX_BODY's) or runs past its Content-Length or MAX_BODY; after the body, waits
+        are the route's own."""
+        loop = asyncio.get_running_loop()
+        limit = MAX_BODY if declared is None else declared
+        seconds = BODY_SECONDS + limit / BODY_RATE
+        deadline = loop.time() + seconds
+        size = 0
         body_done = False
 
-        async def receive_in_time() -> Message:
-            nonlocal body_done
+        async def receive_metered() -> Message:
+            nonlocal body_done, size
             if body_done:
                 return await receive()
-            left = deadline - asyncio.get_running_loop().time()
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), max(left, 0.0))
+                message = await asyncio.wait_for(receive(), max(min(left, BODY_SECONDS), 0.0))
             except TimeoutError:
-                exc = BodyTimeout(seconds)
-                await on_late(exc)
+                why = f" within {seconds:.3g} s" if left <= BODY_SECONDS else f": nothing came for {BODY_SECONDS:g} s"
+                exc = BodyRefused("the request body did not arrive" + why, kind="timeout")
+                await on_refused(exc)
                 raise exc from None
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    what = "its Content-Length" if declared is not None else f"the limit of {MAX_BODY} bytes"
+                    exc = BodyRefused(f"the request body runs past {what}", kind="too_large")
+                    await on_refused(exc)
+                    raise exc
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
 
-        return receive_in_time
+        return receive_metered
+
+
+def _declared(headers: dict[str, str]) -> int | None:
+    """The body's Content-Length, None where the body is chunked (or has none)."""
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else None
 
 
 def _is_grpc(headers: dict[str, str]) -> bool:
@@ -190,7 +214,7 @@ def _percent(text: str) -> str:
 async def _answer(exc: APIError, scope: Scope, headers: dict[str, str], send: Send, close: bool = False) -> None:
     """An error in the dialect of the path: gRPC, Connect, Anthropic or OpenAI."""
     path = scope["path"]
-    extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close else []
+    extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close and scope.get("http_version", "1.1").startswith("1") else []
     if exc.status == 401:
         extra.append((b"www-authenticate", b"Bearer"))
     if _is_grpc(headers):

@@ -131,8 +131,8 @@ def parse_common(
     if tools and forced:  # the reply is a call: the tool grammar wins over response_format
         grammar, grammar_param = tool_grammar(served, tools, name, "tool_choice"), "tool_choice"
     if prompts * n > limits.choices:
-        raise f.error("n", f"{prompts} prompt{'s' if prompts > 1 else ''} x n={n} make {prompts * n} choices; this server runs at most "
-                           f"{limits.choices} for one request (serve -max-choices)")
+        raise f.error("n" if n > 1 else "prompt", f"{prompts} prompt{'s' if prompts > 1 else ''} x n={n} make {prompts * n} choices; this "
+                      f"server runs at most {limits.choices} for one request (serve -max-choices)")
     if grammar is not None and prompts * n > limits.constrained:
         raise f.error(grammar_param, f"{prompts * n} choices each under its own grammar; this server compiles at most {limits.constrained} "
                                      "for one request (serve -max-constrained)")

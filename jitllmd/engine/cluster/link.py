@@ -71,11 +71,39 @@ def join_store(address: ClusterAddress, *, master: bool, timeout: float) -> dist
     """The cluster's TCPStore: served by rank 0 (unless torchrun's agent serves it), joined by the others, which retry
     until `timeout` while rank 0 is not up yet."""
     hosting = master and not address.agent_store
+    what = f"cannot listen on {address.host}:{address.port}" if hosting else f"cannot reach rank 0's store at {address.host}:{address.port} within {timeout:g} s"
     try:
-        return dist.TCPStore(address.host, address.port, None, hosting, timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True)
+        sock = _listen(address.host, address.port) if hosting else None
+    except OSError as exc:
+        raise ValueError(f"-cluster: {what}: {exc.strerror or exc}") from None
+    try:
+        store = dist.TCPStore(address.host, address.port, None, hosting, timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True,
+                              master_listen_fd=sock.fileno() if sock is not None else None)
     except (RuntimeError, dist.DistError) as exc:
-        what = f"cannot listen on {address.host}:{address.port}" if hosting else f"cannot reach rank 0's store at {address.host}:{address.port} within {timeout:g} s"
+        if sock is not None:
+            sock.close()
         raise ValueError(f"-cluster: {what}: {_first_line(exc)}") from None
+    if sock is not None:
+        sock.detach()  # the store owns the descriptor now, and closes it with itself
+    return store
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port only: the store's own socket, however its host is given, listens on every
+    interface, and the -cluster address may be a loopback or private one that was meant to stay so."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = min(infos, key=lambda info: info[0] != socket.AF_INET)  # IPv4 where the name has both
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and sockaddr[0] == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # every interface, IPv4 too, as the store's own
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # -- the wire: one message each way per command where it fits the receiver's buffer ---------------------------------
