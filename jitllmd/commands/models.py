@@ -65,6 +65,9 @@ def models(
                 print(json.dumps(to_dict(resp)))
                 return
             _print_table(resp.models)
+            for m in resp.models:
+                if m.error:
+                    console.print(m.error if m.error.startswith(m.file) else f"{m.file}: {m.error}", soft_wrap=True, highlight=False, markup=False)
     except ConnectError as exc:
         raise fail(client.explain(exc)) from None
 
@@ -91,7 +94,7 @@ def _print_table(models: Sequence[Model]) -> None:
         table.add_column(name, justify="right" if name in ("blocks", "max_seq") else "left", no_wrap=name != "file")
     for m in models:
         table.add_row(*map(Text, (
-            m.id, "yes" if m.loaded else "no", m.arch, _weights(m), str(m.num_blocks),
+            m.id, "yes" if m.loaded else "no", "unreadable" if m.error else m.arch, _weights(m), str(m.num_blocks),
             _places(m) if m.loaded else "", str(m.max_seq) if m.max_seq else "", m.file,
         )))
     console.print(table)

@@ -8,8 +8,10 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import struct
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +42,37 @@ _DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEM_BYTES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _NAMES}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_DEPTH = 32  # JSON nesting a header may have (a real one nests 4 deep); deeper is a crafted file
+_BLOCK = re.compile(r"blocks\.(0|[1-9][0-9]*)\.", re.ASCII)
+# config sizes a file's weights must hold: none can exceed its bytes (checked before a loader sizes anything by them)
+_SIZES = ("num_layers", "vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "type_vocab_size")
+_CONTEXTS = ("max_position_embeddings", "max_seq_length")  # positions: at most what the wire's uint32 carries
+_META_TYPES: dict[str, tuple[type, ...]] = {"arch": (str,), "config": (dict,), "tokenizer": (str,), "chat_template": (str,),
+                                            "special_tokens": (dict,), "quantization": (dict,), "source": (dict,)}
+_KIND: dict[type, str] = {str: "string", dict: "object"}
 
 
 class JLMError(ValueError):
     """A .jlm file is missing, truncated, or not a .jlm file."""
+
+
+def _parse(raw: str | bytes, path: Path, what: str) -> Any:
+    """JSON from a file's header, refused (JLMError naming the file) where it is not JSON or nests deeper than a
+    header does: the parser's recursion, or a reader's walk over what it returns, never meets a crafted depth."""
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise JLMError(f"{path}: not a .jlm file (its {what} nests JSON deeper than {_MAX_DEPTH} levels)") from None
+    except ValueError:  # UnicodeDecodeError included
+        raise JLMError(f"{path}: not a .jlm file (its {what} is not JSON)") from None
+    level = [doc]
+    for _ in range(_MAX_DEPTH):
+        level = [v for c in level if isinstance(c, (dict, list)) for v in (c.values() if isinstance(c, dict) else c)]
+        if not level:
+            return doc
+    raise JLMError(f"{path}: not a .jlm file (its {what} nests JSON deeper than {_MAX_DEPTH} levels)")
 
 
 @dataclass(frozen=True)
@@ -97,8 +125,7 @@ def write_jlm(
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_parts(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # held while this writer lives: a part no one holds is a dead writer's
+    fd, tmp = _new_part(path)
     try:
         with contextlib.ExitStack() as files:
             files.callback(os.close, fd)  # written through the descriptor: the kernel's copies append to it too
@@ -159,17 +186,40 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, err
 _CHUNK = 16 << 20
 
 
+STALE_SECONDS = 600  # a part of another output no one has written for this long, and no one holds, is a dead writer's
+
+
+def _new_part(path: Path) -> tuple[int, str]:
+    """A fresh `.NAME.jlm.XXXX.part` beside `path`, open and locked: the lock is held while this writer lives, so a
+    part no one holds is a dead writer's. Between its creation and the lock a cleaner may take it for one and remove
+    it: then this makes another."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return fd, tmp
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 def remove_stale_parts(path: str | Path) -> list[Path]:
-    """Remove the temp files (`.NAME.jlm.*.part`) that writers of `path` killed mid-write left behind (a live
-    writer holds a lock on its own, so its part stays); returns those removed."""
+    """Remove the temp files that writers killed mid-write (`kill -9`, a crash) left beside `path`: its own
+    (`.NAME.jlm.*.part`) that no writer holds, and those of other outputs in its directory that no writer holds and
+    none has written for STALE_SECONDS (a writer of an older jitllmd held no lock). Returns those removed."""
     path = Path(path)
     removed = []
-    for part in path.parent.glob(f".{path.name}.*.part"):
+    now = time.time()
+    for part in path.parent.glob(".*.jlm.*.part"):
+        own = part.name.startswith(f".{path.name}.")
         try:
-            fd = os.open(part, os.O_RDONLY)
+            fd = os.open(part, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
-            continue  # gone meanwhile, or not ours to read
+            continue  # gone meanwhile, a link, or not ours to read
         try:
+            if not own and now - os.fstat(fd).st_mtime < STALE_SECONDS:
+                continue  # another output's, written lately: maybe a live writer's
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # a live writer's
@@ -199,13 +249,13 @@ class JLMFile:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > _MAX_HEADER or 8 + n > size:
                 raise JLMError(f"{self.path}: not a .jlm file (bad header length)")
-            try:
-                header = json.loads(f.read(n))
-                meta = json.loads(header.pop("__metadata__")["jlm"])
-                if not isinstance(meta, dict):
-                    raise TypeError("jlm metadata is not an object")
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise JLMError(f"{self.path}: not a .jlm file (no jlm metadata)") from None
+            header = _parse(f.read(n), self.path, "header")
+            meta = header.pop("__metadata__", None) if isinstance(header, dict) else None
+            if not isinstance(meta, dict) or not isinstance(meta.get("jlm"), str):
+                raise JLMError(f"{self.path}: not a .jlm file (no jlm metadata)")
+            meta = _parse(meta["jlm"], self.path, "jlm metadata")
+            if not isinstance(meta, dict):
+                raise JLMError(f"{self.path}: not a .jlm file (its jlm metadata is not an object)")
             # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never written back.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._data_start = 8 + n
@@ -216,18 +266,49 @@ class JLMFile:
         for name, info in header.items():
             try:
                 dtype = _DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                start, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+                shape, offsets = info["shape"], info["data_offsets"]
+                if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
+                    raise TypeError
+                if not all(type(d) is int for d in (*shape, *offsets)):  # not a bool, float or string
+                    raise TypeError
+                shape, (start, end) = tuple(shape), offsets
+            except (KeyError, TypeError):
                 raise JLMError(f"{self.path}: bad header entry for tensor {name!r}") from None
             numel = 1
             for d in shape:
                 numel *= d
-            if min(shape, default=0) < 0 or end - start != numel * torch.empty((), dtype=dtype).element_size():
+            if min(shape, default=0) < 0 or max(shape, default=0) > size or end - start != numel * _ITEM_BYTES[dtype]:
                 raise JLMError(f"{self.path}: tensor {name!r} offsets do not match its shape {list(shape)}")
             if start < 0 or self._data_start + end > size:
                 raise JLMError(f"{self.path}: truncated (tensor {name} ends past the end of the file)")
+            if name.startswith("blocks.") and not _BLOCK.match(name):
+                raise JLMError(f"{self.path}: tensor {name!r} is not named blocks.<layer>.<part>")
             self._index[name] = (dtype, shape, start, end)
+        self._check_meta(size)
+
+    def _check_meta(self, size: int) -> None:
+        """What readers take from the metadata has the type they take it as, and no number in the config that sizes
+        something exceeds what the file holds: a crafted file is refused here, before anything is sized by it."""
+        for key, kinds in _META_TYPES.items():
+            if self.meta.get(key) is not None and not isinstance(self.meta[key], kinds):
+                raise JLMError(f"{self.path}: jlm metadata {key} is not a{'n' * (kinds[0] is dict)} {_KIND[kinds[0]]}")
+        quant = self.meta.get("quantization") or {}
+        if (bad := next((n for n, e in quant.items() if not isinstance(e, dict)), None)) is not None:
+            raise JLMError(f"{self.path}: jlm metadata quantization[{bad!r}] is not an object")
+        config = self.meta.get("config") or {}
+        if (layers := config.get("num_layers")) is not None:
+            held = sorted({int(m.group(1)) for n in self._index if (m := _BLOCK.match(n))})
+            if type(layers) is not int or held != list(range(layers)):
+                what = f"blocks 0 to {held[-1]}" if held and held == list(range(len(held))) else f"{len(held)} layers' blocks"
+                raise JLMError(f"{self.path}: config.num_layers is {layers!r}, but the file holds {what}")
+        for key in _SIZES + _CONTEXTS:
+            value = config.get(key)
+            if value is None:
+                continue
+            most = size if key in _SIZES else 2**32 - 1
+            if type(value) is not int or not 0 <= value <= most:
+                bound = f"the file's size, {most}" if key in _SIZES else str(most)
+                raise JLMError(f"{self.path}: config.{key} is {value!r}: not a whole number from 0 to {bound}")
 
     @property
     def names(self) -> list[str]:
@@ -235,18 +316,28 @@ class JLMFile:
 
     @property
     def arch(self) -> str:
+        if not self.meta.get("arch"):
+            raise JLMError(f"{self.path}: its jlm metadata names no arch")
         return self.meta["arch"]
 
     @property
     def config(self) -> dict[str, Any]:
+        if self.meta.get("config") is None:
+            raise JLMError(f"{self.path}: its jlm metadata has no config")
         return self.meta["config"]
+
+    def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise JLMError(f"{self.path}: has no tensor {name!r} (its arch and config need it)") from None
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, mapped from the file (no copy)."""
-        dtype, shape, start, end = self._index[name]
+        dtype, shape, start, end = self._entry(name)
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        count = (end - start) // _ITEM_BYTES[dtype]
         t = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + start)
         return t.view(shape)
 
@@ -258,7 +349,7 @@ class JLMFile:
 
     def locate(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         """Where a tensor's bytes are: (dtype, shape, offset in the file, byte count), for reads that bypass the map."""
-        dtype, shape, start, end = self._index[name]
+        dtype, shape, start, end = self._entry(name)
         return dtype, shape, self._data_start + start, end - start
 
     def block(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -271,7 +362,7 @@ class JLMFile:
         quant = self.meta.get("quantization") or {}
         counts: dict[str, int] = {}
         for name, (dtype, *_) in self._index.items():
-            kind = str(quant[name]["type"]) if name in quant else _NAMES[dtype]
+            kind = str(quant[name].get("type")) if name in quant else _NAMES[dtype]
             counts[kind] = counts.get(kind, 0) + 1
         return sorted(counts, key=lambda k: -counts[k])
 

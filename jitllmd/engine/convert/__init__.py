@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..jlm import TensorSpec, write_jlm
+from ..jlm import TensorSpec, remove_stale_parts, write_jlm
 from ..layers.formats import FORMATS, quantizable, quantize
 from .gguf import is_gguf, read_gguf
 from .hf import is_hf_dir, read_hf
@@ -26,6 +28,9 @@ FLOAT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 QUANT_DTYPES = {"q8_0": ("Q8_0",), "q4_0": ("Q4_0", "Q8_0"), "q4_k": ("Q4_K", "Q5_0", "Q8_0")}
 DTYPES = ("auto", *FLOAT_DTYPES, *QUANT_DTYPES)  # auto: a quantized GGUF keeps its quantization; anything else bf16
 _HEAD = ("Q8_0",)
+_BLOCK = re.compile(r"blocks\.(0|[1-9][0-9]*)\.", re.ASCII)
+
+log = logging.getLogger("jitllmd.convert")
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,35 @@ def read_source(src: Path, dtype: str = "auto") -> Source:
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
     float_dtype = FLOAT_DTYPES.get(dtype, torch.float32 if dtype in QUANT_DTYPES else torch.bfloat16)
-    if src.is_dir():
-        if not is_hf_dir(src):
-            raise ConvertError(f"{src}: a directory without config.json is not a Hugging Face model directory")
-        source = read_hf(src, float_dtype)
-    elif not is_gguf(src):
-        raise ConvertError(f"{src}: not a GGUF file (no GGUF magic) or a Hugging Face model directory")
-    else:
-        source = read_gguf(src, float_dtype, keep=dtype == "auto")  # a quantized file keeps its blocks
+    try:
+        if src.is_dir():
+            if not is_hf_dir(src):
+                raise ConvertError(f"{src}: a directory without config.json is not a Hugging Face model directory")
+            source = read_hf(src, float_dtype)
+        elif not is_gguf(src):
+            raise ConvertError(f"{src}: not a GGUF file (no GGUF magic) or a Hugging Face model directory")
+        else:
+            source = read_gguf(src, float_dtype, keep=dtype == "auto")  # a quantized file keeps its blocks
+    except (ConvertError, OSError):
+        raise
+    except (ValueError, LookupError, TypeError, ArithmeticError, RecursionError) as exc:
+        # a damaged or crafted source reaches the readers' lookups and arithmetic: its error, named, not a traceback
+        log.debug("%s: %s: %s", src, type(exc).__name__, exc)
+        raise ConvertError(f"{src}: cannot be read ({type(exc).__name__}: {exc})") from None
+    _check_layers(src, source)
     if dtype in QUANT_DTYPES:
         if source.embeds:
             raise ConvertError(f"{src}: an embedding model is stored as floats (-dtype f32, bf16 or f16), not {dtype}")
         _quantize(source, QUANT_DTYPES[dtype])
     return source
+
+
+def _check_layers(src: Path, source: Source) -> None:
+    """The layers the config declares are the blocks the source holds: a .jlm that says otherwise would not load."""
+    layers = source.config.get("num_layers")
+    held = sorted({int(m.group(1)) for spec in source.tensors if (m := _BLOCK.match(spec.name))})
+    if not isinstance(layers, int) or held != list(range(layers)):
+        raise ConvertError(f"{src}: it declares {layers!r} layers but holds the tensors of {len(held)}")
 
 
 def _quantize(source: Source, kinds: tuple[str, ...]) -> None:
@@ -101,6 +122,8 @@ def convert(
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    if dst.parent.is_dir():
+        remove_stale_parts(dst)  # what killed writers left, now, even if this conversion fails before it writes
     source = read_source(src, dtype)
     total = sum(s.nbytes for s in source.tensors)
     done = 0

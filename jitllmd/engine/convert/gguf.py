@@ -15,7 +15,7 @@ import torch
 from ..jlm import TensorSpec
 from ..models import family_for_gguf
 from ..models.family import TensorFix
-from .gguf_reader import open_gguf
+from .gguf_reader import GGUFError, open_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ConvertError, Source, block_order, naming
 
@@ -81,6 +81,8 @@ def read_gguf(path: Path, dtype: torch.dtype, keep: bool = False) -> Source:
 
     try:
         reader = open_gguf(path)
+    except GGUFError as exc:  # what our own walk of the header found wrong
+        raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from None
     except Exception as exc:  # the gguf package raises many kinds on a damaged file
         log.debug("%s: %s: %s", path, type(exc).__name__, exc)
         raise ConvertError(f"{path}: not a readable GGUF file (its header, metadata or tensor table is damaged or cut short)") from None

@@ -107,6 +107,11 @@ def session_of(catalog: Catalog, session_id: str) -> tuple[ServedModel, Session]
         raise _not_found(f"no session {session_id!r}") from None
 
 
+def _hide_paths(catalog: Catalog, message: str) -> str:
+    """`message` with the model directory's own path taken out of the paths it names (as ErrorMapper does)."""
+    return message.replace(str(catalog.models_dir) + os.sep, "") if catalog.models_dir is not None else message
+
+
 def _relative(catalog: Catalog, path: Path) -> str:
     if catalog.models_dir is not None and path.resolve().is_relative_to(catalog.models_dir):
         return str(path.resolve().relative_to(catalog.models_dir))
@@ -137,12 +142,14 @@ def _model_message(catalog: Catalog, served: ServedModel) -> mdl.Model:
 
 def _file_model(catalog: Catalog, entry_id: str, path: Path, created: int) -> mdl.Model:
     jlm = JLMFile(path)
-    blocks = len(jlm.block_names)
-    return mdl.Model(
-        id=entry_id, file=_relative(catalog, path), loaded=False, arch=jlm.arch, num_blocks=blocks,
-        weight_bytes=path.stat().st_size, context_length=int(jlm.config.get("max_position_embeddings", 0)),
-        has_chat_template=bool(jlm.meta.get("chat_template")), created_unix=created, weight_types=jlm.stored_types(),
-    )
+    try:
+        return mdl.Model(
+            id=entry_id, file=_relative(catalog, path), loaded=False, arch=jlm.arch, num_blocks=len(jlm.block_names),
+            weight_bytes=path.stat().st_size, context_length=int(jlm.config.get("max_position_embeddings", 0)),
+            has_chat_template=bool(jlm.meta.get("chat_template")), created_unix=created, weight_types=jlm.stored_types(),
+        )
+    finally:
+        jlm.close()
 
 
 def _session_message(served: ServedModel, s: Session) -> ses.Session:
@@ -165,11 +172,20 @@ class Models(ModelService):
             if e.loaded:
                 out.append(_model_message(self.catalog, self.catalog.get(e.id)))
             else:
-                try:
-                    out.append(_file_model(self.catalog, e.id, e.path, e.created))
-                except (JLMError, OSError):  # an unreadable file in the directory: list it plainly
-                    out.append(mdl.Model(id=e.id, file=_relative(self.catalog, e.path), loaded=False, created_unix=e.created))
+                out.append(self._listed_file(e.id, e.path, e.created))
         return mdl.ListModelsResponse(models=out)
+
+    def _listed_file(self, entry_id: str, path: Path, created: int) -> mdl.Model:
+        """A file of the model directory as the list shows it. One that cannot be read (damaged, crafted) is listed
+        plainly, without an arch and with its `error`: one file never breaks the list."""
+        try:
+            return _file_model(self.catalog, entry_id, path, created)
+        except (ValueError, OSError) as exc:  # JLMError; or what the wire cannot carry
+            error = _hide_paths(self.catalog, str(exc))
+        except Exception:  # a reader's bug: logged, and still only this file's
+            log.exception("listing %s", _relative(self.catalog, path))
+            error = "cannot be read (logged on the server)"
+        return mdl.Model(id=entry_id, file=_relative(self.catalog, path), loaded=False, created_unix=created, error=error)
 
     async def get_model(self, request: mdl.GetModelRequest, ctx: Any) -> mdl.GetModelResponse:
         """A loaded model by id or alias, else a .jlm of -models by the name the list gives it (a loaded name wins)."""

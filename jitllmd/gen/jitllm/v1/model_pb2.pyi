@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Model(_message.Message):
-    __slots__ = ("id", "aliases", "file", "loaded", "arch", "num_blocks", "weight_bytes", "context_length", "max_seq", "device_ids", "has_chat_template", "created_unix", "vocab_size", "dtype", "sessions", "weight_types")
+    __slots__ = ("id", "aliases", "file", "loaded", "arch", "num_blocks", "weight_bytes", "context_length", "max_seq", "device_ids", "has_chat_template", "created_unix", "vocab_size", "dtype", "sessions", "weight_types", "error")
     ID_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class Model(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TYPES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     file: str
@@ -41,7 +42,8 @@ class Model(_message.Message):
     dtype: str
     sessions: int
     weight_types: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., file: _Optional[str] = ..., loaded: _Optional[bool] = ..., arch: _Optional[str] = ..., num_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., has_chat_template: _Optional[bool] = ..., created_unix: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., weight_types: _Optional[_Iterable[str]] = ...) -> None: ...
+    error: str
+    def __init__(self, id: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., file: _Optional[str] = ..., loaded: _Optional[bool] = ..., arch: _Optional[str] = ..., num_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., has_chat_template: _Optional[bool] = ..., created_unix: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., weight_types: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
