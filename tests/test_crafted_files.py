@@ -283,3 +283,26 @@ def test_another_outputs_dead_part_goes_once_it_is_old(tmp_path: Path, tiny_serv
     finally:
         os.close(fd)
     assert jlm_module.STALE_SECONDS < 3600
+
+
+def test_a_config_missing_a_field_is_invalid_argument_naming_both(crafted, tiny_serve_jlm) -> None:
+    """A .jlm whose config lacks hidden_size (its header reads fine, so the listing shows it): LoadModel is a 400 that
+    names the file and the field, never a 500."""
+    server, models, _ = crafted
+    header, data = _split(tiny_serve_jlm)
+    meta = json.loads(header["__metadata__"]["jlm"])
+    meta["config"].pop("hidden_size")
+    _write(models / "no-width.jlm", {**header, "__metadata__": {"jlm": json.dumps(meta)}}, data)
+    r = _rpc(server, "LoadModel", {"file": "no-width.jlm"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+    assert r.json()["message"] == "no-width.jlm: config.hidden_size: this field is required"
+
+
+def test_a_damaged_tokenizer_is_invalid_argument_naming_the_file(crafted, tiny_serve_jlm) -> None:
+    server, models, _ = crafted
+    header, data = _split(tiny_serve_jlm)
+    meta = json.loads(header["__metadata__"]["jlm"])
+    meta["tokenizer"] = '{"model": 5}'
+    _write(models / "bad-tokenizer.jlm", {**header, "__metadata__": {"jlm": json.dumps(meta)}}, data)
+    r = _rpc(server, "LoadModel", {"file": "bad-tokenizer.jlm"})
+    assert r.status_code == 400 and r.json()["message"].startswith("bad-tokenizer.jlm: "), r.text

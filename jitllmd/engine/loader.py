@@ -194,12 +194,15 @@ def load_model(
     stored = next((dtype for dtype, shape, *_ in weights if len(shape) == 2), torch.float32)  # the first is enough
     dtype = compute_dtype(stored, first)
     special = meta.get("special_tokens", {})
-    tokenizer = Tokenizer(
-        meta.pop("tokenizer"),  # its JSON lives on in the Tokenizer: the meta lets it go (SmolLM2's: ~5 MB of RSS)
-        bos_token_id=special.get("bos_token_id"),
-        eos_token_ids=list(special.get("eos_token_ids") or []),
-        add_bos_token=bool(special.get("add_bos_token", False)),
-    )
+    try:
+        tokenizer = Tokenizer(
+            meta.pop("tokenizer"),  # its JSON lives on in the Tokenizer: the meta lets it go (SmolLM2's: ~5 MB of RSS)
+            bos_token_id=special.get("bos_token_id"),
+            eos_token_ids=list(special.get("eos_token_ids") or []),
+            add_bos_token=bool(special.get("add_bos_token", False)),
+        )
+    except (ValueError, TypeError, KeyError) as exc:  # a damaged or crafted file's tokenizer or special tokens
+        raise ValueError(f"{path}: {exc}") from None
     trim_heap()  # what parsing the tokenizer's JSON freed goes back before the weights come in (Gemma's: ~370 MB at peak)
     chat = ChatTemplate(meta.get("chat_template"), bos_token=special.get("bos_token"), eos_token=special.get("eos_token"))
     context = int(jlm.config.get("max_position_embeddings", 4096))

@@ -77,4 +77,7 @@ def build_model(jlm: JLMFile, dtype: torch.dtype, device: torch.device, on_progr
         family = family_for(jlm.arch)
     except ValueError as exc:
         raise ValueError(f"{jlm.path}: {exc}") from None
-    return family.build(jlm.config, jlm, dtype, device, on_progress)
+    try:
+        return family.build(jlm.config, jlm, dtype, device, on_progress)
+    except ValueError as exc:  # its config refused (a field missing or out of range): named with the file
+        raise exc if str(exc).startswith(str(jlm.path)) else ValueError(f"{jlm.path}: {exc}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..jlm import JLMFile
 from ..memory.devices import bf16_matmul_native
-from .family import Family, HFSource
+from .family import Family, HFSource, config_from_dict
 
 __all__ = ["ARCHS", "FAMILY", "POOLINGS", "BertConfig", "BertModel"]
 
@@ -71,8 +71,7 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BertConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return config_from_dict(cls, d)
 
 
 class EncoderBlock:

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
     from ..jlm import JLMFile
 
-__all__ = ["Family", "GGUFMeta", "GGUFSource", "HFSource", "SentencePieceQuirks", "TensorFix"]
+__all__ = ["Family", "GGUFMeta", "GGUFSource", "HFSource", "SentencePieceQuirks", "TensorFix", "config_from_dict"]
 
 Config = dict[str, Any]  # a .jlm `config`, as stored
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], d: Config) -> C:
+    """A family's config dataclass from a stored config: unknown keys dropped (mlx-lm's from_dict); a required field
+    that is missing is a ValueError naming it (a damaged or crafted .jlm), as the dataclass's own checks are."""
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    missing = [name for name, f in known.items() if f.init and f.default is MISSING and f.default_factory is MISSING and name not in d]
+    if missing:
+        raise ValueError(f"config.{missing[0]}: this field is required")
+    return cls(**{k: v for k, v in d.items() if k in known})
 TensorFix = Callable[["torch.Tensor"], "torch.Tensor"]  # a change a tensor needs on its way into the .jlm
 
 

@@ -3,7 +3,7 @@ token dimension. Operations come from engine/layers; where a block lives is the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from ..layers.norm import RMSNorm
 from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, segments_for
 from ..layers.rope import Rope, RopeCache, RopeTables, rope_inv_freq
 from ..memory.devices import bf16_matmul_native
-from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix
+from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix, config_from_dict
 
 __all__ = ["ARCHS", "FAMILY", "STREAM", "DecoderBlock", "Embed", "Head", "LlamaConfig", "LlamaModel", "layouts"]
 
@@ -84,8 +84,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return config_from_dict(cls, d)
 
 
 class DecoderBlock:
