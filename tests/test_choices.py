@@ -93,7 +93,7 @@ def test_several_prompts_in_one_completions_request(served):
     [
         ("/v1/completions", {"prompt": ["a"] * 65}, "at most 64"),
         ("/v1/completions", {"prompt": ["a", ""]}, "prompt[1]"),
-        ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": "a", "n": 65}, "-max-choices"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 0}, "n"),
     ],
 )
