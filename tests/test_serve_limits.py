@@ -90,6 +90,29 @@ def test_two_huge_requests_are_refused_from_a_piece_beside_a_small_one(tiny_serv
     assert _peak_rss_mb(tiny_server) - before < 300
 
 
+def test_a_small_request_never_waits_behind_big_prompt_work(serve, tiny_serve_jlm):
+    """Both threads that take prompt work of over BIG characters held busy (as two huge requests would hold them): a
+    big request waits for them, and a small chat beside it is answered meanwhile, on threads of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jitllmd.serve import prompt
+
+    server = serve("-load", str(tiny_serve_jlm), "-id", "tiny", "-max-seq", "3000")
+    release = threading.Event()
+    held = [prompt._big_pool.submit(release.wait, 120) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            big = pool.submit(_post, server, "/v1/completions", {"model": "tiny", "prompt": "ab " * 23_000, "max_tokens": 1})
+            small = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2})
+            assert small.status_code == 200, small.text
+            assert not big.done()  # still waiting for a big-work thread
+            release.set()
+            assert big.result(120).status_code == 400  # then refused: 69k characters of a room of 3000
+    finally:
+        release.set()
+    assert all(h.result(120) for h in held)
+
+
 # -- a request's prompts are checked before any runs ---------------------------------------------------------------------
 
 
