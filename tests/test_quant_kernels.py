@@ -172,8 +172,8 @@ def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: 
 @pytest.mark.parametrize("qtype", BY_GGML)
 def test_gemm_rows_within_the_decode_bound_and_row_independent(variant: str, qtype: int) -> None:
     """The int8 GEMM (prompt chunks without bf16 units): x's codes as quant_rows makes them, so the same bound against
-    x @ W.T and only f32 sums off the exact sum of those codes; tiles of 4 rows and their remainders (1 .. 13 rows),
-    panels of 8 weight rows and N's remainder, a zero row; each row's result the bits it has alone, on one thread,
+    x @ W.T and only f32 sums off the exact sum of those codes; tiles of 4 rows (3 over a pair of panels) and their
+    remainders (1 .. 13 rows), panels of 8 weight rows (or pairs of them) and N's remainder, a zero row; each row's result the bits it has alone, on one thread,
     with the norm or gate folded in, with a residual or bias added, across runs of rows."""
     k = width(qtype)
     wb = quantized(qtype, N, k, 600 + qtype)
