@@ -94,9 +94,9 @@ class SessionKV:
             return self._allocated * self._layer_bytes  # the positions reserved (a CPU layer maps only those it writes)
         return self.k[layer].shape[1] * self._layer_bytes if layer < len(self.k) else 0
 
-    # K/V storage is written inside forwards (torch.inference_mode) and outside them (forks, moves, slides): every
-    # method that writes it runs in inference mode, where writing either kind of tensor is allowed
-    @torch.inference_mode()
+    # K/V storage is written inside forwards (torch.inference_mode: what a forward reserves is an inference tensor) and
+    # outside them (forks, moves, slides): each method that writes storage it did not just make runs in inference mode,
+    # where writing either kind of tensor is allowed (reserve itself, called for every row of every step, does not)
     def reserve(self, total: int) -> None:
         """Make room for positions up to `total` (grows storage, never past capacity; a window layer first drops what
         its queries from position `length` on cannot see)."""
@@ -126,6 +126,7 @@ class SessionKV:
                 self.k.append(k)
                 self.v.append(v)
 
+    @torch.inference_mode()
     def _slide(self, layer: int, window: int) -> None:
         """Drop layer's positions before what a query at `length` sees (less _REWIND, in steps of _ALIGN)."""
         keep = max(0, self.length - window + 1 - _REWIND) // _ALIGN * _ALIGN

@@ -98,11 +98,11 @@ class OpenAI:
             raise f.error("suffix", "suffix (fill in the middle) is not supported")
         if f.integer("best_of", 1, low=1) != 1:
             raise f.error("best_of", "only best_of=1 is supported")
-        num_prompts = len(prompt_items(f))
-        if num_prompts > 1 and session is not None:
+        items = prompt_items(f)
+        if len(items) > 1 and session is not None:
             raise f.error("prompt", "a named session takes one prompt")
-        gen = parse_common(f, served, name or served.id, ("max_tokens",), session, prompts=num_prompts, limits=self.limits)
-        prompts = await off_loop(completion_prompts, f, served, session, size=chars(f.raw("prompt")))
+        gen = parse_common(f, served, name or served.id, ("max_tokens",), session, prompts=len(items), limits=self.limits)
+        prompts = await off_loop(completion_prompts, f, served, session, items, size=chars(items))
         echo = f.boolean("echo")
         outboxes = await gen.start_all("prompt", request.state.request_id, [ids for ids, _ in prompts])
         heads = [text if echo else "" for _, text in prompts for _ in range(gen.n)]  # per choice: the echoed prompt

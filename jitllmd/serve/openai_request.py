@@ -294,10 +294,9 @@ def prompt_items(f: Fields) -> list[Any]:
     return items
 
 
-def completion_prompts(f: Fields, served: ServedModel, session: Session | None) -> list[tuple[list[int], str]]:
-    """(ids, the prompt's text for echo) per prompt (prompt_items). Runs on a prompt thread (off_loop)."""
-    items = prompt_items(f)
-    many = isinstance(f.raw("prompt"), list) and items is f.raw("prompt")
+def completion_prompts(f: Fields, served: ServedModel, session: Session | None, items: list[Any]) -> list[tuple[list[int], str]]:
+    """(ids, the prompt's text for echo) per prompt of `items` (prompt_items). Runs on a prompt thread (off_loop)."""
+    many = items is f.raw("prompt")  # an array of prompts, not one prompt of token ids
     return [_one_prompt(f, served, session, p, f"prompt[{k}]" if many else "prompt") for k, p in enumerate(items)]
 
 

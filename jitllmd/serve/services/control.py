@@ -44,14 +44,11 @@ class ErrorMapper:
     named relative to -models (a client never learns where the server keeps its files)."""
 
     def __init__(self, catalog: Catalog | None = None):
-        models_dir = catalog.models_dir if catalog is not None else None
-        self.roots = [str(models_dir) + os.sep] if models_dir is not None else []
+        self.models_dir = catalog.models_dir if catalog is not None else None
 
     def _error(self, exc: Exception, ctx: Any) -> ConnectError:
         err = _connect_error(exc, ctx)
-        message = err.message
-        for root in self.roots:
-            message = message.replace(root, "")
+        message = _hide_paths(self.models_dir, err.message)
         return err if message == err.message else ConnectError(err.code, message)
 
     async def intercept_unary(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
@@ -107,9 +104,9 @@ def session_of(catalog: Catalog, session_id: str) -> tuple[ServedModel, Session]
         raise _not_found(f"no session {session_id!r}") from None
 
 
-def _hide_paths(catalog: Catalog, message: str) -> str:
-    """`message` with the model directory's own path taken out of the paths it names (as ErrorMapper does)."""
-    return message.replace(str(catalog.models_dir) + os.sep, "") if catalog.models_dir is not None else message
+def _hide_paths(models_dir: Path | None, message: str) -> str:
+    """`message` with the model directory's own path taken out of the paths it names: relative to -models."""
+    return message.replace(str(models_dir) + os.sep, "") if models_dir is not None else message
 
 
 def _relative(catalog: Catalog, path: Path) -> str:
@@ -181,7 +178,7 @@ class Models(ModelService):
         try:
             return _file_model(self.catalog, entry_id, path, created)
         except (ValueError, OSError) as exc:  # JLMError; or what the wire cannot carry
-            error = _hide_paths(self.catalog, str(exc))
+            error = _hide_paths(self.catalog.models_dir, str(exc))
         except Exception:  # a reader's bug: logged, and still only this file's
             log.exception("listing %s", _relative(self.catalog, path))
             error = "cannot be read (logged on the server)"
