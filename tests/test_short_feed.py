@@ -1,6 +1,8 @@
-"""Short prompt feeds (a follow-up turn's few new tokens) run through the decode rows' integer kernels: the same bits as
-feeding those tokens one decode step at a time, under every kernel variant this CPU runs; the engine marks a feed short
-from its own count of new tokens, never from its neighbours."""
+"""Short prompt feeds (a follow-up turn's few new tokens) run as decode rows do, each layer in one fused call: through
+the decode rows' integer kernel the same bits as feeding those tokens one decode step at a time, under every kernel
+variant this CPU runs; a feed past the formats' figure (`many`) takes the int8 GEMM there, each token's result still its
+own whatever rows share its step. The engine marks a feed short (and many) from its own count of new tokens, never
+from its neighbours."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from jitllmd.engine.engine import Engine
 from jitllmd.engine.kernels import ops
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.layers.formats import FORMATS
-from jitllmd.engine.layers.quant import short_feed
+from jitllmd.engine.layers.quant import FUSED_FEED, short_feed
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import SamplingParams
 from tests.test_engine import collect
@@ -73,11 +75,50 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
 
 
 def test_the_table_takes_the_least_of_a_models_formats() -> None:
-    assert short_feed({"Q4_K", "Q6_K"}, "avx2+fma") == min(FORMATS["Q4_K"].short["avx2+fma"], FORMATS["Q6_K"].short["avx2+fma"])
-    assert short_feed({"Q8_0"}, None) == 0  # no kernels: nothing to mark
-    assert short_feed(set(), "avx2+fma") == 0  # a float model's few-row kernels need no marking
+    rows = min(FORMATS["Q4_K"].short["avx2+fma"], FORMATS["Q6_K"].short["avx2+fma"])
+    assert short_feed({"Q4_K", "Q6_K"}, "avx2+fma") == (max(rows, FUSED_FEED["avx2+fma"]), rows)
+    assert short_feed({"Q8_0"}, "avx512+amx") == (FORMATS["Q8_0"].short["avx512+amx"],) * 2  # no fused prompt rows there: the few-row kernel's alone
+    assert short_feed({"Q8_0"}, None) == (0, 0)  # no kernels: nothing to mark
+    assert short_feed(set(), "avx2+fma") == (0, 0)  # a float model's few-row kernels need no marking
+    variants = {"avx2+fma", "avx512+vnni", "avx512+bf16", "avx512+amx"}
+    assert set(FUSED_FEED) == variants
     for f in FORMATS.values():  # every format has a figure for every variant
-        assert set(f.short) == {"avx2+fma", "avx512+vnni", "avx512+bf16", "avx512+amx"} and all(v >= 0 for v in f.short.values())
+        assert set(f.short) == variants and all(v >= 0 for v in f.short.values())
+
+
+def test_a_long_short_feed_takes_the_gemm_and_keeps_to_its_own_row(monkeypatch, variant, tiny_serve_q8_jlm) -> None:
+    """A short feed marked `many` goes through each layer's fused call with its products the int8 GEMM's (the call
+    told so, token by token): its logits and K/V are the same bits alone and in a step between two decode rows of
+    other sessions (whose own logits are theirs alone too: one fused call, three runs of tokens of two kinds), and
+    within the int8 rounding of feeding its tokens one at a time."""
+    from jitllmd.engine.loader import load_model
+    from jitllmd.engine.models import llama
+
+    flags: list[list[bool] | None] = []
+    layer = llama.decode_layer
+    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: flags.append(a[-1]) or layer(q, x, *a))
+    loaded = load_model(tiny_serve_q8_jlm, max_seq=256)
+    new = [17, 5, 30, 9, 2, 41]
+    n = len(new)
+    a, b, solo = _history(loaded, 12), _history(loaded, 12), _history(loaded, 12)
+    c, d = _history(loaded, 7), _history(loaded, 9)
+    alone = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, a, prompt=True, short=True, many=True)], torch.arange(n))
+    c_alone = loaded.runner.forward(torch.tensor([3]), torch.tensor([7]), [RowSpan(0, 1, c)])
+    d_alone = loaded.runner.forward(torch.tensor([4]), torch.tensor([9]), [RowSpan(0, 1, d)])
+    for kv, length in ((c, 7), (d, 9)):
+        kv.truncate(length)
+    flags.clear()
+    rows = [RowSpan(0, 1, c), RowSpan(1, n, b, prompt=True, short=True, many=True), RowSpan(1 + n, 1, d)]
+    mixed = loaded.runner.forward(torch.tensor([3, *new, 4]), torch.tensor([7, *range(12, 12 + n), 9]), rows, torch.arange(n + 2))
+    kernel = variant is not None and ops.bf16_units() != "amx"  # AMX: a prompt row's attention is the Python path's (its bf16 chunk)
+    if kernel:
+        assert flags == [[False] + [True] * n + [False]] * loaded.model.cfg.num_layers, flags[:2]
+        assert torch.equal(mixed[1 : 1 + n], alone) and torch.equal(mixed[0], c_alone[0]) and torch.equal(mixed[-1], d_alone[0])
+        for layer_i in range(loaded.model.cfg.num_layers):
+            sa, sb = a.slot(layer_i, 12 + n), b.slot(layer_i, 12 + n)
+            assert torch.equal(a.k[layer_i][:, :sa], b.k[layer_i][:, :sb]) and torch.equal(a.v[layer_i][:, :sa], b.v[layer_i][:, :sb])
+    one_by_one = torch.cat([loaded.runner.forward(torch.tensor([t]), torch.tensor([12 + j]), [RowSpan(0, 1, solo)]) for j, t in enumerate(new)])
+    assert torch.allclose(alone, one_by_one, atol=0.05 * one_by_one.abs().max().item())
 
 
 def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm, monkeypatch) -> None:
@@ -86,12 +127,14 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
     token, makes it as the first run did (exactly after a long prompt, short after a short one), and gives the tokens
     the first gave."""
     engine = Engine.load(tiny_serve_q8_jlm, max_batch=2, max_seq=256)
-    engine.loaded.runner.short_feed = 8
+    engine.loaded.runner.short_feed, engine.loaded.runner.rows_feed = 8, 5
     seen: list[tuple[int, bool, bool]] = []
+    many: list[bool] = []
     forward = engine.loaded.runner.forward
 
     def spy(token_ids, positions, rows, logits_at=None):
         seen.extend((r.num_tokens, r.prompt, r.short) for r in rows)
+        many.extend(r.many for r in rows)
         return forward(token_ids, positions, rows, logits_at)
 
     monkeypatch.setattr(engine.loaded.runner, "forward", spy)
@@ -100,13 +143,18 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
         collect(engine.generate(Generation(list(range(3, 23)), GREEDY, max_tokens=3, ignore_eos=True, session=s)))
         assert seen[0] == (20, True, 0) and all(not p for _, p, _ in seen[1:]), seen
         seen.clear()
-        collect(engine.generate(Generation([7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s)))
-        assert seen[0][1:] == (True, True) and seen[0][0] <= 8 and all(not p for _, p, _ in seen[1:]), seen
+        collect(engine.generate(Generation(s.token_ids + [7, 8, 9, 10], GREEDY, max_tokens=3, ignore_eos=True, session=s)))
+        assert seen[0] == (4, True, True) and not any(many) and all(not p for _, p, _ in seen[1:]), seen
+        seen.clear()
+        many.clear()
+        collect(engine.generate(Generation(s.token_ids + [11, 12, 13, 14, 15, 16], GREEDY, max_tokens=3, ignore_eos=True, session=s)))
+        assert seen[0] == (6, True, True) and many == [True, False, False], (seen, many)  # past rows_feed: the GEMM's, its decode rows not
         seen.clear()
         collect(engine.generate(Generation([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1)))
         assert seen[0][1:] == (True, True), seen
-        for prompt, short in ((list(range(40, 70)), False), (list(range(80, 86)), True)):  # a long prompt, then a short one
+        for prompt, short, gemm in ((list(range(40, 70)), False, False), (list(range(80, 86)), True, True), (list(range(90, 93)), True, False)):
             first, again = (collect(engine.generate(Generation(prompt, GREEDY, max_tokens=8, ignore_eos=True))) for _ in range(2))
             assert again.done.fed_tokens == 1 and seen[-8] == (1, True, short) and again.ids == first.ids, (prompt, seen[-16:])
+            assert many[-8] == many[-16] == gemm, (prompt, many[-16:])  # made again the way the first run made it
     finally:
         engine.stop()

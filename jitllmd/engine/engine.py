@@ -252,7 +252,8 @@ class Engine:
             if not scheduled:
                 continue
             try:
-                rows = self.scheduler.feed(scheduled, self.loaded.runner.short_feed if self.loaded.runner is not None else 0)
+                runner = self.loaded.runner
+                rows = self.scheduler.feed(scheduled, *((runner.short_feed, runner.rows_feed) if runner is not None else (0, 0)))
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang

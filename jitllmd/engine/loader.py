@@ -221,7 +221,7 @@ def load_model(
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
         placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
         types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
-        runner = ModelRunner(model, placement, short_feed(types, kernels.variant()))
+        runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()))
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
         name=name,

@@ -101,10 +101,11 @@ class ModelRunner:
     """Runs a decoder family's blocks where the placement holds them. The family builds blocks and knows its maths; it
     knows nothing of where a block lives. Only the engine thread calls it."""
 
-    def __init__(self, model: Any, placement: Placement, short_feed: int = 0):
+    def __init__(self, model: Any, placement: Placement, short_feed: int = 0, rows_feed: int = 0):
         self.model = model
         self.placement = placement
         self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
+        self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, the int8 GEMM past it
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +170,7 @@ class ModelRunner:
             start = len(b.tokens)
             b.tokens.extend(row.ids)
             b.positions.extend(range(row.pos, row.pos + len(row.ids)))
-            b.spans.append(RowSpan(start, len(row.ids), row.req.session.kv, prompt=row.prompt, short=row.short))
+            b.spans.append(RowSpan(start, len(row.ids), row.req.session.kv, prompt=row.prompt, short=row.short, many=row.many))
             b.logits_at.extend(range(len(b.tokens) - row.logits, len(b.tokens)))
             if row.req.state is RequestState.PREFILL:
                 b.num_prompt += len(row.ids)
@@ -205,5 +206,5 @@ class ModelRunner:
         for span in b.spans:
             end = span.start + span.num_tokens
             at = [i - span.start for i in b.logits_at if span.start <= i < end]
-            out.append(self._forward(b.tokens[span.start : end], b.positions[span.start : end], [RowSpan(0, span.num_tokens, span.kv, span.prompt, span.short)], at))
+            out.append(self._forward(b.tokens[span.start : end], b.positions[span.start : end], [RowSpan(0, span.num_tokens, span.kv, span.prompt, span.short, span.many)], at))
         return torch.cat(out) if out else torch.empty(0)

@@ -20,7 +20,8 @@ class Row:
     ids: list[int]  # a decode row's sampled token, or the next of a joining prompt; none: a row cancelled meanwhile
     pos: int  # where they go in its session: its KV's length now
     prompt: bool  # prompt tokens, not a decode row's token
-    short: bool  # prompt tokens multiplied as decode rows are (layers/quant.py: a short feed)
+    short: bool  # prompt tokens of a short feed: a layer's fused call, each token a row (layers/quant.py)
+    many: bool  # ... a short feed past the few-row kernel's figure: its products the int8 GEMM's (layers/quant.py)
     logits: int  # logits rows it takes from the step: 0, 1 (its last token's), or one per token fed (a scored prompt)
 
 
@@ -61,15 +62,15 @@ class Scheduler:
                 rows.append((req, n))
         return rows
 
-    def feed(self, rows: list[tuple[Request, int]], short_feed: int = 0) -> list[Row]:
+    def feed(self, rows: list[tuple[Request, int]], short_feed: int = 0, rows_feed: int = 0) -> list[Row]:
         """What each scheduled row feeds this step: a decode row its sampled token, a joining one the next `n` of its
         prompt (its first step reuses what its session already holds). Advances each request's prompt position and
-        its session's tokens. `short_feed`: the model's (ModelRunner.short_feed; see _short)."""
+        its session's tokens. `short_feed`, `rows_feed`: the model's (ModelRunner's; see _short)."""
         out = []
         now = time.perf_counter()
         for req, n in rows:
             if req.cancel_requested:
-                out.append(Row(req, [], req.session.kv.length, False, False, 0))
+                out.append(Row(req, [], req.session.kv.length, False, False, False, 0))
                 continue
             if req.t_first_step is None:
                 req.t_first_step = now
@@ -80,7 +81,7 @@ class Scheduler:
             prompt = req.state is not RequestState.DECODE
             ids = req.prompt_ids[req.fed : req.fed + n] if prompt else [req.next_token]
             pos = req.session.kv.length
-            short = prompt and self._short(req, pos, len(ids), short_feed)
+            short, many = self._short(req, pos, len(ids), short_feed, rows_feed) if prompt else (False, False)
             req.session.token_ids.extend(ids)
             if prompt and req.prompt_logprobs is not None:
                 logits = len(ids)  # each scores the prompt's next token (the last: the first sampled)
@@ -88,26 +89,29 @@ class Scheduler:
                 logits = 1 if not prompt or req.fed + len(ids) == len(req.prompt_ids) else 0
             if req.state is RequestState.PREFILL:
                 req.fed += len(ids)
-            out.append(Row(req, ids, pos, prompt, short, logits))
+            out.append(Row(req, ids, pos, prompt, short, many, logits))
         return out
 
     @staticmethod
-    def _short(req: Request, pos: int, n: int, short_feed: int) -> bool:
-        """Whether a prompt chunk's `n` tokens (at `pos`) multiply as decode rows do, where quantized weights run the
-        integer kernel (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short
-        prompt: the integer kernel is the faster); decided from the request's own counts. But a feed of
-        one token is a prompt cached but for its last (a request repeated, regenerated): that token is made the way
-        it was made the first time (`Session.short`), so its first sampled token is the one that run sampled (a near
-        tie of a small model's logits can turn on the int8 rounding of its activations)."""
+    def _short(req: Request, pos: int, n: int, short_feed: int, rows_feed: int) -> tuple[bool, bool]:
+        """Whether a prompt chunk's `n` tokens (at `pos`) are a short feed's, where quantized weights run the kernels
+        (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short prompt), which
+        run as decode rows do (a layer's fused call: layers/quant.py); and whether they are `many`: a feed of more
+        than rows_feed, whose products the int8 GEMM makes rather than the few-row kernel. Decided from the request's
+        own counts. But a feed of one token is a prompt cached but for its last (a request repeated, regenerated):
+        that token is made the way it was made the first time (`Session.short`), so its first sampled token is the
+        one that run sampled (a near tie of a small model's logits can turn on the rounding of its activations)."""
         feed = len(req.prompt_ids) - req.cached
         if not short_feed or feed > short_feed:
-            return False
+            return False, False
         session = req.session
-        a, b = session.short
+        a, b, many = session.short
         if feed == 1 and not a <= pos < b:
-            return False
-        session.short = (a if req.fed > req.cached else pos, pos + n)  # a feed the chunk budget split goes on where it was
-        return True
+            return False, False
+        if feed > 1:
+            many = feed > rows_feed
+        session.short = (a if req.fed > req.cached else pos, pos + n, many)  # a feed the chunk budget split goes on where it was
+        return True, many
 
     def _admit(self) -> None:
         skipped: list[Request] = []

@@ -54,7 +54,7 @@ class Session:
     busy: bool = False  # a request is running on it
     reserved: bool = False  # a pooled ephemeral slot promised to a request (waiting or running)
     messages: list[dict[str, str]] = field(default_factory=list)  # a named session's chat so far
-    short: tuple[int, int] = (0, 0)  # positions [a, b) a short feed made (the integer kernel): fed again, made so again
+    short: tuple[int, int, bool] = (0, 0, False)  # positions [a, b) a short feed made, and whether `many`: fed again, made so again
 
     @property
     def max_seq(self) -> int:
@@ -77,7 +77,7 @@ class Session:
         self.kv.reset()
         self.token_ids.clear()
         self.messages.clear()
-        self.short = (0, 0)
+        self.short = (0, 0, False)
 
 
 class SessionRegistry:

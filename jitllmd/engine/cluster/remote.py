@@ -85,7 +85,7 @@ class RemoteModel:
         spec = []
         for r in rows:
             self._note(r.kv)
-            spec.append([r.kv.key, r.start, r.num_tokens, r.kv.length, r.prompt, r.kv.capacity, r.short])
+            spec.append([r.kv.key, r.start, r.num_tokens, r.kv.length, r.prompt, r.kv.capacity, r.short, r.many])
         doc = {"model": self.handle, "first": first, "last": last, "rows": spec, "keep": keep, "free": self._take_forgotten()}
         t0 = time.perf_counter()
         answer, (out,) = self.link.call("run", doc, [x, positions])

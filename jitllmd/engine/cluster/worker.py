@@ -186,7 +186,7 @@ class Worker:
         if missing:
             raise ValueError(f"layers {missing} are not held here")
         rows = []
-        for key, start, n, length, prompt, capacity, short in doc["rows"]:
+        for key, start, n, length, prompt, capacity, short, many in doc["rows"]:
             kv = m.kv(key, capacity)
             if kv.length != length:
                 if length > kv.length:
@@ -199,7 +199,7 @@ class Worker:
                     if i < len(kv.k) and kv.length > kv.offsets[i]:
                         raise ValueError(f"session KV {key} has no K/V of layer {i} here")
                     kv.move(i, m.blocks[i][1])
-            rows.append(RowSpan(int(start), int(n), kv, bool(prompt), bool(short)))
+            rows.append(RowSpan(int(start), int(n), kv, bool(prompt), bool(short), bool(many)))
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)
             row.begin()

@@ -13,6 +13,11 @@
  *          [y + RMSNorm(quant(...) @ down) * mlp_out_norm]
  * the same calls with the same arguments as the layer's Python path makes them, so it gives the same bits. Each
  * projection is its runs of same-format rows stacked along the output (a Q5_0 q/k and a Q8_0 v: two runs).
+ *
+ * Tokens a `many` flag marks (a short prompt feed too long for the few-row kernel to win: layers/quant.py's
+ * rows_feed) take gemm_rows for their products instead: the int8 GEMM, quant_rows' rounding of x and its integer
+ * sums, its f32 steps in another order; each token's result is still its own, whatever the tokens beside it. Each
+ * projection is then one call per run of consecutive tokens of one kind.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +29,8 @@
 
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
                float eps, const float *r, int64_t ldr, int threads);
+int gemm_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
+              float eps, const float *r, int64_t ldr, int threads);
 void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads);
 void rms_norm_add_rows(const float *x, const float *w, const float *r, float *y, int64_t T, int64_t D, float eps, int threads);
 void rms_norm_heads(float *x, int64_t stride, const float *w, int64_t T, int64_t heads, int64_t D, float eps, int threads);
@@ -49,21 +56,32 @@ typedef struct {
     int64_t gate;
 } qlayer;
 
-/* y [T, out] (rows ldy apart) = add (+ its row t at ldr, or with ldr 0 a bias) + a @ W.T, a made from x per input. */
+/* y [T, out] (rows ldy apart) = add (+ its row t at ldr, or with ldr 0 a bias) + a @ W.T, a made from x per input;
+ * token t through gemm_rows where many && many[t], else quant_rows: one call per run and run of tokens of one kind. */
 static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t ldy, int input, const float *norm_w, float eps, const float *add,
-                   int64_t ldr, int threads) {
-    for (int64_t i = 0, col = 0; i < p->runs; col += p->rows[i], i++) {
-        const int rc = quant_rows(x, p->w[i], y + col, T, p->k, p->rows[i], ldy, (int)p->type[i], input, norm_w, eps, add ? add + col : NULL, ldr, threads);
-        if (rc) return rc;
+                   int64_t ldr, const uint8_t *many, int threads) {
+    const int64_t ldx = IS_GATED(input) ? 2 * p->k : p->k;
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        const int gemm = many && many[t0];
+        for (t1 = t0 + 1; t1 < T && (many && many[t1]) == gemm; t1++) {
+        }
+        const float *a = add && ldr ? add + t0 * ldr : add;
+        for (int64_t i = 0, col = 0; i < p->runs; col += p->rows[i], i++) {
+            const int rc = (gemm ? gemm_rows : quant_rows)(x + t0 * ldx, p->w[i], y + t0 * ldy + col, t1 - t0, p->k, p->rows[i], ldy, (int)p->type[i],
+                                                          input, norm_w, eps, a ? a + col : NULL, ldr, threads);
+            if (rc) return rc;
+        }
     }
     return 0;
 }
 
 /* Layer L over R single-token rows: x [R, hidden] -> y [R, hidden] (y may not be x). cos, sin [R, D]: the rows'
  * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] ([Hkv, strides[r], D] f32, or f16 where kv16), its new token at
- * position lengths[r] - 1, attending from starts[r]. Returns 0, or -1 without memory. */
+ * position lengths[r] - 1, attending from starts[r]; many: NULL, or R flags, a row's products by gemm_rows where set.
+ * Returns 0, or -1 without memory. */
 int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const float *cos, const float *sin, const int64_t *k_ptrs,
-                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int kv16, int threads) {
+                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int kv16, const uint8_t *many,
+                 int threads) {
     const int64_t H = L->H, Hkv = L->Hkv, D = L->D, W = (H + 2 * Hkv) * D, hidden = L->hidden, I = L->inter;
     const float eps = (float)L->eps;
     const int64_t packed = R > 1 ? R * W : 0; /* several rows: q, k and v each packed row after row, as attend_rows reads them */
@@ -71,7 +89,7 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
     float *qkv = malloc((size_t)(R * W + R * H * D + R * 2 * I + packed + normed) * sizeof(float));
     if (!qkv) return -1;
     float *attn = qkv + R * W, *gate_up = attn + R * H * D, *pack = gate_up + R * 2 * I, *out = pack + packed;
-    int rc = project(&L->qkv, x, qkv, R, W, NORMED, L->input_norm, eps, L->qkv_bias, 0, threads);
+    int rc = project(&L->qkv, x, qkv, R, W, NORMED, L->input_norm, eps, L->qkv_bias, 0, many, threads);
     if (!rc) {
         if (L->q_norm) rms_norm_heads(qkv, W, L->q_norm, R, H, D, eps, threads);
         if (L->k_norm) rms_norm_heads(qkv + H * D, W, L->k_norm, R, Hkv, D, eps, threads);
@@ -92,18 +110,18 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
         for (int64_t r = 0; r < R; r++) keys += lengths[r] - starts[r];
         rc = attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, strides, R, H, Hkv, D, (float)L->scale, kv16, keys * H * D >= (1 << 15) ? threads : 1);
         if (!rc && L->attn_out_norm) {
-            rc = project(&L->o, attn, out, R, hidden, PLAIN, NULL, 0.0f, NULL, 0, threads);
+            rc = project(&L->o, attn, out, R, hidden, PLAIN, NULL, 0.0f, NULL, 0, many, threads);
             if (!rc) rms_norm_add_rows(out, L->attn_out_norm, x, y, R, hidden, eps, threads);
         } else if (!rc) {
-            rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, threads);
+            rc = project(&L->o, attn, y, R, hidden, PLAIN, NULL, 0.0f, x, hidden, many, threads);
         }
     }
-    if (!rc) rc = project(&L->gate_up, y, gate_up, R, 2 * I, NORMED, L->post_norm, eps, NULL, 0, threads);
+    if (!rc) rc = project(&L->gate_up, y, gate_up, R, 2 * I, NORMED, L->post_norm, eps, NULL, 0, many, threads);
     if (!rc && L->mlp_out_norm) {
-        rc = project(&L->down, gate_up, out, R, hidden, (int)L->gate, NULL, 0.0f, NULL, 0, threads);
+        rc = project(&L->down, gate_up, out, R, hidden, (int)L->gate, NULL, 0.0f, NULL, 0, many, threads);
         if (!rc) rms_norm_add_rows(out, L->mlp_out_norm, y, y, R, hidden, eps, threads);
     } else if (!rc) {
-        rc = project(&L->down, gate_up, y, R, hidden, (int)L->gate, NULL, 0.0f, y, hidden, threads); /* each y element read, then written, by one thread */
+        rc = project(&L->down, gate_up, y, R, hidden, (int)L->gate, NULL, 0.0f, y, hidden, many, threads); /* each y element read, then written, by one thread */
     }
     free(qkv);
     return rc ? -1 : 0;

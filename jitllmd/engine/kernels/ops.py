@@ -414,19 +414,22 @@ class QuantLayer:
 
 
 def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 lengths: list[int], starts: list[int]) -> torch.Tensor:
+                 lengths: list[int], starts: list[int], many: list[bool] | None = None) -> torch.Tensor:
     """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, the q/k
     norms (Gemma's), RoPE (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
     (keys[r], values[r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o
     (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the calls the
-    Python path makes, with the same bits."""
+    Python path makes, with the same bits. `many`: per row, whether its products are the int8 GEMM's (gemm_runs)
+    rather than the few-row kernel's (a short feed past `rows_feed`); None: none are."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden
+    assert many is None or len(many) == R
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
     meta = _RowMeta(keys, values, lengths, starts)
-    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16,
+    flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*many)
+    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16, flags,
                         torch.get_num_threads()):
         raise MemoryError("decode_layer: no memory for its buffers")
     return y

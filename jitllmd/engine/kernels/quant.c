@@ -758,17 +758,26 @@ static void gemm_quantize_item(void *arg, int64_t t) {
     }
 }
 
+#ifndef GM_PF_ROWS
+#define GM_PF_ROWS 16 /* rows ahead a panel's unpacking prefetches: a pool item's runs are consecutive, the next rows its own */
+#endif
+
 /* The panel of weight rows o0 .. o0 + 7 (those past N zero), unpacked: codes [nb][8 steps][32 bytes], scales
- * [nb][gm_scales][8], offsets [nb][8]. */
+ * [nb][gm_scales][8], offsets [nb][8]. Without prefetching, a few x rows' GEMM waited on memory: the hardware
+ * follows 8-16 interleaved row streams poorly. */
 static inline __attribute__((always_inline)) void gemm_unpack(const int type, const gemm_job *j, int64_t o0, uint8_t *codes, float *sc, float *off) {
     const int64_t bytes = block_bytes(type);
     const uint8_t *row[GM_NR];
     for (int r = 0; r < GM_NR; r++) row[r] = o0 + r < j->N ? j->W + (o0 + r) * j->row_bytes : NULL;
     float ksc[GM_NR][8], kmin[GM_NR][8];
+    const int64_t ahead = GM_PF_ROWS * j->row_bytes; /* the same bytes of the rows GM_PF_ROWS on: a later panel's */
     for (int64_t b = 0; b < j->nb; b++) {
         __m256i c[GM_NR];
         for (int r = 0; r < GM_NR; r++) {
             float s0 = 0.0f, s1 = 0.0f, m = 0.0f;
+            if (row[r] && (is_k(type) ? b % 8 == 0 : (b * bytes) % 64 < bytes)) /* each 64-byte line once (prefetches never fault) */
+                for (int64_t l = 0; l < (is_k(type) ? bytes : 1); l += 64)
+                    _mm_prefetch((const char *)row[r] + (is_k(type) ? b / 8 * bytes + l : b * bytes) + ahead, _MM_HINT_T0);
             if (!row[r]) {
                 c[r] = _mm256_setzero_si256();
             } else if (!is_k(type)) {

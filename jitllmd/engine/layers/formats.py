@@ -22,8 +22,8 @@ Blocks = Callable[[torch.Tensor], torch.Tensor]  # [n, nbytes] uint8 -> [n, bloc
 @dataclass(frozen=True)
 class QFormat:
     """A GGUF block format: `block` weights in `nbytes` bytes; `ggml` is ggml's type id (the kernels' too). `short`:
-    per kernel variant, the most tokens of a prompt feed whose product the decode rows' integer kernel still runs no
-    slower than the prompt chunks' path (bf16 or the int8 GEMM: bench/short_prompt.py measures them; see layers/quant.py's short_feed).
+    per kernel variant, the most tokens of a short prompt feed whose product the decode rows' few-row kernel still
+    runs no slower than the int8 GEMM (bench/short_prompt.py measures them; see layers/quant.py's short_feed).
     `dequant`: blocks [n, nbytes] uint8 -> [n, block] f32, the reference; `quant`: [n, block] f32 -> blocks, rounding
     to nearest, or None where the project writes no such blocks."""
 
@@ -232,22 +232,22 @@ def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
     return {"avx2+fma": avx2, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
 
 
-# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-01:
-# a projection's crossover, the lesser of two runs, rounded down to the token counts measured. Without bf16 units the
-# exact path dequantizes f32 panels, so the integer kernel wins far longer. With them a projection alone crosses at
-# 8-16 tokens, but a short feed runs the fused layer (no per-op dispatch): at the model (--followup) 16 tokens still
-# won on SmolLM2 Q4_1/Q8_0 (2.9 decode steps against 4.8) and Qwen Q4_K_M (2.9 against 6.2), 24 tied, so bf16 takes
-# 16. AMX was not on that CPU: its tiles are faster than vdpbf16ps (and the fused layer is off for its bf16 prompt
-# attention), so it takes the projections' 8.
+# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-02:
+# a [3072, 1024] projection's crossover, the few-row kernel against the int8 GEMM on weights read from memory (96 MB of
+# copies a pass: warm in the caches the GEMM won from 1 token), rounded down to the token counts measured and to where
+# --followup agreed at the model (Qwen 0.5B's Q5_0 rows: the few-row kernel no slower up to 16 tokens on avx2+fma).
+# Noisy figures (a shared machine): the orders of magnitude hold, a step either way does not. AMX was not on that CPU:
+# there a short feed's prompt rows take the Python path (bf16 attention), whose many-row product is AMX's bf16 tiles, which
+# crossed the few-row kernel at 8 tokens (a Sapphire Rapids session, 2026-11).
 _RECORDS = (
-    QFormat("Q4_0", 2, 32, 18, _short(48, 32, 16, 8), _dequant_q4_0, _quant_q4_0),
-    QFormat("Q4_1", 3, 32, 20, _short(64, 64, 16, 8), _dequant_q4_1),
-    QFormat("Q5_0", 6, 32, 22, _short(32, 64, 16, 8), _dequant_q5_0, _quant_q5_0),
-    QFormat("Q5_1", 7, 32, 24, _short(32, 48, 16, 8), _dequant_q5_1),
-    QFormat("Q8_0", 8, 32, 34, _short(24, 64, 16, 8), _dequant_q8_0, _quant_q8_0),
-    QFormat("Q4_K", 12, 256, 144, _short(32, 64, 16, 8), _dequant_q4_k, _quant_q4_k),
-    QFormat("Q5_K", 13, 256, 176, _short(32, 48, 16, 8), _dequant_q5_k),
-    QFormat("Q6_K", 14, 256, 210, _short(32, 64, 16, 8), _dequant_q6_k),
+    QFormat("Q4_0", 2, 32, 18, _short(4, 8, 8, 8), _dequant_q4_0, _quant_q4_0),
+    QFormat("Q4_1", 3, 32, 20, _short(4, 8, 8, 8), _dequant_q4_1),
+    QFormat("Q5_0", 6, 32, 22, _short(16, 12, 8, 8), _dequant_q5_0, _quant_q5_0),
+    QFormat("Q5_1", 7, 32, 24, _short(8, 0, 0, 8), _dequant_q5_1),
+    QFormat("Q8_0", 8, 32, 34, _short(8, 32, 32, 8), _dequant_q8_0, _quant_q8_0),
+    QFormat("Q4_K", 12, 256, 144, _short(8, 8, 8, 8), _dequant_q4_k, _quant_q4_k),
+    QFormat("Q5_K", 13, 256, 176, _short(8, 12, 16, 8), _dequant_q5_k),
+    QFormat("Q6_K", 14, 256, 210, _short(16, 64, 32, 8), _dequant_q6_k),
 )
 FORMATS: dict[str, QFormat] = {f.name: f for f in _RECORDS}
 BY_GGML: dict[int, QFormat] = {f.ggml: f for f in _RECORDS}

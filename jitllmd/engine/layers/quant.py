@@ -15,10 +15,11 @@ numbers): where the kernels have bf16 units (kernels/ops.py's bf16_units: AMX or
 rounded to bf16 (to nearest even) and the products summed in f32, a bf16 model's rounding; elsewhere (AVX2, AVX-512
 VNNI) an int8 GEMM (quant.c's gemm_rows) with the decode rows' rounding and bound, x's codes the same, its f32 sums
 in another order (llama.cpp's rounding, at 2-6x the f32 product over dequantized panels it replaces). Unless the
-row's prompt feeds so few new tokens (a follow-up turn) that the decode rows' kernel is the faster (formats.py's
-QFormat.short, short_feed): then they are multiplied as decode rows are, decided from that row's own feed. A token's
-path depends on its own row only, never on the rows beside it. The reference path (no kernels, or not the CPU)
-dequantizes and multiplies in f32.
+row's prompt feeds few new tokens (a follow-up turn: at most short_feed, FUSED_FEED below): then each layer takes
+its tokens as decode rows in one fused call (layer.c), multiplied as decode rows are where the few-row kernel is the
+faster (at most rows_feed new tokens: formats.py's QFormat.short), else (`many`) as the int8 GEMM, decided from
+that row's own feed. A token's path depends on its own row only, never on the rows beside it. The reference path
+(no kernels, or not the CPU) dequantizes and multiplies in f32.
 """
 
 from __future__ import annotations
@@ -48,15 +49,26 @@ from .formats import FORMATS, QFormat, dequantize
 __all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "segments_for", "short_feed"]
 
 
-def short_feed(types: set[str] | list[str], variant: str | None) -> int:
-    """The most new prompt tokens a row may feed and still take the decode rows' integer kernel, for a model whose
-    quantized tensors are of `types`, under kernel `variant` (None: no kernels, 0): the least of its formats' figures,
-    so no projection runs a short feed slower than its exact path would. A float model: 0 (its few-row kernels need
-    no marking)."""
+# The most new tokens a short feed may have, per kernel variant: a feed of at most this many runs through each
+# layer's fused call (layer.c: no return to Python between its kernels, each token a row attending up to its own
+# position), its products the few-row kernel's up to the formats' QFormat.short, the int8 GEMM's past it. Beyond it
+# the prompt chunks' path wins (attention a chunk at a time; bf16 products where the CPU has the units). From
+# bench/short_prompt.py --followup, see docs/performance.md. AMX: its prompt rows attend in bf16 on the Python path,
+# so a short feed is only the few-row kernel's (0 here: QFormat.short alone).
+FUSED_FEED = {"avx2+fma": 64, "avx512+vnni": 32, "avx512+bf16": 32, "avx512+amx": 0}
+
+
+def short_feed(types: set[str] | list[str], variant: str | None) -> tuple[int, int]:
+    """(short_feed, rows_feed) for a model whose quantized tensors are of `types`, under kernel `variant`: the most
+    new prompt tokens a row may feed and still run as decode rows do (FUSED_FEED), and the most it may feed and still
+    take the few-row integer kernel (the least of its formats' QFormat.short, so no projection runs a feed slower
+    than the int8 GEMM would); past that a short feed's products are the GEMM's. (0, 0) where there are no kernels
+    or no quantized tensors (a float model's few-row kernels need no marking)."""
     kinds = [FORMATS[t] for t in types if t in FORMATS]
     if variant is None or not kinds:
-        return 0
-    return min(f.short.get(variant, 0) for f in kinds)
+        return 0, 0
+    rows = min(f.short.get(variant, 0) for f in kinds)
+    return max(rows, FUSED_FEED.get(variant, 0)), rows
 
 
 @dataclass(frozen=True)
@@ -77,9 +89,9 @@ class Segment:
 
 def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
     """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
-    token alone), which quantized projections multiply exactly, but a short feed's (RowSpan.exact); None where there
-    are none."""
-    long = [r for r in rows if r.exact]
+    token alone), which quantized projections multiply exactly, but a short feed's (RowSpan.exact), unless `many`
+    (a layer without the fused call takes those as a prompt chunk's); None where there are none."""
+    long = [r for r in rows if r.exact or r.many]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)

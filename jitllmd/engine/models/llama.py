@@ -195,8 +195,10 @@ class DecoderBlock:
         assert self.fused is not None  # forward takes this path only where the layer has one
         i, window = self.attn.layer, self.attn.window
         tokens = [(r.kv, pos) for r in rows for pos in range(r.kv.length, r.kv.length + r.num_tokens)]
+        many = [r.many for r in rows for _ in range(r.num_tokens)] if any(r.many for r in rows) else None
         y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), [kv.k[i] for kv, _ in tokens], [kv.v[i] for kv, _ in tokens],
-                         [kv.slot(i, pos) + 1 for kv, pos in tokens], [kv.slot(i, max(0, pos - window + 1) if window else 0) for kv, pos in tokens])
+                         [kv.slot(i, pos) + 1 for kv, pos in tokens], [kv.slot(i, max(0, pos - window + 1) if window else 0) for kv, pos in tokens],
+                         many)
         return y if keep is None else y[keep]
 
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
