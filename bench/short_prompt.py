@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import jitllmd  # noqa: E402,F401  (first: it sets torch's OpenMP spin before torch loads, as the CLI does)
 import torch  # noqa: E402
 
 from jitllmd.engine import kernels  # noqa: E402

@@ -148,7 +148,7 @@ class ModelRunner:
                 layer += 1
             for row in rows:
                 row.kv.length += row.num_tokens
-            chunk = chunk_tokens(rows, token_ids.shape[0])  # a prompt chunk's tokens: the quantized projections' prompt path
+            chunk = chunk_tokens(rows, token_ids.shape[0], many=False)  # a prompt chunk's tokens: the quantized head's prompt path
             if logits_at is not None and keep is None:
                 x = x[logits_at.to(x.device)]
             if chunk is not None and logits_at is not None:

@@ -55,7 +55,7 @@ __all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "segments_for
 # the prompt chunks' path wins (attention a chunk at a time; bf16 products where the CPU has the units). From
 # bench/short_prompt.py --followup, see docs/performance.md. AMX: its prompt rows attend in bf16 on the Python path,
 # so a short feed is only the few-row kernel's (0 here: QFormat.short alone).
-FUSED_FEED = {"avx2+fma": 64, "avx512+vnni": 32, "avx512+bf16": 32, "avx512+amx": 0}
+FUSED_FEED = {"avx2+fma": 64, "avx512+vnni": 64, "avx512+bf16": 64, "avx512+amx": 0}
 
 
 def short_feed(types: set[str] | list[str], variant: str | None) -> tuple[int, int]:
@@ -87,11 +87,12 @@ class Segment:
 # -- running them --------------------------------------------------------------------------------------------------
 
 
-def chunk_tokens(rows: list[RowSpan], num_tokens: int) -> torch.Tensor | None:
+def chunk_tokens(rows: list[RowSpan], num_tokens: int, many: bool = True) -> torch.Tensor | None:
     """bool [T]: the tokens of prompt rows (a row of more than one token, or one marked `prompt`: a chunk's last
     token alone), which quantized projections multiply exactly, but a short feed's (RowSpan.exact), unless `many`
-    (a layer without the fused call takes those as a prompt chunk's); None where there are none."""
-    long = [r for r in rows if r.exact or r.many]
+    (a layer without the fused call takes those as a prompt chunk's; with `many` False, as the head does, not: one
+    token a row, whose logits a short feed makes as decode rows do); None where there are none."""
+    long = [r for r in rows if r.exact or (many and r.many)]
     if not long:
         return None
     mask = torch.zeros(num_tokens, dtype=torch.bool)
