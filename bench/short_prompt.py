@@ -1,15 +1,15 @@
 """Where a short prompt's tokens stop gaining from the few-row integer kernel: per quantization format and kernel
-variant, a projection's time for T tokens through the decode rows' integer kernel (quant_rows) against the int8
-GEMM (gemm_rows), interleaved.
+variant, a projection's time for T tokens through the decode rows' integer kernel (quant_rows) against a prompt
+chunk's product (bf16 where the variant has bf16 units, else the int8 GEMM), interleaved.
 
     python bench/short_prompt.py                       # every variant this CPU runs, every format
     python bench/short_prompt.py --variants avx2+fma --formats Q4_K,Q6_K --rounds 7
     python bench/short_prompt.py --followup            # a follow-up turn's prefill in decode steps, on SmolLM2 and Qwen
 
 The last column is the largest T at which the few-row kernel is still no slower: layers/formats.py's QFormat.short
-holds these figures, per variant and format (a short feed of more new tokens takes the GEMM in the layer's fused
-call). --followup times a follow-up turn's prefill three ways, turn by turn: a short feed as it runs (the fused
-layer, the few-row kernel or the GEMM per the table), every short feed through the few-row kernel, and no short
+holds these figures, per variant and format (a short feed of more new tokens takes the chunk's product in the
+layer's fused call). --followup times a follow-up turn's prefill three ways, turn by turn: a short feed as it runs (the fused
+layer, the few-row kernel or a chunk's product per the table), every short feed through the few-row kernel, and no short
 feeds (the prompt chunks' path): layers/quant.py's FUSED_FEED is where the first stops beating the last.
 """
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from jitllmd.engine import kernels  # noqa: E402
 from jitllmd.engine.kernels.ops import bf16_units  # noqa: E402
 from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
-from jitllmd.engine.kernels.ops import gemm_runs, quant_runs  # noqa: E402
+from jitllmd.engine.kernels.ops import bf16_runs, gemm_runs, quant_runs  # noqa: E402
 from jitllmd.engine.request import Generation  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
@@ -61,20 +61,22 @@ def seconds(fn, reps: int) -> float:
 
 
 def measure(fmt: str, n: int, k: int, rounds: int) -> list[tuple[int, float, float]]:
-    """(T, few-row ms, GEMM ms) per token count, each the median of `rounds`, the two kernels interleaved. Each time
+    """(T, few-row ms, many-row ms) per token count, each the median of `rounds`, the two kernels interleaved: the
+    many-row product a prompt chunk's, bf16 where the variant has bf16 units, else the int8 GEMM. Each time
     is a pass over copies of the weight that add up to more than a CPU's caches (COLD bytes), per copy: a model's
     projections read their weights from memory, and the two kernels meet memory differently."""
     gen = torch.Generator().manual_seed(0)
     f = FORMATS[fmt]
     copies = max(2, COLD // (n * f.row_bytes(k)))
     runs = [[(weight(fmt, n, k, gen), f.ggml, n)] for _ in range(copies)]
+    many = bf16_runs if bf16_units() is not None else gemm_runs
     out = []
     for T in TOKENS:
         x = torch.randn(T, k, generator=gen)
         a, b = [], []
         for _ in range(rounds):
             a.append(seconds(lambda: [quant_runs(x, r, n) for r in runs], 1) / copies)
-            b.append(seconds(lambda: [gemm_runs(x, r, n) for r in runs], 1) / copies)
+            b.append(seconds(lambda: [many(x, r, n) for r in runs], 1) / copies)
         out.append((T, 1000 * statistics.median(a), 1000 * statistics.median(b)))
     return out
 
@@ -82,8 +84,8 @@ def measure(fmt: str, n: int, k: int, rounds: int) -> list[tuple[int, float, flo
 def followup(variant: str | None, rounds: int) -> None:
     """A session's follow-up turns of FEEDS new tokens on the real models (host blocks, as `serve` runs them by
     default): prefill_ms over the decode step, three ways interleaved turn by turn: `fused` (each layer's fused call,
-    the few-row kernel up to rows_feed and the GEMM past it, whatever the feed's size), `rows` (the fused call, the
-    few-row kernel always: how short feeds ran before the GEMM took them) and `exact` (no short feeds: the prompt
+    the few-row kernel up to rows_feed and a chunk's product past it, whatever the feed's size), `rows` (the fused call, the
+    few-row kernel always: how short feeds ran before) and `exact` (no short feeds: the prompt
     chunks' path). The loaded model runs `fused` up to its short_feed, `exact` past it: the last column."""
     from bench.vs_llamacpp import qwen_q4_k_m, smollm2_q4_1
     from jitllmd.embedded import cache_dir
@@ -158,7 +160,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             rows = measure(fmt, args.rows, args.inputs, args.rounds)
             wins = [t for t, a, b in rows if a <= b]
-            # the crossover: the last T before the GEMM starts to win for good
+            # the crossover: the last T before the many-row product starts to win for good
             limit = 0
             for t, a, b in rows:
                 if a > b:
@@ -167,7 +169,7 @@ def main() -> None:
             summary.setdefault(variant, {})[fmt] = limit
             cells = " | ".join(f"{a:.2f}/{b:.2f}" for _, a, b in rows)
             print(f"| {fmt} | {cells} | {limit} |" + ("" if wins == [t for t in TOKENS if t <= limit] else " (not monotone)"))
-        print("\n(cells: few-row ms / GEMM ms)")
+        print("\n(cells: few-row ms / many-row ms)")
     kernels.use_variant(None)
     print("\nper variant, the crossover of each format (QFormat.short in layers/formats.py) = {")
     for variant, limits in summary.items():

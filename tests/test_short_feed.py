@@ -1,8 +1,8 @@
 """Short prompt feeds (a follow-up turn's few new tokens) run as decode rows do, each layer in one fused call: through
 the decode rows' integer kernel the same bits as feeding those tokens one decode step at a time, under every kernel
-variant this CPU runs; a feed past the formats' figure (`many`) takes the int8 GEMM there, each token's result still its
-own whatever rows share its step. The engine marks a feed short (and many) from its own count of new tokens, never
-from its neighbours."""
+variant this CPU runs; a feed past the formats' figure (`many`) takes a prompt chunk's products there (bf16 or the
+int8 GEMM), each token's result still its own whatever rows share its step. The engine marks a feed short (and
+many) from its own count of new tokens, never from its neighbours."""
 
 from __future__ import annotations
 
@@ -86,11 +86,11 @@ def test_the_table_takes_the_least_of_a_models_formats() -> None:
         assert set(f.short) == variants and all(v >= 0 for v in f.short.values())
 
 
-def test_a_long_short_feed_takes_the_gemm_and_keeps_to_its_own_row(monkeypatch, variant, tiny_serve_q8_jlm) -> None:
-    """A short feed marked `many` goes through each layer's fused call with its products the int8 GEMM's (the call
-    told so, token by token): its logits and K/V are the same bits alone and in a step between two decode rows of
-    other sessions (whose own logits are theirs alone too: one fused call, three runs of tokens of two kinds), and
-    within the int8 rounding of feeding its tokens one at a time."""
+def test_a_long_short_feed_takes_a_chunks_products_and_keeps_to_its_own_row(monkeypatch, variant, tiny_serve_q8_jlm) -> None:
+    """A short feed marked `many` goes through each layer's fused call with a prompt chunk's products (bf16 where the
+    CPU has the units, else the int8 GEMM; the call told so, token by token): its logits and K/V are the same bits
+    alone and in a step between two decode rows of other sessions (whose own logits are theirs alone too: one fused
+    call, three runs of tokens of two kinds), and within the rounding of feeding its tokens one at a time."""
     from jitllmd.engine.loader import load_model
     from jitllmd.engine.models import llama
 
@@ -148,7 +148,7 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
         seen.clear()
         many.clear()
         collect(engine.generate(Generation(s.token_ids + [11, 12, 13, 14, 15, 16], GREEDY, max_tokens=3, ignore_eos=True, session=s)))
-        assert seen[0] == (6, True, True) and many == [True, False, False], (seen, many)  # past rows_feed: the GEMM's, its decode rows not
+        assert seen[0] == (6, True, True) and many == [True, False, False], (seen, many)  # past rows_feed: a chunk's products, its decode rows not
         seen.clear()
         collect(engine.generate(Generation([7, 8, 9], GREEDY, max_tokens=1, ignore_eos=True, prompt_logprobs=1)))
         assert seen[0][1:] == (True, True), seen

@@ -15,9 +15,10 @@
  * projection is its runs of same-format rows stacked along the output (a Q5_0 q/k and a Q8_0 v: two runs).
  *
  * Tokens a `many` flag marks (a short prompt feed too long for the few-row kernel to win: layers/quant.py's
- * rows_feed) take gemm_rows for their products instead: the int8 GEMM, quant_rows' rounding of x and its integer
- * sums, its f32 steps in another order; each token's result is still its own, whatever the tokens beside it. Each
- * projection is then one call per run of consecutive tokens of one kind.
+ * rows_feed) take a prompt chunk's products instead: the int8 GEMM (gemm_rows: quant_rows' rounding of x and its
+ * integer sums, its f32 steps in another order; flag MANY_GEMM), or where the CPU has bf16 units x and the weights
+ * rounded to bf16 (bf16_round, bf16_rows; MANY_BF16). Each token's result is still its own, whatever the tokens
+ * beside it. Each projection is then one call per run of consecutive tokens of one kind.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,11 +27,15 @@
 #include "simd.h" /* its inputs (PLAIN, NORMED, GATED) */
 
 #define MAX_RUNS 4
+enum { MANY_ROWS = 0, MANY_GEMM = 1, MANY_BF16 = 2 }; /* a token's `many` flag: which product it takes */
 
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
                float eps, const float *r, int64_t ldr, int threads);
 int gemm_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
               float eps, const float *r, int64_t ldr, int threads);
+int bf16_round(const float *x, uint16_t *xb, int64_t T, int64_t K, int input, const float *norm_w, float eps, int threads);
+int bf16_rows(const uint16_t *xb, int64_t T, int64_t K, int nruns, const uint8_t *const *W, const int64_t *w_stride, const int64_t *rows,
+              const int *types, float *y, int64_t ldy, const float *add, int64_t ld_add, int threads);
 void rope_rows(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t D, int threads);
 void rms_norm_add_rows(const float *x, const float *w, const float *r, float *y, int64_t T, int64_t D, float eps, int threads);
 void rms_norm_heads(float *x, int64_t stride, const float *w, int64_t T, int64_t heads, int64_t D, float eps, int threads);
@@ -56,19 +61,39 @@ typedef struct {
     int64_t gate;
 } qlayer;
 
+/* Tokens [t0, t1)'s bf16 product (MANY_BF16): their a rounded to bf16 once, every run in one bf16_rows call. */
+static int project_bf16(const qproj *p, const float *x, float *y, int64_t n, int64_t ldy, int input, const float *norm_w, float eps,
+                        const float *add, int64_t ldr, int threads) {
+    uint16_t *xb = malloc((size_t)((n + 31) / 32 * 32 * p->k) * sizeof(uint16_t));
+    if (!xb) return -1;
+    int types[MAX_RUNS];
+    const int64_t stride[MAX_RUNS] = {0};
+    for (int64_t i = 0; i < p->runs; i++) types[i] = (int)p->type[i];
+    int rc = bf16_round(x, xb, n, p->k, input, norm_w, eps, threads);
+    if (!rc) rc = bf16_rows(xb, n, p->k, (int)p->runs, p->w, stride, p->rows, types, y, ldy, add, ldr, threads);
+    free(xb);
+    return rc;
+}
+
 /* y [T, out] (rows ldy apart) = add (+ its row t at ldr, or with ldr 0 a bias) + a @ W.T, a made from x per input;
- * token t through gemm_rows where many && many[t], else quant_rows: one call per run and run of tokens of one kind. */
+ * token t through quant_rows, or as many[t] says (NULL: quant_rows for all): one call per run of tokens of one kind
+ * (and per run of rows, but for bf16_rows, which takes them all at once). */
 static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t ldy, int input, const float *norm_w, float eps, const float *add,
                    int64_t ldr, const uint8_t *many, int threads) {
     const int64_t ldx = IS_GATED(input) ? 2 * p->k : p->k;
     for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
-        const int gemm = many && many[t0];
-        for (t1 = t0 + 1; t1 < T && (many && many[t1]) == gemm; t1++) {
+        const int kind = many ? many[t0] : MANY_ROWS;
+        for (t1 = t0 + 1; t1 < T && (many ? many[t1] : MANY_ROWS) == kind; t1++) {
         }
         const float *a = add && ldr ? add + t0 * ldr : add;
+        if (kind == MANY_BF16) {
+            const int rc = project_bf16(p, x + t0 * ldx, y + t0 * ldy, t1 - t0, ldy, input, norm_w, eps, a, ldr, threads);
+            if (rc) return rc;
+            continue;
+        }
         for (int64_t i = 0, col = 0; i < p->runs; col += p->rows[i], i++) {
-            const int rc = (gemm ? gemm_rows : quant_rows)(x + t0 * ldx, p->w[i], y + t0 * ldy + col, t1 - t0, p->k, p->rows[i], ldy, (int)p->type[i],
-                                                          input, norm_w, eps, a ? a + col : NULL, ldr, threads);
+            const int rc = (kind == MANY_GEMM ? gemm_rows : quant_rows)(x + t0 * ldx, p->w[i], y + t0 * ldy + col, t1 - t0, p->k, p->rows[i], ldy,
+                                                                      (int)p->type[i], input, norm_w, eps, a ? a + col : NULL, ldr, threads);
             if (rc) return rc;
         }
     }
@@ -77,7 +102,7 @@ static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t 
 
 /* Layer L over R single-token rows: x [R, hidden] -> y [R, hidden] (y may not be x). cos, sin [R, D]: the rows'
  * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] ([Hkv, strides[r], D] f32, or f16 where kv16), its new token at
- * position lengths[r] - 1, attending from starts[r]; many: NULL, or R flags, a row's products by gemm_rows where set.
+ * position lengths[r] - 1, attending from starts[r]; many: NULL, or R flags (MANY_*), which product each row takes.
  * Returns 0, or -1 without memory. */
 int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const float *cos, const float *sin, const int64_t *k_ptrs,
                  const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int kv16, const uint8_t *many,

@@ -378,6 +378,7 @@ class _Layer(ctypes.Structure):
 
 
 Runs = list[tuple[torch.Tensor, int, int]]  # (w, qtype, rows): quant_runs's
+_MANY_GEMM, _MANY_BF16 = 1, 2  # layer.c's flags: a row's products the int8 GEMM's, or bf16's
 
 
 class QuantLayer:
@@ -419,8 +420,9 @@ def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: tor
     norms (Gemma's), RoPE (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
     (keys[r], values[r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o
     (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the calls the
-    Python path makes, with the same bits. `many`: per row, whether its products are the int8 GEMM's (gemm_runs)
-    rather than the few-row kernel's (a short feed past `rows_feed`); None: none are."""
+    Python path makes, with the same bits. `many`: per row, whether its products are a prompt chunk's (bf16_runs' where
+    the CPU has bf16 units, else the int8 GEMM's: gemm_runs) rather than the few-row kernel's (a short feed past
+    `rows_feed`); None: none are."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden
@@ -428,7 +430,8 @@ def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: tor
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
     meta = _RowMeta(keys, values, lengths, starts)
-    flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*many)
+    kind = _MANY_BF16 if many is not None and any(many) and bf16_units() is not None else _MANY_GEMM  # layer.c's MANY_*
+    flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*(kind if m else 0 for m in many))
     if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16, flags,
                         torch.get_num_threads()):
         raise MemoryError("decode_layer: no memory for its buffers")

@@ -890,16 +890,26 @@ static inline __attribute__((always_inline)) void gemm_tile(const int type, cons
     for (int r = 0; r < m; r++) gemm_store(j, t0 + r, o0, acc[r]);
 }
 
-/* A format of unsigned codes with one scale per 32-block, whose sums last the whole block in a register (with VNNI
- * every such format; without, the 4-bit ones, whose int16 sums do: Q4_0, Q4_1, Q4_K) runs two panels at once (16
- * weight rows): each x broadcast then feeds two products, 3 x rows a tile keeping 6 f32 accumulators and 6 integer
- * sums in the 16 registers. Per output the same operations in the same order as gemm_tile's: the same bits. */
+/* A format of unsigned codes with one scale per 32-block runs two panels at once (16 weight rows): each x broadcast
+ * then feeds two products. With VNNI, or without for the 4-bit formats (Q4_0, Q4_1, Q4_K) whose int16 sums last the
+ * whole block, 3 x rows a tile keep 6 f32 accumulators and 6 integer sums in the 16 registers; the 5-bit ones (Q5_0,
+ * Q5_1, Q5_K) without VNNI add their int16 sums into int32 after 4 steps, 2 x rows a tile (4 more registers). Per
+ * output the same integer sums and the same f32 operations in the same order as gemm_tile's: the same bits. */
 #define GM_MR2 3
 static inline int gm_pairs(int type) {
 #ifdef HAVE_VNNI
     return !gm_signed(type) && gm_scales(type) == 1;
 #else
-    return gm_flush(type) == 8 && !gm_signed(type) && gm_scales(type) == 1;
+    return gm_flush(type) >= 4 && !gm_signed(type) && gm_scales(type) == 1;
+#endif
+}
+/* x rows a pair tile takes */
+static inline int gm_mr2(int type) {
+#ifdef HAVE_VNNI
+    (void)type;
+    return GM_MR2;
+#else
+    return gm_flush(type) == 8 ? GM_MR2 : 2;
 #endif
 }
 
@@ -911,14 +921,25 @@ static inline __attribute__((always_inline)) void gemm_tile2(const int type, con
     const float *xd = j->xd + t0 * nb, *xs = j->xs + t0 * nb;
 #ifndef HAVE_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+    const int half = gm_flush(type) == 4; /* the first 4 steps' int16 sums go to int32 (t0, t1) before they overflow */
 #endif
     __m256 a0[GM_MR2], a1[GM_MR2];
     for (int r = 0; r < m; r++) a0[r] = a1[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m256i *c0 = (const __m256i *)(codes + b * 256), *c1 = (const __m256i *)(codes1 + b * 256);
         __m256i h0[GM_MR2], h1[GM_MR2];
+#ifndef HAVE_VNNI
+        __m256i t0[2], t1[2];
+#endif
         for (int r = 0; r < m; r++) h0[r] = h1[r] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
+#ifndef HAVE_VNNI
+            if (half && s == 4)
+                for (int r = 0; r < m && r < 2; r++) {
+                    t0[r] = _mm256_madd_epi16(h0[r], ones), t1[r] = _mm256_madd_epi16(h1[r], ones);
+                    h0[r] = h1[r] = _mm256_setzero_si256();
+                }
+#endif
             const __m256i w0 = _mm256_loadu_si256(c0 + s), w1 = _mm256_loadu_si256(c1 + s);
             for (int r = 0; r < m; r++) {
                 int32_t four;
@@ -940,7 +961,8 @@ static inline __attribute__((always_inline)) void gemm_tile2(const int type, con
 #ifdef HAVE_VNNI
             const __m256i i0 = h0[r], i1 = h1[r];
 #else
-            const __m256i i0 = _mm256_madd_epi16(h0[r], ones), i1 = _mm256_madd_epi16(h1[r], ones);
+            __m256i i0 = _mm256_madd_epi16(h0[r], ones), i1 = _mm256_madd_epi16(h1[r], ones);
+            if (half && r < 2) i0 = _mm256_add_epi32(t0[r], i0), i1 = _mm256_add_epi32(t1[r], i1);
 #endif
             a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), a0[r]);
             a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), a1[r]);
@@ -984,7 +1006,11 @@ static inline __attribute__((always_inline)) void gemm_panel(const int type, con
         uint8_t *codes1 = gm_scratch + one; /* one is a multiple of 32: nb * (256 + 64) */
         float *sc1 = (float *)(codes1 + nb * 256), *off1 = sc1 + nb * GM_NR;
         gemm_unpack(type, j, o0 + GM_NR, codes1, sc1, off1);
-        for (; t + GM_MR2 <= j->T; t += GM_MR2) gemm_tile2(type, GM_MR2, j, t, o0, codes, sc, off, codes1, sc1, off1);
+        if (gm_mr2(type) == GM_MR2) {
+            for (; t + GM_MR2 <= j->T; t += GM_MR2) gemm_tile2(type, GM_MR2, j, t, o0, codes, sc, off, codes1, sc1, off1);
+        } else {
+            for (; t + 2 <= j->T; t += 2) gemm_tile2(type, 2, j, t, o0, codes, sc, off, codes1, sc1, off1);
+        }
         switch (j->T - t) {
         case 2: gemm_tile2(type, 2, j, t, o0, codes, sc, off, codes1, sc1, off1); break;
         case 1: gemm_tile2(type, 1, j, t, o0, codes, sc, off, codes1, sc1, off1); break;

@@ -233,20 +233,21 @@ def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
 
 
 # `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-02:
-# a [3072, 1024] projection's crossover, the few-row kernel against the int8 GEMM on weights read from memory (96 MB of
-# copies a pass: warm in the caches the GEMM won from 1 token), rounded down to the token counts measured and to where
-# --followup agreed at the model (Qwen 0.5B's Q5_0 rows: the few-row kernel no slower up to 16 tokens on avx2+fma).
-# Noisy figures (a shared machine): the orders of magnitude hold, a step either way does not. AMX was not on that CPU:
-# there a short feed's prompt rows take the Python path (bf16 attention), whose many-row product is AMX's bf16 tiles, which
-# crossed the few-row kernel at 8 tokens (a Sapphire Rapids session, 2026-11).
+# a [3072, 1024] projection's crossover, the few-row kernel against a prompt chunk's product (the int8 GEMM; bf16 on
+# the bf16 variant) on weights read from memory (96 MB of copies a pass: warm in the caches the GEMM won from 1
+# token), rounded down to the token counts measured and to where --followup agreed at the model (Qwen 0.5B's Q5_0
+# rows: the few-row kernel no slower up to 16 tokens on avx2+fma). Noisy figures (a shared machine): the orders of
+# magnitude hold, a step either way does not. AMX was not on that CPU: there a short feed's prompt rows take the Python
+# path (bf16 attention), whose many-row product is AMX's bf16 tiles, which crossed the few-row kernel at 8 tokens (a
+# Sapphire Rapids session, 2026-11).
 _RECORDS = (
-    QFormat("Q4_0", 2, 32, 18, _short(4, 8, 8, 8), _dequant_q4_0, _quant_q4_0),
-    QFormat("Q4_1", 3, 32, 20, _short(4, 8, 8, 8), _dequant_q4_1),
-    QFormat("Q5_0", 6, 32, 22, _short(16, 12, 8, 8), _dequant_q5_0, _quant_q5_0),
-    QFormat("Q5_1", 7, 32, 24, _short(8, 0, 0, 8), _dequant_q5_1),
+    QFormat("Q4_0", 2, 32, 18, _short(4, 8, 24, 8), _dequant_q4_0, _quant_q4_0),
+    QFormat("Q4_1", 3, 32, 20, _short(4, 8, 24, 8), _dequant_q4_1),
+    QFormat("Q5_0", 6, 32, 22, _short(16, 12, 24, 8), _dequant_q5_0, _quant_q5_0),
+    QFormat("Q5_1", 7, 32, 24, _short(8, 0, 16, 8), _dequant_q5_1),
     QFormat("Q8_0", 8, 32, 34, _short(8, 32, 32, 8), _dequant_q8_0, _quant_q8_0),
-    QFormat("Q4_K", 12, 256, 144, _short(8, 8, 8, 8), _dequant_q4_k, _quant_q4_k),
-    QFormat("Q5_K", 13, 256, 176, _short(8, 12, 16, 8), _dequant_q5_k),
+    QFormat("Q4_K", 12, 256, 144, _short(8, 8, 32, 8), _dequant_q4_k, _quant_q4_k),
+    QFormat("Q5_K", 13, 256, 176, _short(8, 12, 32, 8), _dequant_q5_k),
     QFormat("Q6_K", 14, 256, 210, _short(16, 64, 32, 8), _dequant_q6_k),
 )
 FORMATS: dict[str, QFormat] = {f.name: f for f in _RECORDS}

@@ -17,8 +17,8 @@ VNNI) an int8 GEMM (quant.c's gemm_rows) with the decode rows' rounding and boun
 in another order (llama.cpp's rounding, at 2-6x the f32 product over dequantized panels it replaces). Unless the
 row's prompt feeds few new tokens (a follow-up turn: at most short_feed, FUSED_FEED below): then each layer takes
 its tokens as decode rows in one fused call (layer.c), multiplied as decode rows are where the few-row kernel is the
-faster (at most rows_feed new tokens: formats.py's QFormat.short), else (`many`) as the int8 GEMM, decided from
-that row's own feed. A token's path depends on its own row only, never on the rows beside it. The reference path
+faster (at most rows_feed new tokens: formats.py's QFormat.short), else (`many`) as a prompt chunk's (bf16 or the
+int8 GEMM, as above), decided from that row's own feed. A token's path depends on its own row only, never on the rows beside it. The reference path
 (no kernels, or not the CPU) dequantizes and multiplies in f32.
 """
 
@@ -51,10 +51,11 @@ __all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "segments_for
 
 # The most new tokens a short feed may have, per kernel variant: a feed of at most this many runs through each
 # layer's fused call (layer.c: no return to Python between its kernels, each token a row attending up to its own
-# position), its products the few-row kernel's up to the formats' QFormat.short, the int8 GEMM's past it. Beyond it
-# the prompt chunks' path wins (attention a chunk at a time; bf16 products where the CPU has the units). From
-# bench/short_prompt.py --followup, see docs/performance.md. AMX: its prompt rows attend in bf16 on the Python path,
-# so a short feed is only the few-row kernel's (0 here: QFormat.short alone).
+# position), its products the few-row kernel's up to the formats' QFormat.short, a prompt chunk's past it (bf16
+# where the CPU has the units, else the int8 GEMM: the rounding the chunk path gives them). Beyond it the prompt
+# chunks' path wins (attention a chunk at a time). From bench/short_prompt.py --followup, see docs/performance.md.
+# AMX: its prompt rows attend in bf16 on the Python path, so a short feed is only the few-row kernel's (0 here:
+# QFormat.short alone).
 FUSED_FEED = {"avx2+fma": 64, "avx512+vnni": 64, "avx512+bf16": 64, "avx512+amx": 0}
 
 
@@ -62,8 +63,8 @@ def short_feed(types: set[str] | list[str], variant: str | None) -> tuple[int, i
     """(short_feed, rows_feed) for a model whose quantized tensors are of `types`, under kernel `variant`: the most
     new prompt tokens a row may feed and still run as decode rows do (FUSED_FEED), and the most it may feed and still
     take the few-row integer kernel (the least of its formats' QFormat.short, so no projection runs a feed slower
-    than the int8 GEMM would); past that a short feed's products are the GEMM's. (0, 0) where there are no kernels
-    or no quantized tensors (a float model's few-row kernels need no marking)."""
+    than a prompt chunk's product would); past that a short feed's products are a chunk's. (0, 0) where there are no
+    kernels or no quantized tensors (a float model's few-row kernels need no marking)."""
     kinds = [FORMATS[t] for t in types if t in FORMATS]
     if variant is None or not kinds:
         return 0, 0
