@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.grammar import GrammarSpec
 from ..engine.request import Delta, Done, Event, Failed, FinishReason, Generation
 from ..engine.sessions import Session
 from .body import APIError, Fields, dialect, read_json
@@ -115,6 +116,27 @@ def _forced_tool(f: Fields) -> tuple[bool, str | None]:
     return kind == "any", None
 
 
+def _output_format(f: Fields) -> tuple[GrammarSpec, str] | None:
+    """output_config.format (or the structured-outputs beta's top-level output_format), {"type": "json_schema",
+    "schema": ...}: the reply is JSON valid against the schema, enforced by the grammar OpenAI's response_format
+    json_schema compiles to; with the format's field name ("output_config.format" or "output_format")."""
+    config = f.object("output_config")
+    fmt = config.object("format") if config is not None else None
+    if f.has("output_format"):
+        if fmt is not None:
+            raise f.error("output_format", "give the format once: output_config.format (output_format is its older beta spelling)")
+        fmt = f.object("output_format")
+    if fmt is None:
+        return None
+    kind = fmt.string("type", required=True)
+    if kind != "json_schema":
+        raise fmt.error("type", f"{kind!r}: expected json_schema")
+    schema = fmt.object("schema")
+    if schema is None:
+        raise fmt.error("schema", "this field is required")
+    return GrammarSpec(schema=schema.obj), fmt.prefix.rstrip(".")
+
+
 def _tools(f: Fields) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions in the OpenAI shape chat templates take, input_schema kept as sent (key order and
     all); None without tools or with tool_choice {"type": "none"}. "auto" leaves the choice to the model; "any" and a
@@ -194,6 +216,7 @@ class Anthropic:
     async def messages(self, request: Request) -> Response:
         f = Fields(await read_json(request))
         max_tokens = f.integer("max_tokens", required=True, low=1)
+        output = _output_format(f)
         p = await self._prompt(f)
         params = sampling_params(
             temperature=f.number("temperature", 1.0, low=0.0, high=1.0),
@@ -204,8 +227,14 @@ class Anthropic:
         stream = f.boolean("stream")
         ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
         forced = _forced_tool(f)
-        grammar = tool_grammar(p.served, p.tools, forced[1], "tool_choice") if p.tools and forced[0] else None
-        [constraint] = await constraints(p.served, grammar, 1, "tool_choice")
+        grammar, grammar_param = None, ""
+        if p.tools and forced[0]:  # the reply is a call: the tool grammar wins over the format, as over OpenAI's response_format
+            grammar, grammar_param = tool_grammar(p.served, p.tools, forced[1], "tool_choice"), "tool_choice"
+        elif output is not None:
+            if p.prefill is not None:
+                raise f.error(output[1], "a reply in this format is JSON from its first token: it cannot continue a final assistant message")
+            grammar, grammar_param = output[0], output[1] + ".schema"  # a schema the grammar refuses: a 400 naming it
+        [constraint] = await constraints(p.served, grammar, 1, grammar_param)
         spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, ignore_eos=ignore_eos,
                           request_id=request.state.request_id, constraint=constraint)
         outbox = start(p.served, spec, param="messages")

@@ -56,17 +56,28 @@ def chat_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs]) -> dict[str
 
 def completion_logprobs(tokenizer: Tokenizer, scores: list[TokenLogprobs | None], prompt_ids: list[int], offset: int) -> dict[str, Any]:
     """Completions' `logprobs`: tokens, token_logprobs, top_logprobs, text_offset (None where a token has no score:
-    the prompt's first). `prompt_ids` name the unscored tokens; `offset` is where the first token's text starts."""
+    the prompt's first). `prompt_ids` name the unscored tokens; `offset` is where the first token's text starts.
+    Each top_logprobs holds the N likeliest and the token itself where it is not among them (N + 1 entries, as
+    OpenAI's and vLLM's: with logprobs 0, the token alone)."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for i, s in enumerate(scores):
         token = s.token if s is not None else prompt_ids[i]
         text = token_text(tokenizer, token)[0]
         out["tokens"].append(text)
         out["token_logprobs"].append(s.logprob if s is not None else None)
-        out["top_logprobs"].append({token_text(tokenizer, t)[0]: lp for t, lp in s.top} if s is not None else None)
+        out["top_logprobs"].append(_top(tokenizer, s, text) if s is not None else None)
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _top(tokenizer: Tokenizer, s: TokenLogprobs, text: str) -> dict[str, float]:
+    """One position's top_logprobs: {text: logprob} of the likeliest, then of the token (`text`) if not among them (a
+    likelier token of the same text keeps its own)."""
+    top = {token_text(tokenizer, t)[0]: lp for t, lp in s.top}
+    if all(t != s.token for t, _ in s.top):
+        top.setdefault(text, s.logprob)
+    return top
 
 
 def usage(dones: list[Done], n: int) -> dict[str, Any]:
