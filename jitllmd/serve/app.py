@@ -27,6 +27,7 @@ from .services.control import Devices, ErrorMapper, Models, Sessions
 from .services.inference import Inference
 from .services.placement import Placement
 from .services.telemetry import ServerInfo, Telemetry
+from .tokenize import Tokenizing
 
 __all__ = ["Health", "build_app"]
 
@@ -61,7 +62,7 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
     """Every route behind the Guard (jitllmd/serve/guard.py): api_key, when given, is asked of all but /healthz;
     allowed_hosts, when given, are the only names a Host header may carry besides IP addresses. `health`: what
     /healthz says (default: always ok). `limits`: what one OpenAI request may fan out to."""
-    oa, an, metrics = openai.OpenAI(catalog, limits), anthropic.Anthropic(catalog), Metrics(catalog)
+    oa, an, metrics, tok = openai.OpenAI(catalog, limits), anthropic.Anthropic(catalog), Metrics(catalog), Tokenizing(catalog)
     routes: list[BaseRoute] = [
         Route("/healthz", (health or Health()).endpoint, methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -72,6 +73,9 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", an.count_tokens, methods=["POST"]),
+        Route("/tokenize", tok.tokenize, methods=["POST"]),  # llama-server's and vLLM's shapes (serve/tokenize.py)
+        Route("/detokenize", tok.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tok.tokenizer_info, methods=["GET"]),  # vLLM's: lm-eval's remote tokenizer reads it
     ]
     interceptors = [ErrorMapper(catalog)]
     services: list[ConnectASGIApplication] = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web

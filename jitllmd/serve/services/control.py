@@ -30,6 +30,7 @@ from ...gen.jitllm.v1.device_connect import DeviceService
 from ...gen.jitllm.v1.model_connect import ModelService
 from ...gen.jitllm.v1.session_connect import SessionService
 from ..prompt import off_loop
+from ..tokenize import detokenize_ids, token_strs, tokenize_text
 
 __all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_of"]
 
@@ -235,15 +236,17 @@ class Models(ModelService):
         )
 
     async def tokenize(self, request: mdl.TokenizeRequest, ctx: Any) -> mdl.TokenizeResponse:
-        tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
-        ids = await off_loop(tok.encode, request.text, add_special_tokens=request.add_special_tokens)
-        return mdl.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+        """/tokenize's path (serve/tokenize.py): past its bound, RoomError is resource_exhausted."""
+        served = model_of(self.catalog, request.model)
+        ids = await tokenize_text(served, request.text, add_special_tokens=request.add_special_tokens, param="text")
+        tokens = await off_loop(token_strs, served.engine.loaded.tokenizer, ids, size=len(ids))
+        return mdl.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def detokenize(self, request: mdl.DetokenizeRequest, ctx: Any) -> mdl.DetokenizeResponse:
-        tok = model_of(self.catalog, request.model).engine.loaded.tokenizer
-        if any(not 0 <= i < tok.vocab_size for i in request.token_ids):
-            raise ConnectError(Code.INVALID_ARGUMENT, f"token_ids must be in [0, {tok.vocab_size})")
-        return mdl.DetokenizeResponse(text=tok.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
+        """/detokenize's path: an id outside the vocabulary is invalid_argument (its ValueError)."""
+        served = model_of(self.catalog, request.model)
+        text = await detokenize_ids(served, list(request.token_ids), skip_special_tokens=request.skip_special_tokens, param="token_ids")
+        return mdl.DetokenizeResponse(text=text)
 
     async def apply_chat_template(self, request: mdl.ApplyChatTemplateRequest, ctx: Any) -> mdl.ApplyChatTemplateResponse:
         loaded = model_of(self.catalog, request.model).engine.loaded
