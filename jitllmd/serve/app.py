@@ -23,6 +23,7 @@ from .embeddings import Embeddings
 from .guard import Guard
 from .metrics import Metrics
 from .openai_request import Limits
+from .rerank import Scoring
 from .services.control import Devices, ErrorMapper, Models, Sessions
 from .services.inference import Inference
 from .services.placement import Placement
@@ -63,6 +64,7 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
     allowed_hosts, when given, are the only names a Host header may carry besides IP addresses. `health`: what
     /healthz says (default: always ok). `limits`: what one OpenAI request may fan out to."""
     oa, an, metrics, tok = openai.OpenAI(catalog, limits), anthropic.Anthropic(catalog), Metrics(catalog), Tokenizing(catalog)
+    scoring = Scoring(catalog)
     routes: list[BaseRoute] = [
         Route("/healthz", (health or Health()).endpoint, methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -76,6 +78,11 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
         Route("/tokenize", tok.tokenize, methods=["POST"]),  # llama-server's and vLLM's shapes (serve/tokenize.py)
         Route("/detokenize", tok.detokenize, methods=["POST"]),
         Route("/tokenizer_info", tok.tokenizer_info, methods=["GET"]),  # vLLM's: lm-eval's remote tokenizer reads it
+        Route("/v1/rerank", scoring.rerank, methods=["POST"]),  # Jina's and Cohere's shape (serve/rerank.py), at each path vLLM serves it
+        Route("/rerank", scoring.rerank, methods=["POST"]),
+        Route("/v2/rerank", scoring.rerank, methods=["POST"]),
+        Route("/v1/score", scoring.score, methods=["POST"]),  # vLLM's
+        Route("/score", scoring.score, methods=["POST"]),
     ]
     interceptors = [ErrorMapper(catalog)]
     services: list[ConnectASGIApplication] = [  # the Connect control plane: /jitllm.v1.<Service>/<Method>, over Connect, gRPC and gRPC-Web

@@ -33,6 +33,8 @@ class Embeddings:
         loaded = served.engine.loaded
         if not loaded.embeds:
             raise f.error("model", f"{served.id} generates text; embeddings need an embedding model (use /v1/chat/completions with it)")
+        if getattr(loaded.model, "scores_pairs", False):  # an encoder's answer; a decoder has none
+            raise f.error("model", f"{served.id} is a cross-encoder: it scores pairs (use /v1/rerank or /v1/score)")
         fmt = f.string("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise f.error("encoding_format", f"expected float or base64, got {fmt!r}")

@@ -63,7 +63,7 @@ def read_hf(path: Path, dtype: torch.dtype) -> Source:
     arch = hf_source.model_types[model_type]
     origin = {"kind": "hf", "dir": path.name, "model_type": model_type}
     if family.embeds:
-        tokenizer_json, special = _encoder_tokenizer(path, tokenizer_json, tcfg)
+        tokenizer_json, special = _encoder_tokenizer(path, tokenizer_json, tcfg, pairs=bool(config.get("num_labels")))
         return Source(
             arch=arch,
             config=config,
@@ -198,9 +198,11 @@ def _sentence_transformers(path: Path, positions: int) -> dict[str, Any]:
     return {"pooling": pooling, "normalize": normalize, "max_seq_length": limit}
 
 
-def _encoder_tokenizer(path: Path, tokenizer_json: str, tcfg: dict[str, Any]) -> tuple[str, dict[str, str]]:
+def _encoder_tokenizer(path: Path, tokenizer_json: str, tcfg: dict[str, Any], *, pairs: bool = False) -> tuple[str, dict[str, str]]:
     """The tokenizer JSON with padding and truncation off (the engine batches; the API decides about long inputs),
-    and the [CLS]/[SEP]/[PAD] tokens it uses. Its post-processor must already wrap a text as [CLS] ... [SEP]."""
+    and the [CLS]/[SEP]/[PAD] tokens it uses. Its post-processor must already wrap a text as [CLS] ... [SEP]; a
+    cross-encoder's (`pairs`) a pair as [CLS] a [SEP] b [SEP], b and its [SEP] in segment 1, which is how the
+    server puts a pair together from the two texts' own encodings."""
     from tokenizers import Tokenizer
 
     try:
@@ -221,6 +223,11 @@ def _encoder_tokenizer(path: Path, tokenizer_json: str, tcfg: dict[str, Any]) ->
     cls, sep = (backend.token_to_id(special.get(k, "")) for k in ("cls_token", "sep_token"))
     if cls is None or sep is None or len(ids) < 2 or ids[0] != cls or ids[-1] != sep:
         raise ConvertError(f"{path}/tokenizer.json: its post-processor does not wrap a text as [CLS] ... [SEP]")
+    if pairs:
+        pair = backend.encode("a", "b")
+        a, b = ids[1:-1], backend.encode("b").ids[1:-1]
+        if pair.ids != [cls, *a, sep, *b, sep] or pair.type_ids != [0] * (len(a) + 2) + [1] * (len(b) + 1):
+            raise ConvertError(f"{path}/tokenizer.json: its post-processor does not wrap a pair as [CLS] a [SEP] b [SEP] (b in segment 1)")
     return tokenizer_json, special
 
 

@@ -42,6 +42,9 @@ class EncoderModel(Protocol):
 
     def weight_nbytes(self) -> int: ...
 
+    @property
+    def scores_pairs(self) -> bool: ...  # a cross-encoder: its lists are pairs, its vectors their scores
+
 
 # Every family, one line each: a new family is a new file in this folder and its FAMILY here.
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma3.FAMILY, bert.FAMILY)

@@ -118,6 +118,8 @@ class Inference(InferenceService):
         loaded = served.engine.loaded
         if not loaded.embeds:
             raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} generates text; embeddings need an embedding model")
+        if getattr(loaded.model, "scores_pairs", False):  # an encoder's answer; a decoder has none
+            raise ConnectError(Code.FAILED_PRECONDITION, f"model {served.id} is a cross-encoder: it scores pairs (use /v1/rerank or /v1/score)")
         if not request.inputs:
             raise ConnectError(Code.INVALID_ARGUMENT, "inputs: at least one text")
         for i, text in enumerate(request.inputs):
