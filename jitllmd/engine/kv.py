@@ -232,7 +232,7 @@ class RowSpan:
     kv: SessionKV
     prompt: bool = False  # tokens of a prompt (even one): quantized projections multiply them exactly
     short: bool = False  # ... unless it is a short feed: its tokens multiply as decode rows do (runner.pack)
-    many: bool = False  # ... as an int8 GEMM where a layer runs them in its fused call, else as a prompt chunk's (a feed past rows_feed)
+    many: bool = False  # ... as a prompt chunk's (a feed past rows_feed), though a layer with a fused call still runs them in it
     exact: bool = field(init=False)  # its tokens take the prompt chunks' products (a prompt's, or any row of several)
     _masks: dict[tuple[int, int | None], dict[torch.device, torch.Tensor]] = field(default_factory=dict, repr=False)
 

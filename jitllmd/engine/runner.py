@@ -105,7 +105,7 @@ class ModelRunner:
         self.model = model
         self.placement = placement
         self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
-        self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, the int8 GEMM past it
+        self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, a prompt chunk's products past it
 
     @property
     def device(self) -> torch.device:

@@ -21,7 +21,7 @@ class Row:
     pos: int  # where they go in its session: its KV's length now
     prompt: bool  # prompt tokens, not a decode row's token
     short: bool  # prompt tokens of a short feed: a layer's fused call, each token a row (layers/quant.py)
-    many: bool  # ... a short feed past the few-row kernel's figure: its products the int8 GEMM's (layers/quant.py)
+    many: bool  # ... a short feed past the few-row kernel's figure: its products a prompt chunk's (layers/quant.py)
     logits: int  # logits rows it takes from the step: 0, 1 (its last token's), or one per token fed (a scored prompt)
 
 
@@ -97,7 +97,7 @@ class Scheduler:
         """Whether a prompt chunk's `n` tokens (at `pos`) are a short feed's, where quantized weights run the kernels
         (short_feed > 0): those of a feed of at most short_feed new tokens (a follow-up turn, a short prompt), which
         run as decode rows do (a layer's fused call: layers/quant.py); and whether they are `many`: a feed of more
-        than rows_feed, whose products the int8 GEMM makes rather than the few-row kernel. Decided from the request's
+        than rows_feed, whose products are a prompt chunk's rather than the few-row kernel's. Decided from the request's
         own counts. But a feed of one token is a prompt cached but for its last (a request repeated, regenerated):
         that token is made the way it was made the first time (`Session.short`), so its first sampled token is the
         one that run sampled (a near tie of a small model's logits can turn on the rounding of its activations)."""
