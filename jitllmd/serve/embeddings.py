@@ -16,7 +16,9 @@ from .outbox import embed
 from .prompt import find_model, off_loop
 from .rendering import error_response
 
-__all__ = ["Embeddings"]
+__all__ = ["MOST_INPUTS", "Embeddings"]
+
+MOST_INPUTS = 2048  # inputs one request embeds (and one engine job holds)
 
 
 class Embeddings:
@@ -70,8 +72,8 @@ def _inputs(f: Fields, served: ServedModel) -> list[list[int]]:
         items = value
     else:
         raise f.error("input", "expected a string, an array of strings, an array of token ids, or an array of arrays of token ids (none empty)")
-    if len(items) > 2048:
-        raise f.error("input", f"at most 2048 inputs per request, got {len(items)}")
+    if len(items) > MOST_INPUTS:
+        raise f.error("input", f"at most {MOST_INPUTS} inputs per request, got {len(items)}")
     batch = []
     for i, item in enumerate(items):
         if isinstance(item, str):

@@ -13,13 +13,14 @@ from ..engine.catalog import Catalog, ServedModel
 from ..engine.chat import ChatTemplateError
 from ..engine.grammar import COMPACT_JSON, Constraint, GrammarError, GrammarSpec
 from ..engine.kv import RoomError
+from ..engine.loader import LoadedModel
 from ..engine.request import Generation, Request
 from ..engine.sampler import SamplingParams
 from ..engine.sessions import Session
 from .body import APIError, Fields
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "encode_in_room", "room_error", "BIG", "chars"]
+__all__ = ["chat_prompt_ids", "render_chat", "encode_at_most", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "encode_in_room", "room_error", "BIG", "chars"]
 
 T = TypeVar("T")
 
@@ -71,6 +72,19 @@ def encode_in_room(served: ServedModel, session: Session | None, text: str, *, a
     if least is not None:
         raise RoomError(f"the prompt makes more than {least} tokens, but the session has room for {room}")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def encode_at_most(served: ServedModel, text: str, most: int, *, add_special_tokens: bool = True) -> list[int]:
+    """text's ids (on a prompt thread), or RoomError naming how many it makes ("at least N" once a piece of a far longer
+    text shows more than `most`, not after tokenizing all of it; else the count) where that is more than `most`."""
+    tokenizer = served.engine.loaded.tokenizer
+    least = tokenizer.count_past(text, most)
+    if least is not None:
+        raise RoomError(f"at least {least}")
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if len(ids) > most:
+        raise RoomError(str(len(ids)))
+    return ids
 
 
 def room_error(exc: RoomError, param: str) -> APIError:
@@ -133,15 +147,22 @@ async def chat_prompt_ids(
 
     def render() -> list[int]:
         try:
-            text = loaded.chat.render(messages, add_generation_prompt=True, tools=tools)
-        except ChatTemplateError as exc:
-            raise APIError(f"messages: {exc}", param="messages") from None
-        try:
-            return encode_in_room(served, session, text + (prefill or ""))
+            return encode_in_room(served, session, render_chat(loaded, messages, tools=tools, prefill=prefill))
         except RoomError as exc:
             raise room_error(exc, "messages") from None
 
     return await off_loop(render, size=chars([messages, prefill, tools]))
+
+
+def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, prefill: str | None = None,
+                add_generation_prompt: bool = True, extra: dict[str, Any] | None = None) -> str:
+    """The text a chat feeds: messages (and tools) through the model's template (`extra`: more of its variables), then
+    `prefill`, the start of the answer, as is (on a prompt thread). A template that fails is a 400 naming messages."""
+    try:
+        text = loaded.chat.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {}))
+    except ChatTemplateError as exc:
+        raise APIError(f"messages: {exc}", param="messages") from None
+    return text + (prefill or "")
 
 
 def start(served: ServedModel, spec: Generation, *, param: str, follows: Request | None = None, hold: bool = False) -> Outbox:

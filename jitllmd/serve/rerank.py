@@ -19,13 +19,14 @@ from ..engine.figures import Figures
 from ..engine.kv import RoomError
 from ..engine.request import Embedded
 from .body import APIError, Fields, dialect, read_json
+from .embeddings import MOST_INPUTS
 from .outbox import embed
-from .prompt import find_model, off_loop
+from .prompt import encode_at_most, find_model, off_loop
 from .rendering import error_response
 
 __all__ = ["MOST_TEXTS", "Scoring"]
 
-MOST_TEXTS = 2048  # /v1/embeddings' bound: texts on one side of a request (documents, text_1, text_2), inputs per engine job
+MOST_TEXTS = MOST_INPUTS  # /v1/embeddings' bound: texts on one side of a request (documents, text_1, text_2), inputs per engine job
 _EPS = 1e-8  # torch's CosineSimilarity's, which vLLM's score API uses
 
 
@@ -117,17 +118,13 @@ def _too_long(param: str, tokens: str, room: int, model: str) -> APIError:
 def _encode(served: ServedModel, texts: list[Text]) -> list[list[int]]:
     """Each text's ids, [CLS] ... [SEP] (on a prompt thread). One longer than the model takes is refused naming its field,
     a huge one once a piece of it shows that (not after tokenizing all of it)."""
-    loaded = served.engine.loaded
-    tokenizer, room = loaded.tokenizer, loaded.max_seq
+    room = served.engine.loaded.max_seq
     out = []
     for t in texts:
-        least = tokenizer.count_past(t.text, room)
-        if least is not None:
-            raise _too_long(t.param, f"it makes at least {least}", room, served.id)
-        ids = tokenizer.encode(t.text)
-        if len(ids) > room:
-            raise _too_long(t.param, f"it makes {len(ids)}", room, served.id)
-        out.append(ids)
+        try:
+            out.append(encode_at_most(served, t.text, room))
+        except RoomError as exc:
+            raise _too_long(t.param, f"it makes {exc}", room, served.id) from None
     return out
 
 

@@ -12,13 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.catalog import Catalog, ServedModel
-from ..engine.chat import ChatTemplateError
 from ..engine.kv import RoomError
 from ..engine.loader import LoadedModel
 from ..engine.tokenizer import Tokenizer
 from .body import APIError, Fields, dialect, read_json
 from .openai_request import chat_messages, tools_of
-from .prompt import chars, find_model, off_loop
+from .prompt import chars, encode_at_most, find_model, off_loop, render_chat
 from .rendering import error_response
 
 __all__ = ["MOST_TOKENS", "Tokenizing", "detokenize_ids", "piece", "tokenize_text", "token_strs", "tokenizer_info"]
@@ -39,16 +38,13 @@ def _most(served: ServedModel) -> int:
 
 
 def _encode(served: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
-    """text's ids, on a prompt thread; RoomError naming `param` once it surely makes more than _most (found a piece at a
-    time: a text far too long costs what the bound's worth of tokens costs)."""
-    tokenizer, most = served.engine.loaded.tokenizer, _most(served)
-    least = tokenizer.count_past(text, most)
-    if least is None:
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if len(ids) <= most:
-            return ids
-        least = len(ids)
-    raise RoomError(f"{param}: the text makes at least {least} tokens; this server tokenizes at most {most} in one request")
+    """text's ids, on a prompt thread; RoomError naming `param` past _most (a text far too long costs what the bound's
+    worth of tokens costs: encode_at_most)."""
+    most = _most(served)
+    try:
+        return encode_at_most(served, text, most, add_special_tokens=add_special_tokens)
+    except RoomError as exc:
+        raise RoomError(f"{param}: the text makes {exc} tokens; this server tokenizes at most {most} in one request") from None
 
 
 async def tokenize_text(served: ServedModel, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
@@ -236,13 +232,10 @@ class Tokenizing:
         add = f.boolean("add_special_tokens", True)  # as the chat route feeds it: a BOS only where the model wants one and the template did not write it
 
         def render() -> list[int]:
-            try:
-                if cont:
-                    text = loaded.chat.render(messages[:-1], add_generation_prompt=True, tools=tools, **extra) + messages[-1]["content"]
-                else:
-                    text = loaded.chat.render(messages, add_generation_prompt=generation, tools=tools, **extra)
-            except ChatTemplateError as exc:
-                raise APIError(f"messages: {exc}", param="messages") from None
+            if cont:  # the last message continued, as a prefill is
+                text = render_chat(loaded, messages[:-1], tools=tools, prefill=messages[-1]["content"], extra=extra)
+            else:
+                text = render_chat(loaded, messages, tools=tools, add_generation_prompt=generation, extra=extra)
             return _encode(served, text, add, "messages")
 
         try:
