@@ -132,7 +132,7 @@ class InProcessServer:
             sock.listen(512)
             self.url = f"http://{plan.host}:{sock.getsockname()[1]}"
             info = ServerInfo(address=self.url, models_dir=str(self.catalog.models_dir or ""), started=time.time())
-            served = build_app(self.catalog, info, api_key=plan.key, allowed_hosts=plan.hosts, limits=plan.limits())
+            served = build_app(self.catalog, info, api_key=plan.key, allowed_hosts=plan.hosts, limits=plan.limits(), stored=plan.stored())
             self._thread: ServerThread | None = ServerThread(served, sock, cancel_all=self.catalog.cancel_all)
         except BaseException:
             sock.close()

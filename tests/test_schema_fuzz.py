@@ -40,25 +40,21 @@ document's chunk schema. Relaxed, and why:
 - Completions' `logprobs.token_logprobs` and `top_logprobs` items may be null: an echoed prompt's first token has no
   log probability, and OpenAI (and vLLM) send null there, which the document's items do not allow.
 - The document still uses OpenAPI 3.0's `nullable: true`; schemathesis honours it, and so does the chunk and error
-  validation here (`_nullable`).
+  validation here (`nullable`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 import pytest
-import referencing
 import schemathesis
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from referencing.jsonschema import DRAFT202012
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -68,8 +64,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from .conftest import VOCAB
+from .openapi import SPEC, Schemas, nullable
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec" / "openai-openapi.yaml"
 SHARES = {  # (operationId, mode): share of --fuzz-cases; the GETs have nothing to negate once Authorization is sent
     ("createChatCompletion", "positive"): 0.35,
     ("createChatCompletion", "negative"): 0.15,
@@ -89,33 +85,15 @@ MAX_N = 3  # choices: each costs its max_tokens
 SLOW_SERVER = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large, HealthCheck.large_base_example]
 
 
-def _nullable(node: Any) -> Any:
-    """OpenAPI 3.0's `nullable: true`, which this 3.1 document still uses, as JSON Schema: null is allowed too."""
-    if isinstance(node, list):
-        return [_nullable(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _nullable(v) for k, v in node.items() if k != "nullable"}
-    return {"anyOf": [out, {"type": "null"}]} if node.get("nullable") is True else out
-
-
-class Payloads:
+class Payloads(Schemas):
     """Validators for JSON the schemathesis checks do not reach: error bodies and stream chunks, from the document."""
 
     def __init__(self, raw: dict[str, Any]):
-        schemas = _nullable(raw["components"]["schemas"])
-        chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+        chunk = copy.deepcopy(nullable(raw["components"]["schemas"]["CreateCompletionResponse"]))
         choice = chunk["properties"]["choices"]["items"]["properties"]
         choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
         chunk["properties"]["usage"] = {"anyOf": [chunk["properties"]["usage"], {"type": "null"}]}
-        schemas["CompletionChunk"] = chunk
-        resource = DRAFT202012.create_resource({"components": {"schemas": schemas}})
-        self.registry = referencing.Registry().with_resource("urn:openai", resource)
-
-    def validate(self, name: str, body: Any, request: str) -> None:
-        ref = {"$ref": f"urn:openai#/components/schemas/{name}"}
-        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(ref, registry=self.registry).iter_errors(body))
-        assert error is None, f"not a {name} at {error.json_path}: {error.message}\n{json.dumps(body)}\n{request}"
+        super().__init__(raw, {"CompletionChunk": chunk})
 
 
 @pytest.fixture(scope="module")

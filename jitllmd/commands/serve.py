@@ -16,6 +16,7 @@ from ..console import err_console, fail, progress_bar
 if TYPE_CHECKING:
     from ..engine.config import EngineConfig
     from ..serve.openai_request import Limits
+    from ..serve.response_store import StoreLimits
 
 __all__ = ["ServePlan", "serve", "serve_plan", "start_models"]
 
@@ -44,6 +45,9 @@ def serve(
     relocate_horizon: Annotated[int, typer.Option("-relocate-horizon", "--relocate-horizon", metavar="TOKENS", help="With relocation: a host block comes back to a device when the time it saves a step, measured, repays its copy within this many tokens.")] = 256,
     max_choices: Annotated[int, typer.Option("-max-choices", "--max-choices", metavar="N", help="Choices one OpenAI request may run: its prompts times n. Each is a row with a session of its own; more is a 400 that names this flag.")] = 64,
     max_constrained: Annotated[int, typer.Option("-max-constrained", "--max-constrained", metavar="N", help="Choices of one request that run under a grammar (response_format, a forced tool call): each holds a matcher and its token masks, megabytes for a large vocabulary; more is a 400 that names this flag.")] = 16,
+    responses_store: Annotated[int, typer.Option("-responses-store", "--responses-store", metavar="N", help="Responses /v1/responses keeps for previous_response_id, GET, input_items (store: true, as OpenAI's default); past N, or past -responses-store-mem, the oldest go. 0 keeps none.")] = 1000,
+    responses_store_mem: Annotated[str, typer.Option("-responses-store-mem", "--responses-store-mem", metavar="SIZE", help="At most SIZE (e.g. 256M) of kept responses, their input and output counted as JSON.")] = "256M",
+    responses_dir: Annotated[Path | None, typer.Option("-responses-dir", "--responses-dir", metavar="DIR", show_default=False, help="Keep finished responses in DIR (a JSON file each) and read them back at start-up, so previous_response_id outlives a restart. Default: in memory only.")] = None,
     cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Be rank 0 of a cluster: tcp://HOST:PORT, the address this server listens on for its workers (`jitllmd worker`), or env:// (torch's MASTER_ADDR and MASTER_PORT). Other ranks' devices are named with their rank first (1:cpu, 1:cuda:0). Default: env:// under torchrun (RANK and WORLD_SIZE set), else none.")] = None,
     world: Annotated[int | None, typer.Option("-world", "--world", metavar="N", show_default=False, help="Ranks in the cluster, this server included; it waits for ranks 1..N-1 to join at start-up. Default: WORLD_SIZE under torchrun.")] = None,
     cluster_timeout: Annotated[float, typer.Option("-cluster-timeout", "--cluster-timeout", metavar="SECONDS", help="How long to wait for a rank's answer: a rank that stops answering fails its models' requests (503) after this long.")] = 60.0,
@@ -69,7 +73,8 @@ def serve(
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
                       device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
-                      max_choices=max_choices, max_constrained=max_constrained)
+                      max_choices=max_choices, max_constrained=max_constrained, responses_store=responses_store,
+                      responses_store_mem=responses_store_mem, responses_dir=responses_dir)
     try:
         sock = bind(plan.host, plan.port)
     except OSError as exc:
@@ -126,7 +131,7 @@ def serve(
 
     try:
         info = ServerInfo(address=url, models_dir=str(catalog.models_dir or ""), started=time.time())
-        app = build_app(catalog, info, api_key=key, allowed_hosts=plan.hosts, health=health, limits=plan.limits())
+        app = build_app(catalog, info, api_key=key, allowed_hosts=plan.hosts, health=health, limits=plan.limits(), stored=plan.stored())
         run_server(app, sock, cancel_all=catalog.cancel_all, startup=load_all)
     finally:
         catalog.stop(timeout=STOP_SECONDS)
@@ -152,6 +157,15 @@ class ServePlan:
     hosts: frozenset[str] | None
     max_choices: int = 64
     max_constrained: int = 16
+    responses_store: int = 1000
+    responses_store_mem: int = 256 << 20
+    responses_dir: Path | None = None
+
+    def stored(self) -> StoreLimits:
+        """The bounds and directory of /v1/responses' store."""
+        from ..serve.response_store import StoreLimits
+
+        return StoreLimits(most=self.responses_store, most_bytes=self.responses_store_mem, directory=self.responses_dir)
 
     def limits(self) -> Limits:
         """What one request may fan out to (serve.openai_request imports torch: not before the flags are checked)."""
@@ -163,7 +177,8 @@ class ServePlan:
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int, max_choices: int = 64, max_constrained: int = 16) -> ServePlan:
+               relocate_horizon: int, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
+               responses_dir: Path | None = None) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
     from ..embedded import INSTALL_HINT, default_gguf
@@ -177,6 +192,9 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
         for flag, value in (("-max-choices", max_choices), ("-max-constrained", max_constrained)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if responses_store < 0:
+            raise ValueError(f"-responses-store must be >= 0, got {responses_store}")
+        store_mem = parse_size(responses_store_mem)
         config = EngineConfig(
             devices=devices,
             maxmem=parse_size(maxmem) if maxmem is not None else None,
@@ -207,8 +225,10 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             find_model_file(file, models)
     except FileNotFoundError as exc:
         raise fail(str(exc)) from None
+    if responses_dir is not None and responses_dir.exists() and not responses_dir.is_dir():
+        raise fail(f"-responses-dir {responses_dir}: not a directory")
     return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host, keyed=key is not None),
-                     max_choices, max_constrained)
+                     max_choices, max_constrained, responses_store, store_mem, responses_dir)
 
 
 def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = False) -> None:

@@ -24,6 +24,8 @@ from .guard import Guard
 from .metrics import Metrics
 from .openai_request import Limits
 from .rerank import Scoring
+from .response_store import ResponseStore, StoreLimits
+from .responses import Responses
 from .services.control import Devices, ErrorMapper, Models, Sessions
 from .services.inference import Inference
 from .services.placement import Placement
@@ -59,12 +61,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None, allowed_hosts: frozenset[str] | None = None,
-              health: Health | None = None, limits: Limits | None = None) -> Starlette:
+              health: Health | None = None, limits: Limits | None = None, stored: StoreLimits | None = None) -> Starlette:
     """Every route behind the Guard (jitllmd/serve/guard.py): api_key, when given, is asked of all but /healthz;
     allowed_hosts, when given, are the only names a Host header may carry besides IP addresses. `health`: what
-    /healthz says (default: always ok). `limits`: what one OpenAI request may fan out to."""
+    /healthz says (default: always ok). `limits`: what one OpenAI request may fan out to; `stored`: the bounds (and
+    directory) of the responses /v1/responses keeps."""
     oa, an, metrics, tok = openai.OpenAI(catalog, limits), anthropic.Anthropic(catalog), Metrics(catalog), Tokenizing(catalog)
-    scoring = Scoring(catalog)
+    scoring, responses = Scoring(catalog), Responses(catalog, ResponseStore(stored or StoreLimits()), limits)
     routes: list[BaseRoute] = [
         Route("/healthz", (health or Health()).endpoint, methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -73,6 +76,12 @@ def build_app(catalog: Catalog, info: ServerInfo, *, api_key: str | None = None,
         Route("/v1/embeddings", Embeddings(catalog).endpoint, methods=["POST"]),
         Route("/v1/models", oa.models, methods=["GET"]),
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),  # OpenAI's Responses API (serve/responses.py)
+        Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/messages", an.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", an.count_tokens, methods=["POST"]),
         Route("/tokenize", tok.tokenize, methods=["POST"]),  # llama-server's and vLLM's shapes (serve/tokenize.py)
