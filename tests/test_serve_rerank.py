@@ -146,6 +146,28 @@ def test_top_n_and_return_documents(server) -> None:
     assert one["relevance_score"] == pytest.approx(next(x["relevance_score"] for x in full if x["index"] == 3), abs=1e-6)  # alone: other sums
 
 
+def test_connect_rerank_is_the_same_path(server) -> None:
+    """Connect's InferenceService.Rerank answers as /v1/rerank does; its bad input is invalid_argument naming the field."""
+    from connectrpc.code import Code
+    from connectrpc.errors import ConnectError
+
+    from jitllmd.gen.jitllm.v1 import inference_pb2 as inf
+    from jitllmd.gen.jitllm.v1.inference_connect import InferenceServiceClientSync
+
+    http = post(server, "/v1/rerank", {"model": "cross", "query": QUERY, "documents": DOCS, "top_n": 3})
+    with InferenceServiceClientSync(server.url, send_compression=None) as client:
+        r = client.rerank(inf.RerankRequest(model="cross", query=QUERY, documents=DOCS, top_n=3))
+        assert [(x.index, x.relevance_score) for x in r.results] == [(x["index"], x["relevance_score"]) for x in http["results"]]
+        assert r.prompt_tokens == http["usage"]["prompt_tokens"]
+        assert len(client.rerank(inf.RerankRequest(model="cross", query=QUERY, documents=DOCS)).results) == len(DOCS)
+        for request, words in ((inf.RerankRequest(model="cross", query=QUERY), "documents"),
+                               (inf.RerankRequest(model="tiny", query=QUERY, documents=DOCS), "generates text"),
+                               (inf.RerankRequest(model="cross", query=QUERY, documents=["w1 " * 5000]), "documents[0]")):
+            with pytest.raises(ConnectError) as e:
+                client.rerank(request)
+            assert e.value.code == Code.INVALID_ARGUMENT and words in e.value.message, e.value.message
+
+
 def test_score_pairs_match_transformers(server, cross_dir: Path) -> None:
     lefts = ["w1 w2", "w40 w41 w42", "", "w9 w8 w7 w6 w5"]
     want_one = torch.sigmoid(logits(cross_dir, [(QUERY, d) for d in DOCS])).tolist()

@@ -24,7 +24,7 @@ from .outbox import embed
 from .prompt import encode_at_most, find_model, off_loop
 from .rendering import error_response
 
-__all__ = ["MOST_TEXTS", "Scoring"]
+__all__ = ["MOST_TEXTS", "Ranked", "Scoring", "Text", "rank"]
 
 MOST_TEXTS = MOST_INPUTS  # /v1/embeddings' bound: texts on one side of a request (documents, text_1, text_2), inputs per engine job
 _EPS = 1e-8  # torch's CosineSimilarity's, which vLLM's score API uses
@@ -63,11 +63,10 @@ class Scoring:
         documents = _texts(f, "documents")  # vLLM's takes one string too
         top_n = f.integer("top_n", low=1)
         with_text = f.boolean("return_documents", True)
-        scored = await _score(served, [Text(query, "query")], documents)
-        order = sorted(range(len(documents)), key=lambda i: -scored.scores[i])[:top_n]  # stable: ties keep their order
+        scored = await rank(served, Text(query, "query"), documents, top_n)
         results: list[dict[str, Any]] = []
-        for i in order:
-            results.append({"index": i, "relevance_score": scored.scores[i]} | ({"document": {"text": documents[i].text}} if with_text else {}))
+        for i, score in scored.order:
+            results.append({"index": i, "relevance_score": score} | ({"document": {"text": documents[i].text}} if with_text else {}))
         usage = {"prompt_tokens": scored.num_tokens, "total_tokens": scored.num_tokens}
         return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": name or served.id, "results": results, "usage": usage,
                              "jitllm": scored.figures.to_json()})
@@ -86,6 +85,23 @@ class Scoring:
         usage = {"prompt_tokens": scored.num_tokens, "total_tokens": scored.num_tokens, "completion_tokens": 0}
         return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name or served.id,
                              "data": data, "usage": usage, "jitllm": scored.figures.to_json()})
+
+
+@dataclass(frozen=True)
+class Ranked(Scored):
+    """Scored, with the documents' (index, score) highest first."""
+
+    order: list[tuple[int, float]]
+
+
+async def rank(served: ServedModel, query: Text, documents: list[Text], top_n: int | None = None) -> Ranked:
+    """The documents scored against the query and ordered by score, highest first (ties keep their order), at most
+    top_n of them: /v1/rerank's path and Connect's Rerank. Bad input raises APIError naming its field."""
+    if not served.engine.loaded.embeds:
+        raise APIError(f"model: {served.id} generates text; scoring needs an embedding model or a cross-encoder", param="model")
+    scored = await _score(served, [query], documents)
+    order = sorted(range(len(documents)), key=lambda i: -scored.scores[i])[:top_n]
+    return Ranked(scored.scores, scored.num_tokens, scored.figures, [(i, scored.scores[i]) for i in order])
 
 
 def _scorer(f: Fields, served: ServedModel) -> ServedModel:

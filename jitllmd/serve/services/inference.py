@@ -1,4 +1,4 @@
-"""InferenceService: Generate, Complete and Cancel over the same engine and sessions the HTTP surfaces use."""
+"""InferenceService: Generate, Complete, Cancel, Embed and Rerank over the same engine and sessions the HTTP surfaces use."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from ...engine.sessions import Session
 from ...gen.jitllm.v1 import common_pb2 as common
 from ...gen.jitllm.v1 import inference_pb2 as inf
 from ...gen.jitllm.v1.inference_connect import InferenceService
+from ..body import APIError
 from ..outbox import Outbox, embed
 from ..prompt import conversation, encode_in_room, off_loop, remember
+from ..rerank import MOST_TEXTS, Text, rank
 from .control import model_of, session_of
 
 __all__ = ["Inference"]
@@ -128,6 +130,20 @@ class Inference(InferenceService):
         batch = await off_loop(lambda: [loaded.tokenizer.encode(text) for text in request.inputs], size=request.ByteSize())
         result = await embed(served.engine, batch)  # RoomError: resource_exhausted
         return inf.EmbedResponse(embeddings=[inf.Embedding(values=v.tolist()) for v in result.vectors], prompt_tokens=result.num_tokens)
+
+    async def rerank(self, request: inf.RerankRequest, ctx: Any) -> inf.RerankResponse:
+        """/v1/rerank's path: its errors (a text too long, a generating model) are invalid_argument naming the field."""
+        served = model_of(self.catalog, request.model)
+        if not request.documents:
+            raise ConnectError(Code.INVALID_ARGUMENT, "documents: at least one text")
+        if len(request.documents) > MOST_TEXTS:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"documents: at most {MOST_TEXTS} texts per request, got {len(request.documents)}")
+        documents = [Text(d, f"documents[{i}]") for i, d in enumerate(request.documents)]
+        try:
+            ranked = await rank(served, Text(request.query, "query"), documents, request.top_n or None)
+        except APIError as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, exc.message) from None
+        return inf.RerankResponse(results=[inf.RerankResult(index=i, relevance_score=s) for i, s in ranked.order], prompt_tokens=ranked.num_tokens)
 
     async def _start(self, request: inf.GenerateRequest) -> _Run:
         """Resolve the model or session, build the prompt ids, submit."""

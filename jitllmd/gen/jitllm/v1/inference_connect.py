@@ -21,7 +21,7 @@ from connectrpc.protocol import ProtocolType
 from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DEFAULT_READ_MAX_BYTES, Endpoint, EndpointSync
 from pyqwest import Client, SyncClient
 
-from .inference_pb2 import CancelRequest, CancelResponse, CompleteResponse, EmbedRequest, EmbedResponse, GenerateRequest, GenerateResponse
+from .inference_pb2 import CancelRequest, CancelResponse, CompleteResponse, EmbedRequest, EmbedResponse, GenerateRequest, GenerateResponse, RerankRequest, RerankResponse
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -59,6 +59,13 @@ class InferenceService(Protocol):
     async def embed(self, request: EmbedRequest, ctx: RequestContext[EmbedRequest, EmbedResponse], /) -> EmbedResponse:
         """
         Embed texts with an embedding model.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def rerank(self, request: RerankRequest, ctx: RequestContext[RerankRequest, RerankResponse], /) -> RerankResponse:
+        """
+        Documents by relevance to a query, highest first: /v1/rerank's path (an embedding model scores by cosine, a
+        cross-encoder by its classifier).
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -119,6 +126,17 @@ class InferenceServiceASGIApplication(ConnectASGIApplication[InferenceService]):
                         stream_type=StreamType.UNARY,
                     ),
                     function=svc.embed,
+                ),
+                "/jitllm.v1.InferenceService/Rerank": Endpoint.unary(
+                    method=MethodInfo(
+                        name="Rerank",
+                        service_name="jitllm.v1.InferenceService",
+                        input=RerankRequest,
+                        output=RerankResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.UNARY,
+                    ),
+                    function=svc.rerank,
                 ),
             },
             interceptors=interceptors,
@@ -250,6 +268,30 @@ class InferenceServiceClient(ConnectClient):
             headers=headers,
             timeout_ms=timeout_ms,
         )
+    async def rerank(
+        self,
+        request: RerankRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> RerankResponse:
+        """
+        Documents by relevance to a query, highest first: /v1/rerank's path (an embedding model scores by cosine, a
+        cross-encoder by its classifier).
+        """
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="Rerank",
+                service_name="jitllm.v1.InferenceService",
+                input=RerankRequest,
+                output=RerankResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.UNARY,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
 
 class InferenceServiceSync(Protocol):
     def generate(self, request: GenerateRequest, ctx: RequestContext[GenerateRequest, GenerateResponse], /) -> Iterator[GenerateResponse]:
@@ -273,6 +315,13 @@ class InferenceServiceSync(Protocol):
     def embed(self, request: EmbedRequest, ctx: RequestContext[EmbedRequest, EmbedResponse], /) -> EmbedResponse:
         """
         Embed texts with an embedding model.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def rerank(self, request: RerankRequest, ctx: RequestContext[RerankRequest, RerankResponse], /) -> RerankResponse:
+        """
+        Documents by relevance to a query, highest first: /v1/rerank's path (an embedding model scores by cosine, a
+        cross-encoder by its classifier).
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -331,6 +380,17 @@ class InferenceServiceWSGIApplication(ConnectWSGIApplication):
                         stream_type=StreamType.UNARY,
                     ),
                     function=service.embed,
+                ),
+                "/jitllm.v1.InferenceService/Rerank": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="Rerank",
+                        service_name="jitllm.v1.InferenceService",
+                        input=RerankRequest,
+                        output=RerankResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.UNARY,
+                    ),
+                    function=service.rerank,
                 ),
             },
             interceptors=interceptors,
@@ -456,6 +516,30 @@ class InferenceServiceClientSync(ConnectClientSync):
                 service_name="jitllm.v1.InferenceService",
                 input=EmbedRequest,
                 output=EmbedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.UNARY,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def rerank(
+        self,
+        request: RerankRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> RerankResponse:
+        """
+        Documents by relevance to a query, highest first: /v1/rerank's path (an embedding model scores by cosine, a
+        cross-encoder by its classifier).
+        """
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="Rerank",
+                service_name="jitllm.v1.InferenceService",
+                input=RerankRequest,
+                output=RerankResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
                 stream_type=StreamType.UNARY,
             ),
