@@ -58,7 +58,11 @@ class Responses:
             self.store.put(run.stored)
         if req.stream:
             return StreamingResponse(self._stream(run, outbox), media_type="text/event-stream", headers=SSE_HEADERS)
-        results = await until_disconnect(request, lambda: collect_all([outbox]))
+        try:
+            results = await until_disconnect(request, lambda: collect_all([outbox]))
+        except BaseException as exc:  # the engine failed it (a rank gone, a bug): stored as failed, never left in progress
+            self._finish(run, "failed", error=exc.message if isinstance(exc, APIError) else "the model failed to generate a response")
+            raise
         if results is None:
             self._finish(run, "cancelled")
             return Response(status_code=499)  # nobody is listening
