@@ -345,3 +345,23 @@ def test_minilm_runs_more_texts_than_one_job_takes(minilm_server, st_model) -> N
     assert len(scores) == MOST_TEXTS and r["usage"]["prompt_tokens"] == 2 * MOST_TEXTS * 4
     sample = list(range(0, MOST_TEXTS, 97))
     assert np.abs(scores[sample] - st_cosines(st_model, [left[i] for i in sample], [right[i] for i in sample])).max() <= TOL
+
+
+def test_run_rerank_here_and_on_a_server(minilm_server, minilm_jlm) -> None:
+    """`jitllmd run -rerank DOC ... QUERY`: /v1/rerank's order and scores, in this process and on a server (Connect)."""
+    from typer.testing import CliRunner
+
+    from jitllmd.cli import app
+
+    docs = ["The cat sat on the mat.", "Stock markets fell sharply today.", "A kitten was sleeping on a rug."]
+    http = post(minilm_server, "/v1/rerank", {"model": "minilm", "query": "a cat on a carpet", "documents": docs})
+    want = [(x["index"], x["relevance_score"]) for x in http["results"]]
+    for where in (["-model", str(minilm_jlm)], ["-addr", minilm_server.url.removeprefix("http://"), "-model", "minilm"]):
+        r = CliRunner().invoke(app, ["run", *where, *[a for d in docs for a in ("-rerank", d)], "-json", "a cat on a carpet"])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout)
+        assert [x["index"] for x in got["results"]] == [i for i, _ in want]
+        assert [x["relevance_score"] for x in got["results"]] == pytest.approx([s for _, s in want], abs=1e-6)
+        assert got["prompt_tokens"] == http["usage"]["prompt_tokens"] and got["results"][0]["document"] == docs[want[0][0]]
+    r = CliRunner().invoke(app, ["run", "-addr", minilm_server.url.removeprefix("http://"), "-model", "minilm", "-rerank", "x", "-chat", "q"])
+    assert r.exit_code == 2 and "drop -chat" in r.output

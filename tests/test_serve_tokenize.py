@@ -351,3 +351,24 @@ def test_an_embedding_model_tokenizes(minilm, minilm_dir):
     assert all(isinstance(p["piece"], str) for p in bare)
     assert post(minilm, "/detokenize", {"tokens": wrapped["tokens"]})["content"] == reference.decode(wrapped["tokens"], skip_special_tokens=False)
     refused(minilm, "/tokenize", {"messages": USER}, "messages")
+
+
+def test_run_tokenize_on_a_server_and_here(smol_server, smollm2_jlm):
+    """`jitllmd run -tokenize`: the ids /tokenize gives (add_special_tokens as /v1/completions feeds the prompt), and with
+    -chat the ids the chat route feeds; on a server (ModelService) and in this process alike."""
+    from typer.testing import CliRunner
+
+    from jitllmd.cli import app
+
+    addr = smol_server.url.removeprefix("http://")
+    want = post(smol_server, "/tokenize", {"model": "smol", "prompt": TEXTS[1]})["tokens"]
+    chat = post(smol_server, "/tokenize", {"model": "smol", "messages": CHATS[0]})["tokens"]
+    for where in (["-addr", addr, "-model", "smol"], ["-model", str(smollm2_jlm)]):
+        r = CliRunner().invoke(app, ["run", *where, "-tokenize", "-json", TEXTS[1]])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout)
+        assert got["tokens"] == want and got["count"] == len(want) and len(got["pieces"]) == len(want)
+        r = CliRunner().invoke(app, ["run", *where, "-tokenize", "-chat", "-json", CHATS[0][0]["content"]])
+        assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == chat, r.output
+    r = CliRunner().invoke(app, ["run", "-addr", addr, "-model", "smol", "-tokenize"])
+    assert r.exit_code == 2 and "needs a prompt" in r.output

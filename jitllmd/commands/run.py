@@ -37,6 +37,8 @@ def run(
     addr: Annotated[str | None, typer.Option("-addr", "--addr", help="A running server (HOST:PORT). Implied, as 127.0.0.1:8080, by a -model that is not a file and by -session.", show_default=False)] = None,
     session: Annotated[str | None, typer.Option("-session", "--session", help="Run on a server session (the id `sessions -new` printed): its history is kept.", show_default=False)] = None,
     continue_: Annotated[bool, typer.Option("-continue", "--continue", help="With -session: continue from the session's position with the raw prompt, no template.")] = False,
+    tokenize: Annotated[bool, typer.Option("-tokenize", "--tokenize", help="Print the prompt's token ids and pieces (through the chat template with -chat, as the run would feed them) instead of running the model.")] = False,
+    rerank: Annotated[list[str] | None, typer.Option("-rerank", "--rerank", metavar="DOC", show_default=False, help="Rank this document (repeat for more) against the prompt, the query, with an embedding model or a cross-encoder, instead of generating: /v1/rerank's path.")] = None,
     api_key: ApiKey = None,
 ) -> None:
     """Run a model: in this process from a .jlm or .gguf file, or on a running server by model name or session.
@@ -55,6 +57,8 @@ def run(
             raise fail("a server run needs -model NAME or -session ID", 2)
         if max_seq is not None:
             raise fail("-max-seq sizes a local session; on a server, make one with `jitllmd sessions -new -max-seq N`", 2)
+    if prompt is None and (tokenize or rerank):
+        raise fail(f"{'-tokenize' if tokenize else '-rerank'} needs a prompt" + ("" if tokenize else ": the query"), 2)
     if prompt is None and not chat:
         raise fail("give a prompt, or -chat for an interactive chat")
     if prompt is None and as_json:
@@ -65,6 +69,19 @@ def run(
         raise fail(f"-max-seq must be >= 1, got {max_seq}")
     if system is not None and not chat:
         raise fail("-system needs -chat")
+    if tokenize or rerank:
+        if tokenize and rerank:
+            raise fail("-tokenize or -rerank: one at a time", 2)
+        if rerank and chat:
+            raise fail("-rerank scores the prompt as it is: drop -chat", 2)
+        if session is not None or continue_:
+            raise fail(f"{'-tokenize' if tokenize else '-rerank'} takes -model, not -session", 2)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        if remote:
+            _remote_text(addr, model or "", messages if chat else prompt, rerank or [], as_json=as_json, api_key=api_key)
+        else:
+            _local_text(model, max_seq, messages if chat else prompt, rerank or [], as_json=as_json)
+        return
 
     if remote:
         sampling = {"temperature": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed}
@@ -92,6 +109,75 @@ def run(
             _stream(engine, ids, params, n, None)
     finally:
         engine.stop()
+
+
+def _local_text(model: str | None, max_seq: int | None, prompt: str | list[dict], documents: list[str], *, as_json: bool) -> None:
+    """-tokenize or -rerank in this process."""
+    engine = _load(model, max_seq, quiet=True)
+    try:
+        loaded = engine.loaded
+        if not documents:
+            ids = _prompt_ids(loaded, prompt)
+            _print_tokens(ids, [loaded.tokenizer.id_to_token(i) or "" for i in ids], as_json)
+            return
+        import asyncio
+
+        from ..engine.catalog import ServedModel
+        from ..serve.body import APIError
+        from ..serve.rerank import Text, rank
+
+        assert isinstance(prompt, str)
+        served = ServedModel(Path(model).stem if model else "smol", (), engine)
+        try:
+            ranked = asyncio.run(rank(served, Text(prompt, "the query"), [Text(d, f"-rerank {i + 1}") for i, d in enumerate(documents)]))
+        except APIError as exc:
+            raise fail(exc.message.removeprefix("model: ")) from None
+        _print_ranked(ranked.order, documents, ranked.num_tokens, as_json)
+    finally:
+        engine.stop()
+
+
+def _remote_text(addr: str | None, model: str, prompt: str | list[dict], documents: list[str], *, as_json: bool, api_key: str | None) -> None:
+    """-tokenize or -rerank on a server: ModelService.Tokenize (ApplyChatTemplate with -chat), InferenceService.Rerank."""
+    from connectrpc.errors import ConnectError
+
+    from ..gen.jitllm.v1 import common_pb2, inference_pb2, model_pb2
+
+    client = connect(addr, api_key)
+    try:
+        if documents:
+            assert isinstance(prompt, str)
+            r = client.inference.rerank(inference_pb2.RerankRequest(model=model, query=prompt, documents=documents))
+            _print_ranked([(x.index, x.relevance_score) for x in r.results], documents, r.prompt_tokens, as_json)
+        elif isinstance(prompt, str):
+            t = client.models.tokenize(model_pb2.TokenizeRequest(model=model, text=prompt, add_special_tokens=True))
+            _print_tokens(list(t.token_ids), list(t.tokens), as_json)
+        else:
+            messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+            c = client.models.apply_chat_template(model_pb2.ApplyChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True))
+            ids = list(c.token_ids)
+            pieces = list(client.models.tokenize(model_pb2.TokenizeRequest(model=model, text=c.text)).tokens)
+            _print_tokens(ids, pieces if len(pieces) == len(ids) else [""] * len(ids), as_json)
+    except ConnectError as exc:
+        raise fail(client.explain(exc)) from None
+
+
+def _print_tokens(ids: list[int], pieces: list[str], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"count": len(ids), "tokens": ids, "pieces": pieces}))
+        return
+    for i, piece in zip(ids, pieces):
+        console.print(f"{i:>7}  {piece!r}", markup=False, highlight=False)
+    err_console.print(f"{len(ids)} tokens", style="dim")
+
+
+def _print_ranked(order: list[tuple[int, float]], documents: list[str], num_tokens: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"results": [{"index": i, "relevance_score": s, "document": documents[i]} for i, s in order], "prompt_tokens": num_tokens}))
+        return
+    for i, score in order:
+        console.print(f"{score:9.4f}  [{i + 1}] {documents[i]}", markup=False, highlight=False)
+    err_console.print(f"{num_tokens} tokens scored", style="dim")
 
 
 def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
