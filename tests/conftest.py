@@ -636,3 +636,101 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="requests tests/test_schema_fuzz.py generates from OpenAI's OpenAPI document, across the served operations "
         "(default 300; e.g. 3000 for a long run)",
     )
+
+
+# -- A tiny thinking model (tests/test_reasoning.py; the Responses API's reasoning items) ----------------------------------
+#
+# A Qwen3 whose every layer adds nothing (o_proj and down_proj zero) and whose embeddings are orthonormal, so its logits
+# depend on the last token alone and its LM head maps each token to one successor: greedy decoding follows THINKER_SCRIPT
+# exactly. After the generation prompt's newline it thinks "abcdef", closes the thought and answers "OK!"; after the
+# empty thought that enable_thinking false writes ("\n\n") it answers at once. <think> and </think> are added tokens
+# that decode as text (not special), as in Qwen3's own tokenizer.
+
+THINKER_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content or '' %}"
+    "{%- if m.reasoning_content is string and m.reasoning_content %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + m.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n' + content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif open_thinking %}{{- '<think>' }}{%- endif %}"
+    "{%- endif %}"
+)
+THINKER_CHARS = [*TINY_CHARS, "{", "}", '"', "_", "<", ">", "/", "[", "]"]
+THINKER_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+THINKER_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>"]  # last: the highest ids, so no tie picks them
+THINKER_SCRIPT = {"\u010a": "<think>", "<think>": "a", "a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "</think>",
+                  "</think>": "\u010a\u010a", "\u010a\u010a": "O", "O": "K", "K": "!", "!": "<|im_end|>"}
+
+
+def thinker_tokenizer_json() -> str:
+    """A byte-level BPE: <unk>, characters, the "\\n\\n" merge, then ChatML's special tokens and the tool-call and thought
+    tags as added tokens that are not special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0}
+    for ch in THINKER_CHARS:
+        vocab[ch] = len(vocab)
+    vocab["\u010a\u010a"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u010a", "\u010a")], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(THINKER_SPECIAL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINKER_ADDED])
+    return tok.to_str()
+
+
+def write_tiny_thinker(path: Path) -> Path:
+    """The scripted tiny Qwen3 (above) as a Hugging Face directory, its chat template THINKER_TEMPLATE (Qwen3's
+    enable_thinking switch; `open_thinking` opens the thought in the prompt, as DeepSeek-R1's templates do)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    tokenizer_json = thinker_tokenizer_json()
+    tok = Tokenizer.from_str(tokenizer_json)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    hidden = 128
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=4096, bos_token_id=tok.token_to_id("<|endoftext|>"), eos_token_id=tok.token_to_id("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    embed = torch.linalg.qr(torch.randn(hidden, vocab))[0].T.contiguous()  # [V, H], orthonormal rows
+    head = torch.zeros(vocab, hidden)
+    eos = tok.token_to_id("<|im_end|>")
+    succ = {tok.token_to_id(a): tok.token_to_id(b) for a, b in THINKER_SCRIPT.items()}
+    for t in range(vocab):
+        head[succ.get(t, eos)] += embed[t]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": THINKER_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_thinker_jlm(tmp_path_factory) -> Path:
+    """The scripted tiny thinking Qwen3 (write_tiny_thinker) as an f32 .jlm."""
+    from jitllmd.engine.convert import convert
+
+    hf_dir = write_tiny_thinker(tmp_path_factory.mktemp("tiny_thinker") / "hf")
+    return convert(hf_dir, hf_dir.parent / "thinker.jlm", "f32").path

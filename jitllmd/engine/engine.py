@@ -153,6 +153,9 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        thinking = spec.thinking
+        if thinking is not None and any(not 0 <= t < vocab for t in (thinking.open_id, thinking.close_id, *thinking.after_ids)):
+            raise ValueError(f"thinking: marker token ids must be in [0, {vocab})")
         if follows is not None and (session is not None or follows.prompt_ids != prompt_ids):
             raise ValueError("a request follows another only with the same prompt and no named session")
         if session is None:  # ephemeral: never registered; a pooled slot keeps its KV for the next prompt
@@ -167,7 +170,7 @@ class Engine:
             emit=emit,
             session=session,
             max_tokens=room if spec.max_tokens is None else min(spec.max_tokens, room),
-            sampler=Sampler(params, prompt_ids, spec.constraint),
+            sampler=Sampler(params, prompt_ids, spec.constraint, spec.thinking),
             detok=self.loaded.tokenizer.detokenizer(context=prompt_ids[-8:]),
             stop=list(spec.stop),
             ignore_eos=spec.ignore_eos,

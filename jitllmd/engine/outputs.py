@@ -155,8 +155,10 @@ class Outputs:
                 return  # the flushed text held a stop string; _release finished the request
         self._end(req)
         self.stats.finished(cancelled=reason is FinishReason.CANCELLED, reason=reason.value, seconds=time.perf_counter() - req.t_arrival)
+        thought = req.sampler.thought  # an end of sequence inside the thought was counted there, but is no output token
+        reasoning = min(thought.reasoning_tokens, len(req.output_ids)) if thought is not None else 0
         req.emit(Done(reason, len(req.prompt_ids), len(req.output_ids), len(req.prompt_ids) - req.cached, stop, request_figures(req, self.loaded),
-                      self._prompt_scores(req)))
+                      self._prompt_scores(req), reasoning))
 
     def fail(self, req: Request, message: str, unavailable: bool = False) -> None:
         if req.finished:

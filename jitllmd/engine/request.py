@@ -11,7 +11,7 @@ from typing import Any
 
 from .figures import Figures
 from .grammar import Constraint
-from .sampler import Sampler, SamplingParams, TokenLogprobs
+from .sampler import Sampler, SamplingParams, Thinking, TokenLogprobs
 from .sessions import Session
 from .tokenizer import Detokenizer
 
@@ -56,6 +56,7 @@ class Done:
     stop: str | None  # the stop string that ended it, if one did
     figures: Figures  # the `jitllm` figures
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when no Delta carried them (see Delta)
+    reasoning_tokens: int = 0  # of completion_tokens, those of a thought: up to and including its close marker
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class Generation:
     """What a dialect asks the engine for (the generation spec: OpenAI, Anthropic, Connect and `run` each build one).
     `max_tokens` None: up to the session's room (0 runs the prompt alone: with prompt_logprobs, it scores each prompt
     token with that many alternatives). `session`: a named session to run in (None: an ephemeral one, pooled for prefix
-    reuse). `constraint`: a grammar the reply follows (engine/grammar.py), this request's own."""
+    reuse). `constraint`: a grammar the reply follows (engine/grammar.py), this request's own. `thinking`: a thinking
+    model's thought (sampler.Thinking): its markers, whether the prompt opened it, its budget."""
 
     prompt_ids: Sequence[int]  # kept as a tuple
     params: SamplingParams
@@ -92,6 +94,7 @@ class Generation:
     request_id: str = ""  # the caller's name for it (Cancel); r-<id> when not given
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))

@@ -1,9 +1,11 @@
-"""Per-row sampling on the logits' device: penalties, temperature, top-k, top-p, min-p, and a seeded generator per request."""
+"""Per-row sampling on the logits' device: penalties, temperature, top-k, top-p, min-p, a seeded generator per request,
+and a thinking model's thought (its budget forces the close marker)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     from .grammar import Constraint
 
-__all__ = ["MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "Sampler", "SamplingParams", "TokenLogprobs", "logprobs_of"]
+__all__ = ["MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "Sampler", "SamplingParams", "Thinking", "Thought", "TokenLogprobs", "logprobs_of"]
 
 NUCLEUS_CANDIDATES = 1024  # top-p sorts this many likeliest tokens first, all of them only where they hold less than top_p
 MAX_LOGPROBS = 20  # alternatives a token's log probabilities may list
@@ -86,6 +88,87 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """A row of a model that thinks: its thought's markers (one token each), whether the prompt already opened the
+    thought (`inside`: the reply starts in it), and `budget`: tokens generated inside the thought before its close
+    marker is forced, then `after_ids` (the whitespace the template writes after it); None: unbounded."""
+
+    open_id: int
+    close_id: int
+    after_ids: tuple[int, ...] = ()
+    inside: bool = False
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise ValueError(f"thinking budget must be >= 0, got {self.budget}")
+
+
+class _Phase(Enum):
+    """START -> INSIDE (the first token opened the thought) or ANSWER; INSIDE -> CLOSING (the budget is spent) ->
+    ANSWER, or INSIDE -> ANSWER (the model closed it)."""
+
+    START = "start"
+    INSIDE = "inside"
+    CLOSING = "closing"
+    ANSWER = "answer"
+
+
+class Thought:
+    """One row's thought as it is generated: where the row is, what the budget forces next, and the reasoning tokens
+    so far (those up to and including the close marker, markers included). A grammar governs the answer only: it starts
+    after the close marker (forced without the template's whitespace, which the grammar would refuse), and a row that
+    may think may open its thought with its first token whatever the grammar allows there."""
+
+    def __init__(self, spec: Thinking, *, grammar: bool = False):
+        self.spec = spec
+        self.phase = _Phase.INSIDE if spec.inside else _Phase.START
+        self.inside_tokens = 0  # generated inside the thought, markers left out: what the budget counts
+        self.reasoning_tokens = 0
+        self._forced: list[int] = []
+        self._after = () if grammar else spec.after_ids
+
+    @property
+    def may_open(self) -> bool:
+        """Whether the next token may open the thought: the reply's first, where thinking is not off (budget 0)."""
+        return self.phase is _Phase.START and self.spec.budget != 0
+
+    @property
+    def free(self) -> bool:
+        """Inside the thought (or forcing its end): no grammar applies."""
+        return self.phase in (_Phase.INSIDE, _Phase.CLOSING)
+
+    def forced(self) -> int | None:
+        """The token the budget makes this row take next, if any."""
+        budget = self.spec.budget
+        if self.phase is _Phase.INSIDE and budget is not None and self.inside_tokens >= budget:
+            self.phase = _Phase.CLOSING
+            self._forced = [self.spec.close_id, *self._after]
+        return self._forced[0] if self._forced else None
+
+    def accept(self, token: int) -> bool:
+        """Take a generated token; True where it is the answer's (the grammar's to follow)."""
+        forced = bool(self._forced) and token == self._forced[0]
+        if forced:
+            self._forced.pop(0)
+        if self.phase is _Phase.START:
+            if token != self.spec.open_id:
+                self.phase = _Phase.ANSWER
+                return True
+            self.phase = _Phase.INSIDE
+            self.reasoning_tokens += 1
+            return False
+        if self.phase is _Phase.ANSWER:
+            return not forced  # the whitespace forced after the close marker is no grammar's
+        self.reasoning_tokens += 1
+        if token == self.spec.close_id:
+            self.phase = _Phase.ANSWER
+        else:
+            self.inside_tokens += 1
+        return False
+
+
 class Sampler:
     """One row's sampler. Presence/frequency penalties count generated tokens (OpenAI's definition);
     the repetition penalty covers prompt and generated tokens (the CTRL / Hugging Face definition).
@@ -94,9 +177,10 @@ class Sampler:
     same tokens on the same device (each device kind has its own random algorithm, so a CPU and a GPU differ).
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], constraint: Constraint | None = None):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], constraint: Constraint | None = None, thinking: Thinking | None = None):
         self.params = params
         self.constraint = constraint  # a grammar the reply must follow: its mask comes before everything else
+        self.thought = Thought(thinking, grammar=constraint is not None) if thinking is not None else None
         self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._generators: dict[torch.device, torch.Generator] = {}
         self.counts: dict[int, int] = {}  # generated token -> times
@@ -115,7 +199,8 @@ class Sampler:
         return gen
 
     def accept(self, token_id: int) -> None:
-        if self.constraint is not None:
+        answer = self.thought.accept(token_id) if self.thought is not None else True
+        if self.constraint is not None and answer:
             self.constraint.accept(token_id)
         self.counts[token_id] = self.counts.get(token_id, 0) + 1
         if self.params.repetition_penalty != 1.0:
@@ -146,11 +231,25 @@ class Sampler:
         return logits
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`)."""
-        token = self._sample(logits if self.constraint is None else self.constraint.mask(logits))
+        """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`); a thought
+        whose budget is spent takes its close marker instead."""
+        token = self.thought.forced() if self.thought is not None else None
+        if token is None:
+            token = self._sample(self._masked(logits))
         if self.params.logprobs is not None:
             self.last = logprobs_of(logits, token, self.params.logprobs)
         return token
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits under the grammar, where one applies: not inside a thought; at the reply's first token of a row that
+        may think, the open marker keeps its own logit too (the grammar then starts after the thought)."""
+        c, thought = self.constraint, self.thought
+        if c is None or (thought is not None and thought.free):
+            return logits
+        masked = c.mask(logits)
+        if thought is not None and thought.may_open:
+            masked[thought.spec.open_id] = logits[thought.spec.open_id]
+        return masked
 
     def _sample(self, logits: torch.Tensor) -> int:
         p = self.params

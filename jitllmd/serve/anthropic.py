@@ -28,6 +28,7 @@ from .prompt import (
     start,
     tool_grammar,
 )
+from .reasoning import Markers, Reasoning, ReasoningSplitter, markers_of, plan_reasoning, split_reasoning
 from .tools import Piece, Text, ToolCall, ToolCallParser, complete_members, parse_pieces
 
 __all__ = ["Anthropic", "content_blocks", "error_response"]
@@ -57,6 +58,7 @@ def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise m.error("content", "expected a string or an array of content blocks")
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -64,6 +66,11 @@ def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
         kind = b.string("type", required=True)
         if kind == "text":
             texts.append(b.string("text", required=True) or "")
+        elif kind == "thinking" and role == "assistant":  # a past turn's thought: the template's reasoning_content
+            b.string("signature")
+            thoughts.append(b.string("thinking", required=True) or "")
+        elif kind == "redacted_thinking" and role == "assistant":  # another server's encrypted thought: nothing to show
+            b.string("data", required=True)
         elif kind == "tool_use" and role == "assistant":
             tool_input = b.raw("input") if b.has("input") else {}
             if not isinstance(tool_input, dict):
@@ -75,10 +82,11 @@ def _turn(m: Fields, role: str) -> list[dict[str, Any]]:
         else:
             raise b.error("type", f"{kind!r} blocks are not supported in a {role} message")
     out: list[dict[str, Any]] = list(results)
+    thought = {"reasoning_content": "".join(thoughts)} if thoughts else {}
     if calls:
-        out.append({"role": "assistant", "content": "".join(texts), "tool_calls": calls})
-    elif texts or not results:
-        out.append({"role": role, "content": "".join(texts)})
+        out.append({"role": "assistant", "content": "".join(texts), **thought, "tool_calls": calls})
+    elif texts or thoughts or not results:
+        out.append({"role": role, "content": "".join(texts), **thought})
     return out
 
 
@@ -137,6 +145,35 @@ def _output_format(f: Fields) -> tuple[GrammarSpec, str] | None:
     return GrammarSpec(schema=schema.obj), fmt.prefix.rstrip(".")
 
 
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort: as reasoning.EFFORTS
+
+
+def _thinking(f: Fields, markers: Markers | None) -> tuple[Reasoning, bool]:
+    """`thinking`: {"type": "enabled", "budget_tokens": N} (tokens inside the thought before its close marker is
+    forced), {"type": "disabled"}, {"type": "adaptive"} or {"type": "between_tools"} (on, the model's own length, or
+    output_config.effort's: low 512, medium 2048, else unbounded); with `display` "summarized" (the default) or
+    "omitted" (thinking blocks come back empty). -> the request's thought, and whether its text is omitted."""
+    config, effort = f.object("output_config"), None
+    if config is not None:
+        effort = config.string("effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise config.error("effort", f"{effort!r}: expected one of {', '.join(_EFFORTS)}")
+    t = f.object("thinking")
+    if t is None:
+        return plan_reasoning(markers, effort=effort), False
+    kind = t.string("type", required=True)
+    if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
+        raise t.error("type", f"{kind!r}: expected enabled, disabled, adaptive or between_tools")
+    display = t.string("display", "summarized")
+    if display not in ("summarized", "omitted"):
+        raise t.error("display", f"{display!r}: expected summarized or omitted")
+    if kind == "disabled":
+        return plan_reasoning(markers, enabled=False), False
+    budget = t.integer("budget_tokens", required=kind == "enabled", low=0)
+    return plan_reasoning(markers, enabled=True, budget=budget if kind == "enabled" else None,
+                          effort=effort if kind != "enabled" else None), display == "omitted"
+
+
 def _tools(f: Fields) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions in the OpenAI shape chat templates take, input_schema kept as sent (key order and
     all); None without tools or with tool_choice {"type": "none"}. "auto" leaves the choice to the model; "any" and a
@@ -186,6 +223,8 @@ class _Prompt:
     prefill: str | None
     tools: list[dict[str, Any]] | None
     prompt_ids: list[int]
+    reasoning: Reasoning  # the thought it asks for (thinking), and the template variables that switch it
+    omit: bool = False  # thinking.display "omitted": thinking blocks come back without their text
 
 
 class Anthropic:
@@ -202,8 +241,9 @@ class Anthropic:
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         messages, prefill = _messages(f)
         chat = conversation(session, messages)
-        prompt_ids = await chat_prompt_ids(served, chat, session, prefill=prefill, tools=tools)
-        return _Prompt(name, served, session, chat, prefill, tools, prompt_ids)
+        reasoning, omit = _thinking(f, markers_of(served))
+        prompt_ids = await chat_prompt_ids(served, chat, session, prefill=prefill, tools=tools, extra=dict(reasoning.template_kwargs))
+        return _Prompt(name, served, session, chat, prefill, tools, prompt_ids, reasoning, omit)
 
     @dialect(error_response)
     async def count_tokens(self, request: Request) -> Response:
@@ -235,23 +275,34 @@ class Anthropic:
                 raise f.error(output[1], "a reply in this format is JSON from its first token: it cannot continue a final assistant message")
             grammar, grammar_param = output[0], output[1] + ".schema"  # a schema the grammar refuses: a 400 naming it
         [constraint] = await constraints(p.served, grammar, 1, grammar_param)
+        tokenizer = p.served.engine.loaded.tokenizer
         spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, ignore_eos=ignore_eos,
-                          request_id=request.state.request_id, constraint=constraint)
+                          request_id=request.state.request_id, constraint=constraint, thinking=p.reasoning.thinking(tokenizer, p.prompt_ids))
         outbox = start(p.served, spec, param="messages")
         tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
-        reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names)
-        record = lambda text, calls: remember(p.session, p.chat, _remembered((p.prefill or "") + text, calls))
+        reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names, omit=p.omit)
+
+        def record(text: str, calls: list[ToolCall], thought: str | None) -> None:
+            remember(p.session, p.chat, _remembered((p.prefill or "") + text, calls, thought))
+
+        splitter = p.reasoning.splitter(tokenizer, p.prompt_ids)
         if stream:
-            return StreamingResponse(self._stream(outbox, reply, len(p.prompt_ids), record), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(self._stream(outbox, reply, len(p.prompt_ids), record, splitter), media_type="text/event-stream", headers=SSE_HEADERS)
         result = await until_disconnect(request, outbox.collect)
         if result is None:
             return Response(status_code=499)
         text, done = result
+        thought = None
+        if splitter is not None:  # the thought first; calls are the answer's (a splitter not fed: `thought` is the prompt's)
+            thought, text = split_reasoning(text, splitter.markers, inside=splitter.thought)
         pieces: list[Piece] = parse_pieces(text, reply.tool_names, cut=done.finish_reason is FinishReason.LENGTH) if reply.tool_names else [Text(text)]
         calls = [p for p in pieces if isinstance(p, ToolCall)]
-        record("".join(p.text for p in pieces if isinstance(p, Text)), calls)
+        record("".join(p.text for p in pieces if isinstance(p, Text)), calls, thought)
         reason, stop_sequence = _stop_reason(done, calls)
         content = content_blocks(pieces)
+        if thought is not None:  # a thought that took the whole reply (max_tokens) is the content alone
+            answered = any(not isinstance(p, Text) or p.text for p in pieces)
+            content = [_thinking_block("" if reply.omit else thought), *(content if answered else [])]
         body = {
             "id": reply.ident,
             "type": "message",
@@ -265,7 +316,8 @@ class Anthropic:
         }
         return JSONResponse(body)
 
-    async def _stream(self, outbox: Outbox, reply: _Reply, num_prompt: int, record: Callable[[str, list[ToolCall]], None]) -> AsyncIterator[bytes]:
+    async def _stream(self, outbox: Outbox, reply: _Reply, num_prompt: int, record: Callable[[str, list[ToolCall], str | None], None],
+                      splitter: ReasoningSplitter | None = None) -> AsyncIterator[bytes]:
         """message_start, then content blocks as they come (text deltas; a tool_use block per call, its input as one
         input_json_delta), then message_delta with the stop reason, usage and jitllm, then message_stop.
 
@@ -273,13 +325,13 @@ class Anthropic:
         held, so its usage splits input_tokens and cache_read_input_tokens as message_delta's does."""
         events = aiter(outbox)
         try:
-            async for b in self._events(outbox, events, reply, num_prompt, record):
+            async for b in self._events(outbox, events, reply, num_prompt, record, splitter):
                 yield b
         finally:
             await events.aclose()  # a client gone: the request is cancelled now, not when the generator is collected
 
     async def _events(self, outbox: Outbox, events: AsyncIterator[Event], reply: _Reply, num_prompt: int,
-                      record: Callable[[str, list[ToolCall]], None]) -> AsyncIterator[bytes]:
+                      record: Callable[[str, list[ToolCall], str | None], None], splitter: ReasoningSplitter | None) -> AsyncIterator[bytes]:
         ev: Event | None = await anext(events)
         cached = outbox.request.cached
         message: dict[str, Any] = {
@@ -293,22 +345,34 @@ class Anthropic:
             "usage": {"input_tokens": num_prompt - cached, "output_tokens": 0, "cache_read_input_tokens": cached},
         }
         yield _event("message_start", {"type": "message_start", "message": message})
-        blocks = _Blocks()
+        blocks = _Blocks(reply.omit)
         parser = ToolCallParser(reply.tool_names) if reply.tool_names else None
-        if parser is None:  # no calls to wait for: the text block opens at once
+        if parser is None and splitter is None:  # no calls to wait for, no thought: the text block opens at once
             yield blocks.open_text()
         yield _event("ping", {"type": "ping"})
+
+        def answer(text: str) -> Iterator[bytes]:
+            return blocks.add(parser.feed(text) if parser else [Text(text)]) if text else iter(())
+
         while ev is not None:
             if isinstance(ev, Delta):
-                if ev.text:
-                    for b in blocks.add(parser.feed(ev.text) if parser else [Text(ev.text)]):
+                if ev.text and splitter is not None:
+                    split = splitter.feed(ev.text)
+                    for b in (*blocks.think(splitter, split.reasoning), *answer(split.answer)):
+                        yield b
+                elif ev.text:
+                    for b in answer(ev.text):
                         yield b
             elif isinstance(ev, Done):
+                if splitter is not None:
+                    split = splitter.finish()
+                    for b in (*blocks.think(splitter, split.reasoning, final=True), *answer(split.answer)):
+                        yield b
                 for b in blocks.add(parser.finish(cut=ev.finish_reason is FinishReason.LENGTH) if parser else []):
                     yield b
                 for b in blocks.close():
                     yield b
-                record("".join(blocks.texts), blocks.calls)
+                record("".join(blocks.texts), blocks.calls, "".join(blocks.thoughts) if splitter is not None and splitter.thought else None)
                 reason, stop_sequence = _stop_reason(ev, blocks.calls)
                 delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": _usage(ev), "jitllm": ev.figures.to_json()}
                 yield _event("message_delta", delta)
@@ -323,16 +387,45 @@ class _Reply:
     ident: str
     model: str
     tool_names: frozenset[str] | None
+    omit: bool = False  # thinking blocks without their text (thinking.display "omitted")
 
 
 class _Blocks:
-    """The content blocks of a streamed message: a text block opened when text comes, a tool_use block per call."""
+    """The content blocks of a streamed message: a thinking block first, for a reply that thinks (its text as
+    thinking_delta events, then an empty signature_delta before its content_block_stop, as Anthropic's), a text block
+    opened when text comes, a tool_use block per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit: bool = False) -> None:
         self.index = -1
         self.text_open = False
+        self.thinking = 0  # 0: no thinking block yet; 1: open; 2: closed
+        self.omit = omit
         self.texts: list[str] = []
+        self.thoughts: list[str] = []
         self.calls: list[ToolCall] = []
+
+    def think(self, splitter: ReasoningSplitter, text: str, final: bool = False) -> Iterator[bytes]:
+        """The thought's next text: its block opens once the reply opened a thought, and closes with the thought."""
+        if not splitter.thought or self.thinking == 2:
+            return
+        if self.thinking == 0:
+            self.index += 1
+            self.thinking = 1
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            yield _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        if text:
+            self.thoughts.append(text)
+            if not self.omit:
+                delta = {"type": "thinking_delta", "thinking": text}
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        if splitter.closed or final:
+            yield from self._end_thinking()
+
+    def _end_thinking(self) -> Iterator[bytes]:
+        if self.thinking == 1:
+            self.thinking = 2
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}})
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def open_text(self) -> bytes:
         self.index += 1
@@ -341,9 +434,10 @@ class _Blocks:
 
     def add(self, pieces: list[Piece]) -> Iterator[bytes]:
         for piece in pieces:
+            if isinstance(piece, Text) and not piece.text:
+                continue
+            yield from self._end_thinking()  # the answer comes after the thought
             if isinstance(piece, Text):
-                if not piece.text:
-                    continue
                 if not self.text_open:
                     yield self.open_text()
                 self.texts.append(piece.text)
@@ -361,6 +455,7 @@ class _Blocks:
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def close(self) -> Iterator[bytes]:
+        yield from self._end_thinking()
         if self.index < 0:  # nothing came: an empty text block, so the message has content
             yield self.open_text()
         if self.text_open:
@@ -384,11 +479,20 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": arguments}
 
 
-def _remembered(text: str, calls: list[ToolCall]) -> str | dict[str, Any]:
-    if not calls:
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A thought as a thinking block; its signature is empty (nothing here signs it; clients send it back as is)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def _remembered(text: str, calls: list[ToolCall], thought: str | None = None) -> str | dict[str, Any]:
+    if not calls and thought is None:
         return text
-    tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-    return {"role": "assistant", "content": text, "tool_calls": tool_calls}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thought is not None:
+        message["reasoning_content"] = thought
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message
 
 
 def _usage(done: Done) -> dict[str, int]:

@@ -24,6 +24,7 @@ from .prompt import (
     find_target,
     off_loop,
 )
+from .reasoning import Split, split_reasoning
 from .rendering import (
     SSE_HEADERS,
     Chunks,
@@ -57,7 +58,7 @@ class OpenAI:
         served, session = find_target(self.catalog, name, f.string("jitllm_session"))
         chat = conversation(session, chat_messages(f))
         gen = parse_common(f, served, name or served.id, ("max_completion_tokens", "max_tokens"), session, chat, tools, limits=self.limits)
-        prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools)
+        prompt_ids = await chat_prompt_ids(served, chat, session, tools=tools, extra=gen.template_kwargs)
         outboxes = await gen.start_all("messages", request.state.request_id, [prompt_ids])
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if gen.stream:
@@ -68,9 +69,14 @@ class OpenAI:
         choices = []
         for i, ((text, done), outbox) in enumerate(zip(results, outboxes)):
             calls: list[ToolCall] = []
+            reasoning = None
+            if gen.reasoning is not None and gen.reasoning.markers is not None:  # the thought first; calls are the answer's
+                reasoning, text = split_reasoning(text, gen.reasoning.markers, inside=gen.reasoning.inside(gen.tokenizer, outbox.request.prompt_ids))
             if gen.tool_names:
                 text, calls = parse_reply(text, gen.tool_names, cut=done.finish_reason is FinishReason.LENGTH)
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+            if gen.thinks:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [tool_call(c) for c in calls]
             if i == 0:
@@ -84,7 +90,7 @@ class OpenAI:
             "created": created,
             "model": gen.model,
             "choices": choices,
-            "usage": usage(dones, gen.n),
+            "usage": usage(dones, gen.n, reasoning=gen.thinks),
             "jitllm": dones[0].figures.to_json(),
         }
         return JSONResponse(body)
@@ -150,8 +156,8 @@ class OpenAI:
     # -- streams --------------------------------------------------------------------------------
 
     async def _chat_stream(self, gen: OpenAIGeneration, outboxes: list[Outbox], ident: str, created: int) -> AsyncIterator[bytes]:
-        out = Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage)
-        choices = [_ChatChoice(i, gen, out) for i in range(len(outboxes))]
+        out = Chunks(ident, "chat.completion.chunk", created, gen.model, gen.include_usage, reasoning=gen.thinks)
+        choices = [_ChatChoice(i, gen, out, outbox) for i, outbox in enumerate(outboxes)]
         for c in choices:
             yield out.choice(index=c.index, delta={"role": "assistant", "content": ""})
         dones: list[Done | None] = [None] * len(outboxes)
@@ -160,14 +166,13 @@ class OpenAI:
             if isinstance(ev, Delta):
                 c.pending.extend(ev.logprobs or [])
                 if ev.text:
-                    for b in c.pieces(c.parser.feed(ev.text) if c.parser else [Text(ev.text)]):
+                    for b in c.feed(ev.text):
                         yield b
             elif isinstance(ev, Done):
-                for b in c.pieces(c.parser.finish(cut=ev.finish_reason is FinishReason.LENGTH) if c.parser else []):
+                for b in c.finish(cut=ev.finish_reason is FinishReason.LENGTH):
                     yield b
                 if i == 0:
-                    text = "".join(c.parts)
-                    gen.done({"role": "assistant", "content": text or None, "tool_calls": c.calls} if c.calls else text)
+                    gen.done(c.message())
                 dones[i] = ev
                 yield out.choice(finish_reason(ev, c.calls), {"jitllm": ev.figures.to_json()}, index=i, delta={}, **(c.scored() if c.pending else {}))
             elif isinstance(ev, Failed):
@@ -217,14 +222,44 @@ class OpenAI:
 
 class _ChatChoice:
     """One choice of a chat stream: its text so far, its tool calls, the parser holding back what may be a call, and
-    the scores of tokens whose text has not gone out yet."""
+    the scores of tokens whose text has not gone out yet; for a model that thinks, the splitter that sends its thought
+    as reasoning_content first (the answer alone goes through the parser)."""
 
-    def __init__(self, index: int, gen: OpenAIGeneration, out: Chunks):
+    def __init__(self, index: int, gen: OpenAIGeneration, out: Chunks, outbox: Outbox):
         self.index, self.gen, self.out = index, gen, out
         self.parts: list[str] = []
+        self.thought: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self.parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
+        self.splitter = gen.reasoning.splitter(gen.tokenizer, outbox.request.prompt_ids) if gen.reasoning is not None else None
         self.pending: list[TokenLogprobs] = []
+
+    def feed(self, text: str) -> Iterator[bytes]:
+        """A delta of the reply's text as chunks."""
+        if self.splitter is None:
+            yield from self.pieces(self.parser.feed(text) if self.parser else [Text(text)])
+        else:
+            yield from self._split(self.splitter.feed(text))
+
+    def finish(self, cut: bool) -> Iterator[bytes]:
+        """What was held back, once the reply ended (`cut`: by max_tokens)."""
+        if self.splitter is not None:
+            yield from self._split(self.splitter.finish())
+        yield from self.pieces(self.parser.finish(cut=cut) if self.parser else [])
+
+    def _split(self, split: Split) -> Iterator[bytes]:
+        if split.reasoning:
+            self.thought.append(split.reasoning)
+            yield self.out.choice(index=self.index, delta={"reasoning_content": split.reasoning}, **self.scored())
+        if split.answer:
+            yield from self.pieces(self.parser.feed(split.answer) if self.parser else [Text(split.answer)])
+
+    def message(self) -> str | dict[str, Any]:
+        """The reply, as a named session remembers it."""
+        text = "".join(self.parts)
+        if self.splitter is not None and self.splitter.thought:
+            return {"role": "assistant", "content": text or None, "reasoning_content": "".join(self.thought), **({"tool_calls": self.calls} if self.calls else {})}
+        return {"role": "assistant", "content": text or None, "tool_calls": self.calls} if self.calls else text
 
     def scored(self) -> dict[str, Any]:
         if self.gen.params.logprobs is None:

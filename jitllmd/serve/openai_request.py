@@ -27,11 +27,13 @@ from .prompt import (
     start,
     tool_grammar,
 )
+from .reasoning import EFFORTS, Reasoning, markers_of, plan_reasoning
 
-__all__ = ["Limits", "OpenAIGeneration", "chat_messages", "completion_prompts", "parse_common", "prompt_items", "tools_of"]
+__all__ = ["Limits", "OpenAIGeneration", "chat_messages", "chat_reasoning", "completion_prompts", "parse_common", "prompt_items", "tools_of"]
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_REASONING = ("reasoning_content", "reasoning")  # an assistant message's thought, as vLLM and llama-server send it back
 
 
 
@@ -54,6 +56,17 @@ class OpenAIGeneration:
     n: int = 1  # choices per prompt
     grammar: GrammarSpec | None = None  # what every reply must be: response_format's JSON, or a forced tool call
     grammar_param: str = "response_format"  # the field that asked for it, for its errors
+    reasoning: Reasoning | None = None  # chat: the template's extra variables and, for a model that thinks, its thought
+
+    @property
+    def thinks(self) -> bool:
+        """A chat with a model that thinks: replies split into reasoning and answer, usage counts reasoning tokens."""
+        return self.reasoning is not None and self.reasoning.thinks
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables (chat_prompt_ids' `extra`)."""
+        return dict(self.reasoning.template_kwargs) if self.reasoning is not None else None
 
     async def start_all(self, param: str, request_id: str, prompts: list[list[int]]) -> list[Outbox]:
         """The n choices of each prompt: the first runs the prompt, the others follow it (the prompt is fed once) and
@@ -73,6 +86,7 @@ class OpenAIGeneration:
                         prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session, ignore_eos=self.ignore_eos,
                         request_id=request_id + (f"-p{k}" if k else "") + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs,
                         constraint=matchers[k * self.n + i],
+                        thinking=self.reasoning.thinking(self.tokenizer, prompt_ids) if self.reasoning is not None else None,
                     )
                     where = f"{param}[{k}]" if len(prompts) > 1 else param
                     outboxes.append(start(self.served, spec, param=where, follows=first.request if first else None, hold=True))
@@ -105,9 +119,11 @@ class Limits:
 def parse_common(
     f: Fields, served: ServedModel, model: str, max_tokens_keys: tuple[str, ...], session: Session | None,
     chat: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None, *, prompts: int = 1, limits: Limits = Limits(),
+    reasoning: Reasoning | None = None,
 ) -> OpenAIGeneration:
     """The fields both routes read, checked before any prompt is templated or tokenized; `prompts`: how many the
-    request holds, whose choices the limits count."""
+    request holds, whose choices the limits count. A chat's reasoning fields (reasoning_effort, thinking_token_budget,
+    chat_template_kwargs) are read here unless `reasoning` is given (another dialect's, read its own way)."""
     max_tokens = None
     echo = chat is None and f.boolean("echo")
     for key in max_tokens_keys:  # the first one given wins
@@ -152,6 +168,8 @@ def parse_common(
     options = f.object("stream_options")
     if options is not None and not f.boolean("stream"):  # as OpenAI answers it
         raise f.error("stream_options", "only allowed when stream is true")
+    if reasoning is None and chat is not None:
+        reasoning = chat_reasoning(f, served)
     return OpenAIGeneration(
         served=served,
         model=model,
@@ -168,7 +186,28 @@ def parse_common(
         n=n,
         grammar=grammar,
         grammar_param=grammar_param,
+        reasoning=reasoning,
     )
+
+
+# Variables every chat template gets from the request itself (and the render call's own names): chat_template_kwargs
+# may not set them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "self")
+
+
+def chat_reasoning(f: Fields, served: ServedModel) -> Reasoning:
+    """A chat's thought: `reasoning_effort` (none, minimal, low, medium, high), vLLM's `thinking_token_budget` (tokens
+    inside the thought before its close marker is forced; -1: unbounded) and `chat_template_kwargs` (more variables for
+    the template, e.g. {"enable_thinking": false}), over the model's markers (reasoning.py)."""
+    effort = f.string("reasoning_effort")
+    if effort is not None and effort not in EFFORTS:
+        raise f.error("reasoning_effort", f"{effort!r}: expected one of {', '.join(EFFORTS)}")
+    budget = f.integer("thinking_token_budget", low=-1)
+    kwargs = f.object("chat_template_kwargs")
+    for key in _TEMPLATE_OWN:
+        if kwargs is not None and key in kwargs.obj:
+            raise kwargs.error(key, "set by the request itself, not by chat_template_kwargs")
+    return plan_reasoning(markers_of(served), effort=effort, budget=budget, template_kwargs=kwargs.obj if kwargs is not None else None)
 
 
 def _response_grammar(f: Fields) -> GrammarSpec | None:
@@ -233,6 +272,10 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": _ROLES.get(role, role), "content": m.text("content", items="content parts")}
         if role == "assistant" and m.has("tool_calls"):
             msg["tool_calls"] = _message_tool_calls(m)
+        for key in (_REASONING if role == "assistant" else ()):  # a past turn's thought, for templates that show it
+            if m.has(key):
+                msg["reasoning_content"] = m.string(key)
+                break
         if role == "tool":
             msg["tool_call_id"] = m.string("tool_call_id", required=True)
         out.append(msg)

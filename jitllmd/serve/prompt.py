@@ -134,10 +134,11 @@ def find_model(catalog: Catalog, name: str | None) -> ServedModel:
 
 async def chat_prompt_ids(
     served: ServedModel, messages: list[dict[str, Any]], session: Session | None, *, prefill: str | None = None,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None,
 ) -> list[int]:
     """Messages (and tool definitions, OpenAI shape) through the model's own chat template, off the event loop;
-    `prefill` is the start of the answer, continued as is. A template that does not use tools renders without them."""
+    `prefill` is the start of the answer, continued as is; `extra`: more of the template's variables (a request's
+    chat_template_kwargs, its thinking switch). A template that does not use tools renders without them."""
     loaded = served.engine.loaded
     if loaded.embeds:
         raise APIError(f"model {served.id!r} is an embedding model: send its inputs to /v1/embeddings", param="model")
@@ -147,11 +148,11 @@ async def chat_prompt_ids(
 
     def render() -> list[int]:
         try:
-            return encode_in_room(served, session, render_chat(loaded, messages, tools=tools, prefill=prefill))
+            return encode_in_room(served, session, render_chat(loaded, messages, tools=tools, prefill=prefill, extra=extra))
         except RoomError as exc:
             raise room_error(exc, "messages") from None
 
-    return await off_loop(render, size=chars([messages, prefill, tools]))
+    return await off_loop(render, size=chars([messages, prefill, tools, extra]))
 
 
 def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, prefill: str | None = None,

@@ -80,16 +80,20 @@ def _top(tokenizer: Tokenizer, s: TokenLogprobs, text: str) -> dict[str, float]:
     return top
 
 
-def usage(dones: list[Done], n: int) -> dict[str, Any]:
-    """The usage of every choice: each prompt counted once (the first of its n choices ran it), every choice's tokens."""
+def usage(dones: list[Done], n: int, *, reasoning: bool = False) -> dict[str, Any]:
+    """The usage of every choice: each prompt counted once (the first of its n choices ran it), every choice's tokens;
+    with `reasoning` (a model that thinks), how many of them were its thoughts'."""
     runs = dones[::n]
     prompt, completion = sum(d.prompt_tokens for d in runs), sum(d.completion_tokens for d in dones)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(d.prompt_tokens - d.fed_tokens for d in runs)},
     }
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(d.reasoning_tokens for d in dones)}
+    return out
 
 
 def tool_call(call: ToolCall) -> dict[str, Any]:
@@ -145,6 +149,7 @@ class Chunks:
     created: int
     model: str
     include_usage: bool
+    reasoning: bool = False  # a model that thinks: usage counts its reasoning tokens
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = {"id": self.ident, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
@@ -156,7 +161,7 @@ class Chunks:
         return self._event([{"index": index, "logprobs": None, **fields, "finish_reason": finish}], **usage, **(extra or {}))
 
     def usage(self, dones: list[Done], n: int) -> bytes:
-        return self._event([], usage=usage(dones, n), jitllm=dones[0].figures.to_json())
+        return self._event([], usage=usage(dones, n, reasoning=self.reasoning), jitllm=dones[0].figures.to_json())
 
     def failed(self, message: str) -> bytes:
         return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
