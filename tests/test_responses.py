@@ -191,7 +191,7 @@ def test_store_retrieve_items_delete(smol, schemas):
     server, client = smol
     items = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
-    r = client.responses.create(model="smol", input=items, max_output_tokens=8, metadata={"k": "v"})  # type: ignore[arg-type]
+    r = client.responses.create(model="smol", input=items, max_output_tokens=8, metadata={"k": "v"}, temperature=0)  # type: ignore[arg-type]
     got = httpx.get(f"{server.url}/v1/responses/{r.id}").json()
     schemas.validate("Response", got)
     assert got["id"] == r.id and got["metadata"] == {"k": "v"} and got["output"][0]["content"][0]["text"] == r.output_text
@@ -205,7 +205,7 @@ def test_store_retrieve_items_delete(smol, schemas):
     assert [it["role"] for it in rest["data"]] == ["assistant", "user"] and not rest["has_more"]
 
     bad = httpx.post(f"{server.url}/v1/responses/{r.id}/cancel")
-    assert bad.status_code == 400 and "completed" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and f"is {r.status}: only one in progress" in bad.json()["error"]["message"]
     client.responses.delete(r.id)
     for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"), ("POST", "/cancel")):
         gone = httpx.request(method, f"{server.url}/v1/responses/{r.id}{path}")
@@ -354,9 +354,63 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(smol):
 def test_langchain_on_the_responses_api(smol):
     langchain_openai = pytest.importorskip("langchain_openai")
     server, _ = smol
-    llm = langchain_openai.ChatOpenAI(model="smol", base_url=server.url + "/v1", api_key="unused", use_responses_api=True, temperature=0,
-                                      max_tokens=40, max_retries=0)
-    msg = llm.invoke("What is the capital of France?")
-    assert "Paris" in msg.text
-    streamed = "".join(chunk.text for chunk in llm.stream("What is the capital of France?"))
-    assert streamed == msg.text
+    with httpx.Client(timeout=120) as http:  # closed here: LangChain's own client is left to the garbage collector
+        llm = langchain_openai.ChatOpenAI(model="smol", base_url=server.url + "/v1", api_key="unused", use_responses_api=True, temperature=0,
+                                          max_tokens=40, max_retries=0, http_client=http)
+        msg = llm.invoke("What is the capital of France?")
+        assert "Paris" in msg.text
+        streamed = "".join(chunk.text for chunk in llm.stream("What is the capital of France?"))
+        assert streamed == msg.text
+
+
+@pytest.fixture(scope="module")
+def thinker(serve, tiny_thinker_jlm):
+    """The scripted tiny Qwen3 that writes <think>abcdef</think>\\n\\nOK! (tests/test_reasoning.py's server)."""
+    server = serve("-load", str(tiny_thinker_jlm), "-id", "thinker", "-devices", "cpu", "-sessions", "4", "-max-batch", "4", "-max-seq", "512")
+    with openai_sdk(server) as client:
+        yield server, client
+
+
+def test_reasoning_items(thinker, schemas):
+    """A thinking model's thought is a reasoning item before the message, whole and streamed; reasoning.effort none
+    turns it off; its tokens are counted; chained, the thought reaches the template as the turn's reasoning_content."""
+    server, client = thinker
+    body = {"model": "thinker", "input": "Hi", "temperature": 0, "reasoning": {"effort": "high", "summary": "auto"}}
+    r = _post(server, "/v1/responses", body).json()
+    schemas.validate("Response", r)
+    thought, message = r["output"]
+    assert thought["type"] == "reasoning" and thought["content"] == [{"type": "reasoning_text", "text": "abcdef"}]
+    assert thought["summary"] == [{"type": "summary_text", "text": "abcdef"}]
+    assert message["content"][0]["text"] == "OK!"
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 8 and r["usage"]["output_tokens"] == 12
+
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as raw:
+        events = _events(raw.read().decode())
+    for ev in events:
+        schemas.validate(EVENT_SCHEMAS.get(ev["type"], _REASONING_EVENTS.get(ev["type"], "?")), ev)
+    kinds = [ev["type"] for ev in events]
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "reasoning"
+    assert "response.reasoning_summary_text.done" in kinds[:first_text] and kinds.count("response.output_item.done") == 2
+    assert "".join(ev["delta"] for ev in events if ev["type"] == "response.reasoning_text.delta") == "abcdef"
+    assert events[-1]["response"]["output"] == [{**r["output"][0], "id": events[2]["item"]["id"]}, {**message, "id": events[-1]["response"]["output"][1]["id"]}]
+
+    off = client.responses.create(model="thinker", input="Hi", temperature=0, reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"] and off.output_text == "OK!"
+    assert off.usage is not None and off.usage.output_tokens_details.reasoning_tokens == 0
+
+    chained = client.responses.create(model="thinker", input="Again", previous_response_id=r["id"], temperature=0, max_output_tokens=1)
+    count = client.responses.input_tokens.count(model="thinker", input=[
+        {"role": "user", "content": "Hi"}, {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "abcdef"}]},
+        {"role": "assistant", "content": "OK!"}, {"role": "user", "content": "Again"}])  # type: ignore[list-item]
+    assert chained.usage is not None and chained.usage.input_tokens == count.input_tokens
+
+
+_REASONING_EVENTS = {
+    "response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
+    "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
+    "response.reasoning_summary_part.added": "ResponseReasoningSummaryPartAddedEvent",
+    "response.reasoning_summary_text.delta": "ResponseReasoningSummaryTextDeltaEvent",
+    "response.reasoning_summary_text.done": "ResponseReasoningSummaryTextDoneEvent",
+    "response.reasoning_summary_part.done": "ResponseReasoningSummaryPartDoneEvent",
+}

@@ -76,11 +76,12 @@ def run(
             raise fail("-rerank scores the prompt as it is: drop -chat", 2)
         if session is not None or continue_:
             raise fail(f"{'-tokenize' if tokenize else '-rerank'} takes -model, not -session", 2)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        assert prompt is not None  # refused above
+        turn: list[dict] = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         if remote:
-            _remote_text(addr, model or "", messages if chat else prompt, rerank or [], as_json=as_json, api_key=api_key)
+            _remote_text(addr, model or "", turn if chat else prompt, rerank or [], as_json=as_json, api_key=api_key)
         else:
-            _local_text(model, max_seq, messages if chat else prompt, rerank or [], as_json=as_json)
+            _local_text(model, max_seq, turn if chat else prompt, rerank or [], as_json=as_json)
         return
 
     if remote:

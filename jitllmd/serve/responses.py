@@ -21,6 +21,7 @@ from .body import APIError, Fields, dialect, read_json
 from .openai_request import Limits, OpenAIGeneration, parse_common
 from .outbox import Outbox, collect_all, until_disconnect
 from .prompt import chat_prompt_ids, conversation, find_target
+from .reasoning import Split, split_reasoning
 from .rendering import SSE_HEADERS, chat_logprobs, error_response, tool_call
 from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, item_id, not_found, read_request
@@ -50,7 +51,7 @@ class Responses:
                            limits=self.limits)
         if gen.grammar_param == "response_format":
             gen = replace(gen, grammar_param="text.format")  # a schema the grammar refuses is a 400 naming the field the client sent
-        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools)
+        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools, extra=gen.template_kwargs)
         [outbox] = await gen.start_all("input", request.state.request_id, [prompt_ids])
         run = _Run(item_id("resp"), int(time.time()), req, gen, Stored({}, req.items, [*history, *req.messages], cancel=outbox.end))
         run.stored.response = run.response("in_progress")
@@ -67,6 +68,10 @@ class Responses:
             self._finish(run, "cancelled")
             return Response(status_code=499)  # nobody is listening
         [(text, done)] = results
+        if gen.reasoning is not None and gen.reasoning.markers is not None:  # the thought first; calls are the answer's
+            thought, text = split_reasoning(text, gen.reasoning.markers, inside=gen.reasoning.inside(gen.tokenizer, prompt_ids))
+            if thought is not None:
+                run.add_thought(thought)
         pieces = parse_pieces(text, gen.tool_names, cut=done.finish_reason is FinishReason.LENGTH) if gen.tool_names else [Text(text)]
         for piece in pieces:
             run.add(piece)
@@ -131,7 +136,9 @@ class Responses:
         history = self._history(req)
         served, session = find_target(self.catalog, req.model, Fields(body).string("jitllm_session"))
         chat = conversation(session, [*req.system(), *history, *req.messages])
-        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools)
+        gen = parse_common(Fields(req.chat), served, req.model or served.id, ("max_completion_tokens",), session, chat, req.chat_tools,
+                           limits=self.limits)
+        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools, extra=gen.template_kwargs)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     # -- the parts --------------------------------------------------------------------------------
@@ -177,13 +184,25 @@ class Responses:
             yield run.event("response.in_progress", response=run.stored.response)
             gen = run.gen
             parser = ToolCallParser(gen.tool_names) if gen.tool_names else None
+            splitter = gen.reasoning.splitter(gen.tokenizer, outbox.request.prompt_ids) if gen.reasoning is not None else None
+
+            def answer(text: str) -> list[Piece]:
+                return parser.feed(text) if parser else [Text(text)]
+
+            def pieces(split: Split) -> list[bytes]:
+                return [*run.stream_thought(split.reasoning), *(run.stream_pieces(answer(split.answer)) if split.answer else [])]
+
             async for ev in events:
                 if isinstance(ev, Delta):
                     run.pending.extend(ev.logprobs or [])
                     if ev.text:
-                        for b in run.stream_pieces(parser.feed(ev.text) if parser else [Text(ev.text)]):
+                        for b in pieces(splitter.feed(ev.text)) if splitter else run.stream_pieces(answer(ev.text)):
                             yield b
                 elif isinstance(ev, Done):
+                    for b in pieces(splitter.finish()) if splitter else []:
+                        yield b
+                    for b in run.close_thought():
+                        yield b
                     for b in run.stream_pieces(parser.finish(cut=ev.finish_reason is FinishReason.LENGTH) if parser else []):
                         yield b
                     if not run.output:
@@ -196,7 +215,7 @@ class Responses:
                     ended = True
                     yield run.event("response.completed" if status == "completed" else "response.incomplete", response=final)
                 elif isinstance(ev, Failed):
-                    for b in run.close_message():
+                    for b in [*run.close_thought(), *run.close_message()]:
                         yield b
                     final = self._finish(run, "failed", error=ev.message)
                     ended = True
@@ -229,6 +248,7 @@ class _Run:
     calls: list[dict[str, Any]] = field(default_factory=list)  # chat-shaped, for the conversation
     pending: list[TokenLogprobs] = field(default_factory=list)  # streamed tokens whose text has not gone out
     open_index: int | None = None  # the output index of the message item receiving text
+    thought_index: int | None = None  # the output index of the reasoning item receiving the thought
     seq: int = 0
 
     @property
@@ -277,6 +297,18 @@ class _Run:
             self.open_index = None
             self.output.append(self._call(piece, "completed"))
 
+    def add_thought(self, text: str) -> None:
+        self.output.append(self._reasoning(text, "completed"))
+
+    def _reasoning(self, text: str, status: str) -> dict[str, Any]:
+        """A reasoning item: the thought as its content; as its summary too where the request asked for one (no model
+        here writes a summary of its own)."""
+        item: dict[str, Any] = {"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+                                "status": status}
+        if self.req.summary and status == "completed":
+            item["summary"] = [{"type": "summary_text", "text": text}]
+        return item
+
     def set_logprobs(self, entries: list[dict[str, Any]]) -> None:
         for item in self.output:
             if item["type"] == "message":
@@ -284,11 +316,15 @@ class _Run:
                 return
 
     def reply(self) -> dict[str, Any]:
-        """The assistant turn as chat messages hold it: the text, and the calls with their call ids."""
+        """The assistant turn as chat messages hold it: the text, its thought, and the calls with their call ids."""
         text = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "message")
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        thought = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
+        if thought:
+            out["reasoning_content"] = thought
         if self.calls:
-            return {"role": "assistant", "content": text, "tool_calls": self.calls}
-        return {"role": "assistant", "content": text}
+            out["tool_calls"] = self.calls
+        return out
 
     def _call(self, call: ToolCall, status: str) -> dict[str, Any]:
         c = tool_call(call)
@@ -298,7 +334,7 @@ class _Run:
     # streams
 
     def stream_pieces(self, pieces: list[Piece]) -> list[bytes]:
-        out: list[bytes] = []
+        out: list[bytes] = self.close_thought() if pieces else []
         for piece in pieces:
             if isinstance(piece, Text):
                 if self.open_index is None:
@@ -325,6 +361,40 @@ class _Run:
                 out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"],
                                       arguments=item["arguments"]))
                 out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def stream_thought(self, text: str) -> list[bytes]:
+        """The thought's text as it comes: its reasoning item opened on the first."""
+        if not text:
+            return []
+        out: list[bytes] = []
+        if self.thought_index is None:
+            self.thought_index = len(self.output)
+            item = self._reasoning("", "in_progress")
+            self.output.append(item)
+            out.append(self.event("response.output_item.added", output_index=self.thought_index, item={**item, "content": []}))
+        item = self.output[self.thought_index]
+        item["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=self.thought_index, content_index=0, delta=text))
+        return out
+
+    def close_thought(self) -> list[bytes]:
+        """The thought's done events (and its summary's, where asked), once the answer starts or the reply ends."""
+        if self.thought_index is None or self.output[self.thought_index]["status"] == "completed":
+            return []
+        index = self.thought_index
+        done = self._reasoning(self.output[index]["content"][0]["text"], "completed")
+        item = self.output[index] = {**done, "id": self.output[index]["id"]}
+        text = item["content"][0]["text"]
+        out = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text)]
+        if item["summary"]:
+            part = {"type": "summary_text", "text": ""}
+            out += [self.event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index, summary_index=0, part=part),
+                    self.event("response.reasoning_summary_text.delta", item_id=item["id"], output_index=index, summary_index=0, delta=text),
+                    self.event("response.reasoning_summary_text.done", item_id=item["id"], output_index=index, summary_index=0, text=text),
+                    self.event("response.reasoning_summary_part.done", item_id=item["id"], output_index=index, summary_index=0,
+                               part={**part, "text": text})]
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
 
     def close_message(self) -> list[bytes]:
@@ -364,6 +434,6 @@ def _usage(done: Done) -> dict[str, Any]:
         "input_tokens": done.prompt_tokens,
         "input_tokens_details": {"cached_tokens": done.prompt_tokens - done.fed_tokens, "cache_write_tokens": 0},
         "output_tokens": done.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }

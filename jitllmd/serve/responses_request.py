@@ -10,15 +10,15 @@ from typing import Any
 
 from .body import APIError, Fields
 from .prompt import check_tool_schema
+from .reasoning import EFFORTS
 
 __all__ = ["ResponsesRequest", "item_id", "not_found", "read_request"]
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # Fields chat completions reads that a Responses body may carry as they are (vLLM's Responses API takes its sampling
-# extensions too).
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-             "ignore_eos")
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# and template extensions too).
+_CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                "ignore_eos", "chat_template_kwargs", "thinking_token_budget")
 _LOGPROBS = "message.output_text.logprobs"
 
 
@@ -45,6 +45,7 @@ class ResponsesRequest:
     metadata: dict[str, str]
     echo: dict[str, Any]  # the rest a Response echoes: temperature, top_p, max_output_tokens, parallel_tool_calls, ...
     logprobs: bool  # output_text parts carry their tokens' logprobs
+    summary: bool = False  # reasoning.summary asked: a reasoning item's summary holds its thought
 
     def system(self) -> list[dict[str, Any]]:
         return [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -69,18 +70,21 @@ def read_request(body: dict[str, Any], *, counting: bool = False) -> ResponsesRe
     tools, chat_tools, tool_choice = _tools(f)
     text, response_format = _text(f)
     reasoning = f.object("reasoning")
+    effort = summary = None
     if reasoning is not None:
         effort = reasoning.string("effort")
-        if effort is not None and effort not in _EFFORTS:
-            raise reasoning.error("effort", f"{effort!r}: expected one of {', '.join(_EFFORTS)}")
-        summary = reasoning.string("summary")
+        if effort is not None and effort not in EFFORTS:
+            raise reasoning.error("effort", f"{effort!r}: expected one of {', '.join(EFFORTS)}")
+        summary = reasoning.string("summary") or reasoning.string("generate_summary")
         if summary is not None and summary not in ("auto", "concise", "detailed"):
             raise reasoning.error("summary", f"{summary!r}: expected auto, concise or detailed")
     include = f.strings("include", most=32, single=False)
     top = f.integer("top_logprobs", low=0, high=20)
     logprobs = top is not None or _LOGPROBS in include
     max_output = f.integer("max_output_tokens", low=1)
-    chat: dict[str, Any] = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    chat: dict[str, Any] = {k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None}
+    if effort is not None:
+        chat["reasoning_effort"] = effort  # a thinking model's switch and budget, as chat's reasoning_effort sets them
     if max_output is not None:
         chat["max_completion_tokens"] = max_output
     if logprobs:
@@ -110,7 +114,7 @@ def read_request(body: dict[str, Any], *, counting: bool = False) -> ResponsesRe
     return ResponsesRequest(
         model=f.string("model"), instructions=instructions, items=items, messages=messages, tools=tools, chat_tools=chat_tools,
         tool_choice=tool_choice, text=text, chat=chat, previous_response_id=previous, store=f.boolean("store", True), stream=f.boolean("stream"),
-        metadata=_metadata(f), echo=echo, logprobs=logprobs,
+        metadata=_metadata(f), echo=echo, logprobs=logprobs, summary=summary is not None,
     )
 
 
@@ -135,7 +139,7 @@ def _content(m: Fields, key: str) -> str:
     for j, part in enumerate(value):
         p = Fields(part, m.name(f"{key}[{j}]."))
         kind = p.string("type", required=True)
-        if kind in ("input_text", "output_text", "text"):
+        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
             texts.append(p.string("text", required=True) or "")
         elif kind == "refusal":
             texts.append(p.string("refusal", required=True) or "")
@@ -145,8 +149,8 @@ def _content(m: Fields, key: str) -> str:
 
 
 def _input(f: Fields) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """input: a string (one user message) or an array of items: messages, function_call and function_call_output
-    (reasoning items are accepted and not fed: the template drops earlier turns' thoughts)."""
+    """input: a string (one user message) or an array of items: messages, function_call, function_call_output, and
+    reasoning (its text becomes the next assistant turn's reasoning_content, for templates that show past thoughts)."""
     raw = f.raw("input")
     if raw is None:
         raise f.error("input", "this field is required")
@@ -158,6 +162,7 @@ def _input(f: Fields) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         raise f.error("input", "must hold at least one item")
     items: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, value in enumerate(raw):
         it = Fields(value, f"input[{i}].")
         kind = it.string("type", "message")
@@ -171,6 +176,8 @@ def _input(f: Fields) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             text = _content(it, "content")
             items.append(_message_item(ident or item_id("msg"), role, text))
             messages.append({"role": _ROLES[role], "content": text})
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             call_id, name, arguments = it.string("call_id", required=True), it.string("name", required=True), it.string("arguments", required=True)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -181,13 +188,16 @@ def _input(f: Fields) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             call_id = it.string("call_id", required=True)
             output = _content(it, "output")
             items.append({"id": ident or item_id("fco"), "type": "function_call_output", "call_id": call_id, "output": output, "status": "completed"})
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        elif kind == "reasoning":
-            continue
+        elif kind == "reasoning":  # a past turn's thought: the template shows it or drops it, as it does chat's reasoning_content
+            parts = [*(it.array("content") or []), *([] if it.has("content") else it.array("summary") or [])]
+            thought = _content(Fields({"content": parts}, f"input[{i}]."), "content") if parts else thought
         elif kind == "item_reference":
             raise it.error("type", "item references are not supported: send the item itself, or chain with previous_response_id")
         else:
