@@ -75,11 +75,14 @@ def command_one(smollm2_gguf):
 def test_serve_section_examples_against_command_one(command_one) -> None:
     addr = command_one.url.removeprefix("http://")
     serve = section(SERVING, "Serve")
-    [python] = blocks(serve, "python")
     ns: dict = {}
-    exec(compile(python.replace(README_ADDR, addr), str(SERVING), "exec"), ns)  # the SDK snippet, as written
+    for python in blocks(serve, "python"):  # the SDK snippets, as written, in order
+        exec(compile(python.replace(README_ADDR, addr), str(SERVING), "exec"), ns)
     assert ns["r"].choices[0].message.content and ns["r"].model == "smol"
     assert ns["msg"].content[0].text and ns["msg"].stop_reason in ("end_turn", "max_tokens")
+    assert ns["resp"].output_text and ns["resp2"].previous_response_id == ns["resp"].id
+    assert ns["resp2"].usage.input_tokens_details.cached_tokens >= ns["resp"].usage.input_tokens  # the first turn is not fed again
+    assert ns["events"][:2] == ["response.created", "response.in_progress"] and ns["events"][-1] in ("response.completed", "response.incomplete")
     [curl] = [b for b in blocks(serve) if b.startswith("curl ")]
     p = shell(curl, addr, Path.cwd())
     assert p.returncode == 0, p.stderr
