@@ -5,6 +5,7 @@ bounds, its directory across a restart, cancel, and bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -343,11 +344,15 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(smol):
         return "sunny, 18 C"
 
     agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    model = agents.OpenAIResponsesModel(model="smol", openai_client=client)
-    agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+
+    async def main() -> Any:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:  # closed on this loop
+            model = agents.OpenAIResponsesModel(model="smol", openai_client=client)
+            agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                                 model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
+            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(main())
     assert len(calls) == 1 and isinstance(result.final_output, str) and result.final_output
 
 
