@@ -1,8 +1,10 @@
 """OpenAI's own OpenAPI document fuzzes the operations a real server answers (schemathesis): no 5xx, and every answer
 is what the document describes.
 
-Cases come from `../shared/spec/openai-openapi.yaml`, restricted to the five operations served: chat completions,
-completions, embeddings (a 400 here: the tiny model generates text), the model list and one model. Its paths hang off
+Cases come from `../shared/spec/openai-openapi.yaml`, restricted to the six operations served: chat completions,
+completions, embeddings (a 400 here: the tiny model generates text), the model list, one model, and responses (its
+tidied cases keep function tools only, a string input, and none of background, conversation, prompt, truncation or
+text; its streams are checked event by event against ResponseStreamEvent, numbered from 0). Its paths hang off
 `servers: https://api.openai.com/v1`, so the base URL is the server's `/v1`. Each (operation, positive or negative
 mode) gets a share of `--fuzz-cases` (300 by default; a larger count such as 3000 is the long run), derandomized, so
 a run sends the same requests every time.
@@ -75,12 +77,16 @@ SHARES = {  # (operationId, mode): share of --fuzz-cases; the GETs have nothing 
     ("createEmbedding", "negative"): 0.03,
     ("listModels", "positive"): 0.02,
     ("retrieveModel", "positive"): 0.08,
+    ("createResponse", "positive"): 0.10,
+    ("createResponse", "negative"): 0.04,
 }
-CHUNK_SCHEMAS = {"createChatCompletion": "CreateChatCompletionStreamResponse", "createCompletion": "CompletionChunk"}
+CHUNK_SCHEMAS = {"createChatCompletion": "CreateChatCompletionStreamResponse", "createCompletion": "CompletionChunk",
+                 "createResponse": "ResponseStreamEvent"}
 CHECKS = [not_a_server_error, content_type_conformance, response_headers_conformance, response_schema_conformance]
 AUTH = {"Authorization": "Bearer unused"}
 MAX_TOKENS = 16
 DECLINED = ("best_of", "suffix", "response_format")
+DECLINED_RESPONSES = ("background", "conversation", "prompt", "truncation", "text")  # and tools other than functions
 MAX_N = 3  # choices: each costs its max_tokens
 SLOW_SERVER = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large, HealthCheck.large_base_example]
 
@@ -138,13 +144,23 @@ def steer(case: Any, name: bool, tidy: bool, stream: bool) -> Any:
         body["stream"] = True
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > MAX_N:
         body["n"] = MAX_N
-    for key in [k for k in ("max_tokens", "max_completion_tokens") if k in body] or ["max_tokens"]:
+    responses = case.operation.path == "/responses"
+    for key in ["max_output_tokens"] if responses else [k for k in ("max_tokens", "max_completion_tokens") if k in body] or ["max_tokens"]:
         value = body.get(key)
         if value is None or (isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_TOKENS):
             body[key] = MAX_TOKENS
     if tidy:
-        _tidy(body)
+        _tidy_responses(body) if responses else _tidy(body)
     return case
+
+
+def _tidy_responses(body: dict[str, Any]) -> None:
+    for key in DECLINED_RESPONSES:
+        body.pop(key, None)
+    if isinstance(body.get("tools"), list):
+        body["tools"] = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") == "function"]
+    if not isinstance(body.get("input"), str):
+        body["input"] = "Once upon a time"
 
 
 def _tidy(body: dict[str, Any]) -> None:
@@ -179,11 +195,14 @@ def check_answer(case: Any, response: Any, base_url: str, operation_id: str, pay
     skipped = [response_schema_conformance] if stream else []
     if stream and operation_id == "createCompletion":
         skipped.append(content_type_conformance)
+
     case.validate_response(response, checks=CHECKS, excluded_checks=skipped)
     request = case.as_curl_command(base_url=base_url)
     status = response.status_code
     if status == 200:
-        if stream:
+        if stream and operation_id == "createResponse":
+            check_response_stream(response.text, payloads, request)
+        elif stream:
             check_stream(response.text, CHUNK_SCHEMAS[operation_id], payloads, request)
         return
     assert 400 <= status < 500, f"{status} {response.text}\n{request}"
@@ -198,6 +217,16 @@ def check_stream(text: str, chunk_schema: str, payloads: Payloads, request: str)
         chunk = json.loads(item)
         assert "error" not in chunk, f"the stream failed: {item}\n{request}"
         payloads.validate(chunk_schema, chunk, request)
+
+
+def check_response_stream(text: str, payloads: Payloads, request: str) -> None:
+    """A Responses stream: `event:` and `data:` pairs, each event one the document describes, numbered from 0, ending
+    in response.completed or response.incomplete."""
+    data = [json.loads(line.removeprefix("data:").strip()) for line in text.splitlines() if line.startswith("data:")]
+    assert data and data[-1]["type"] in ("response.completed", "response.incomplete"), f"the stream does not end: {text[-300:]}\n{request}"
+    assert [ev["sequence_number"] for ev in data] == list(range(len(data))), request
+    for event in data:
+        payloads.validate("ResponseStreamEvent", event, request)
 
 
 @pytest.mark.parametrize(("operation_id", "mode"), list(SHARES), ids=[f"{op}-{mode}" for op, mode in SHARES])
