@@ -419,3 +419,28 @@ _REASONING_EVENTS = {
     "response.reasoning_summary_text.done": "ResponseReasoningSummaryTextDoneEvent",
     "response.reasoning_summary_part.done": "ResponseReasoningSummaryPartDoneEvent",
 }
+
+
+def test_qwen_tool_round_trip_is_chat_s(qwen_server):
+    """A real tool-trained model (Qwen2.5-Coder-0.5B-Instruct), tool_choice auto: its own call comes back as a
+    function_call item; its output, sent back by previous_response_id, is fed from the KV the first turn left, and the
+    reply is the one chat completions gives for the same conversation (this small model calls again, then writes)."""
+    output = '{"temperature_c": 18, "sky": "sunny"}'
+    with openai_sdk(qwen_server) as client:
+        first = client.responses.create(model="qwen", input="What is the weather in Paris?", tools=[WEATHER], temperature=0,  # type: ignore[list-item]
+                                        max_output_tokens=96)
+        [call] = [o for o in first.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}, first.output
+        answer = client.responses.create(model="qwen", previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=48,  # type: ignore[list-item]
+                                         input=[{"type": "function_call_output", "call_id": call.call_id, "output": output}])
+        tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+        messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                         "function": {"name": call.name, "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": output}]
+        chat = client.chat.completions.create(model="qwen", messages=messages, tools=tools, temperature=0, max_tokens=48)  # type: ignore[arg-type]
+    m = chat.choices[0].message
+    assert answer.usage is not None and chat.usage is not None and answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens  # type: ignore[union-attr]  # (its call is rendered as the template writes calls)
+    assert [(o.name, o.arguments) for o in answer.output if o.type == "function_call"] == [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    assert answer.output_text == (m.content or "")
