@@ -20,6 +20,10 @@ NAMES = [
     "ListModelsResponse",
     "Model",
     "ErrorResponse",
+    "Response",
+    "ResponseStreamEvent",
+    "ResponseItemList",
+    "TokenCountsResource",
 ]
 
 REF_PREFIX = "#/components/schemas/"
