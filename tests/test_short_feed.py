@@ -29,6 +29,22 @@ def variant(request):
     kernels.use_variant(None)
 
 
+def _spy_layers(monkeypatch, seen) -> None:
+    """seen(rows, many) for each layer's fused call, whether a step calls its layers one by one (decode_layer) or all in
+    one call (decode_stack)."""
+    from jitllmd.engine.models import llama
+
+    layer, stack = llama.decode_layer, llama.decode_stack
+
+    def stacked(layers, x, *a):
+        for _ in layers:
+            seen(x.shape[0], a[-1])
+        return stack(layers, x, *a)
+
+    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: seen(x.shape[0], a[-1]) or layer(q, x, *a))
+    monkeypatch.setattr(llama, "decode_stack", stacked)
+
+
 def _history(loaded, n: int):
     kv = loaded.new_kv(256)
     ids = torch.arange(3, 3 + n) % loaded.model.cfg.vocab_size
@@ -43,11 +59,9 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
     Python path, whose chunk attention sums in its own order: the same up to f32 rounding (where AMX runs, a prompt
     row's attention is bf16 for both families: the same up to bf16's)."""
     from jitllmd.engine.loader import load_model
-    from jitllmd.engine.models import llama
 
     fused_rows: list[int] = []
-    layer = llama.decode_layer
-    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: fused_rows.append(x.shape[0]) or layer(q, x, *a))
+    _spy_layers(monkeypatch, lambda rows, many: fused_rows.append(rows))
     loaded = load_model(request.getfixturevalue(model), max_seq=256)
     new = [17, 5, 30, 9, 2, 41]
     a, b = _history(loaded, 12), _history(loaded, 12)
@@ -92,11 +106,9 @@ def test_a_long_short_feed_takes_a_chunks_products_and_keeps_to_its_own_row(monk
     alone and in a step between two decode rows of other sessions (whose own logits are theirs alone too: one fused
     call, three runs of tokens of two kinds), and within the rounding of feeding its tokens one at a time."""
     from jitllmd.engine.loader import load_model
-    from jitllmd.engine.models import llama
 
     flags: list[list[bool] | None] = []
-    layer = llama.decode_layer
-    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: flags.append(a[-1]) or layer(q, x, *a))
+    _spy_layers(monkeypatch, lambda rows, many: flags.append(many))
     loaded = load_model(tiny_serve_q8_jlm, max_seq=256)
     new = [17, 5, 30, 9, 2, 41]
     n = len(new)
@@ -158,3 +170,36 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
             assert many[-8] == many[-16] == gemm, (prompt, many[-16:])  # made again the way the first run made it
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm"])
+def test_every_layer_in_one_call_gives_the_bits_of_layer_by_layer(request, monkeypatch, variant, model: str) -> None:
+    """A step whose every layer is held on the CPU and fuses its rows runs them in one decode_stack call: decode rows of
+    two sessions beside a short feed, the logits and each layer's K/V exactly those of the layers called one by one."""
+    from jitllmd.engine.loader import load_model
+    from jitllmd.engine.models import llama
+
+    stacked: list[int] = []
+    stack = llama.decode_stack
+    monkeypatch.setattr(llama, "decode_stack", lambda layers, x, *a: stacked.append(len(layers)) or stack(layers, x, *a))
+    loaded = load_model(request.getfixturevalue(model), max_seq=256)
+    model_cls = type(loaded.runner.model)
+
+    def step(one_call: bool) -> tuple[torch.Tensor, list]:
+        monkeypatch.setattr(model_cls, "stack", staticmethod(llama.fused_stack) if one_call else None)
+        kvs = [_history(loaded, 12), _history(loaded, 9), _history(loaded, 12)]
+        feed = [17, 5, 30]
+        rows = [RowSpan(0, 1, kvs[0]), RowSpan(1, len(feed), kvs[2], prompt=True, short=True), RowSpan(1 + len(feed), 1, kvs[1])]
+        ids = torch.tensor([7, *feed, 11])
+        positions = torch.tensor([12, 12, 13, 14, 9])
+        logits = loaded.runner.forward(ids, positions, rows, torch.arange(len(ids)))
+        return logits, [(kv.k[i][:, : kv.slot(i, kv.length)].clone(), kv.v[i][:, : kv.slot(i, kv.length)].clone())
+                         for kv in kvs for i in range(loaded.model.cfg.num_layers)]
+
+    by_layer, kv_by_layer = step(False)
+    assert not stacked
+    one_call, kv_one_call = step(True)
+    fused = variant is not None and ops.bf16_units() != "amx"  # AMX's prompt rows attend on its tiles: layer by layer there
+    assert stacked == ([loaded.model.cfg.num_layers] if fused else []), stacked
+    assert torch.equal(one_call, by_layer)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(kv_one_call, kv_by_layer)) and all(torch.equal(a, b) for (_, a), (_, b) in zip(kv_one_call, kv_by_layer))

@@ -130,7 +130,8 @@ class ModelRunner:
             row.begin()
         state = self.model.begin(positions)  # what every block of this forward reads (e.g. RoPE tables)
         num_layers = self.model.cfg.num_layers
-        walk = self.placement.walk()
+        stack = self._stack(rows)
+        walk = self.placement.walk(layers=stack is None)
         try:
             embed, dev = next(walk)
             x = embed(token_ids.to(dev))  # [T, hidden]
@@ -138,6 +139,11 @@ class ModelRunner:
             at = logits_at.tolist() if logits_at is not None else None
             keep = at if at is not None and len(at) < x.shape[0] and at == sorted(set(at)) else None
             layer = 0
+            if stack is not None:  # every layer in one call: a step returns to Python once, not once a layer
+                t0 = time.perf_counter()
+                x = stack(x, state, keep)
+                self.placement.ran_layers(time.perf_counter() - t0)
+                layer = num_layers
             while layer < num_layers:
                 block, dev = next(walk)
                 if isinstance(block, RemoteRun):  # layers on another rank: the whole batch crosses to it and back as one tensor
@@ -157,6 +163,15 @@ class ModelRunner:
             return head(x.to(dev), chunk=chunk)
         finally:
             walk.close()
+
+    def _stack(self, rows: list[RowSpan]) -> Any:
+        """The step's layers as one call (the family's `stack`), where every layer is held on this CPU and fuses these
+        rows; else None (block by block)."""
+        stack = getattr(self.model, "stack", None)
+        if stack is None:
+            return None
+        blocks = self.placement.local_layers()
+        return stack(blocks, rows) if blocks is not None else None
 
     # -- a step of requests ---------------------------------------------------------------------
 

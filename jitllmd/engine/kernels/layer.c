@@ -151,3 +151,25 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
     free(qkv);
     return rc ? -1 : 0;
 }
+
+/* Layers 0 .. n - 1 of a decode step in one call: decode_layer over each in turn, each reading what the one before
+ * wrote (x, then two buffers in turn, the last layer's into y), so a step returns to Python once, not once a layer.
+ * meta: per layer its five int64 arrays [R] (k_ptrs, v_ptrs, lengths, starts, strides), [n][5][R]; cos, sin: per
+ * layer its RoPE rows. The same calls as n decode_layer calls: the same bits. */
+int decode_stack(const qlayer *const *layers, int64_t n, const float *x, float *y, int64_t R, const float *const *cos, const float *const *sin,
+                 const int64_t *meta, int kv16, const uint8_t *many, int threads) {
+    if (n <= 0) return 0;
+    const int64_t hidden = layers[0]->hidden;
+    float *buf = n > 1 ? malloc((size_t)(2 * R * hidden) * sizeof(float)) : NULL;
+    if (n > 1 && !buf) return -1;
+    const float *in = x;
+    int rc = 0;
+    for (int64_t l = 0; l < n && !rc; l++) {
+        float *out = l == n - 1 ? y : buf + (l % 2) * R * hidden;
+        const int64_t *m = meta + l * 5 * R;
+        rc = decode_layer(layers[l], in, out, R, cos[l], sin[l], m, m + R, m + 2 * R, m + 3 * R, m + 4 * R, kv16, many, threads);
+        in = out;
+    }
+    free(buf);
+    return rc;
+}

@@ -14,7 +14,7 @@ from .build import rows_kernel
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "GATES", "KV_DTYPES", "MAX_ROWS", "Gate", "QuantLayer", "attend_chunk", "attend_rows", "bf16_attention", "bf16_round",
-    "bf16_runs", "bf16_units", "check_quant_weight", "decode_layer", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
+    "bf16_runs", "bf16_units", "check_quant_weight", "decode_layer", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
     "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear",
 ]
 
@@ -435,4 +435,32 @@ def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: tor
     if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16, flags,
                         torch.get_num_threads()):
         raise MemoryError("decode_layer: no memory for its buffers")
+    return y
+
+
+def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], keys: list[list[torch.Tensor]],
+                 values: list[list[torch.Tensor]], lengths: list[list[int]], starts: list[list[int]], many: list[bool] | None = None) -> torch.Tensor:
+    """decode_layer over each of `layers` in turn, in one call (layer.c's decode_stack: a step returns to Python once,
+    not once a layer), each layer with its own RoPE rows (cos, sin) and its rows' caches (keys[l], values[l], lengths[l],
+    starts[l], as decode_layer takes them): the same bits as those calls. x [R, hidden] f32 -> [R, hidden]."""
+    lib = _lib()
+    R = x.shape[0]
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layers[0].hidden
+    assert len(rope) == len(keys) == len(values) == len(lengths) == len(starts) == len(layers) and (many is None or len(many) == R)
+    dtype = keys[0][0].dtype
+    assert dtype in KV_DTYPES and all(t.dtype == dtype for ks, vs in zip(keys, values) for t in (*ks, *vs))
+    rope = [(c.contiguous(), s.contiguous()) for c, s in rope]
+    meta = (ctypes.c_int64 * (5 * R * len(layers)))(*[
+        v for ks, vs, ls, ss in zip(keys, values, lengths, starts)
+        for v in (*(t.data_ptr() for t in ks), *(t.data_ptr() for t in vs), *ls, *ss, *(t.shape[1] for t in ks))
+    ])
+    addresses = (ctypes.c_void_p * len(layers))(*(layer.address for layer in layers))
+    cos = (ctypes.c_void_p * len(layers))(*(c.data_ptr() for c, _ in rope))
+    sin = (ctypes.c_void_p * len(layers))(*(s.data_ptr() for _, s in rope))
+    kind = _MANY_BF16 if many is not None and any(many) and bf16_units() is not None else _MANY_GEMM
+    flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*(kind if m else 0 for m in many))
+    y = torch.empty_like(x)
+    if lib.decode_stack(addresses, len(layers), x.data_ptr(), y.data_ptr(), R, cos, sin, meta, int(dtype == torch.float16), flags,
+                        torch.get_num_threads()):
+        raise MemoryError("decode_stack: no memory for its buffers")
     return y

@@ -186,13 +186,37 @@ class Placement:
 
     # -- a forward's pass -----------------------------------------------------------------------
 
-    def walk(self) -> Generator[tuple[Any, torch.device], None, None]:
+    def local_layers(self) -> list[Any] | None:
+        """Every layer's block where one call may run them all: each on this rank's CPU and held there (a resident host
+        block, or one placed on the `cpu` device); None where one is paged, on an accelerator, or on another rank."""
+        blocks = []
+        for name, place in zip(self.names, self.places):
+            if layer_of(name) is None:
+                continue
+            block = self.pager.resident.get(name) if place == HOST else self.held.get(name) if self.torch_device(place).type == "cpu" else None
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    def ran_layers(self, seconds: float) -> None:
+        """The layers ran in one call (local_layers) in `seconds`: each host layer's share, by its bytes, to `costs`."""
+        host = [i for i, (n, p) in enumerate(zip(self.names, self.places)) if p == HOST and layer_of(n) is not None]
+        total = sum(self.block_bytes[i] for i in host)
+        for i in host:
+            self.costs.host_block(self.block_bytes[i], 0.0, seconds * self.block_bytes[i] / total if total else 0.0)
+
+    def walk(self, layers: bool = True) -> Generator[tuple[Any, torch.device], None, None]:
         """Each block in model order with the device it runs on; a paged block is read for its turn and let go after.
         A host block's wait and compute are timed into `costs` (the host computes in order: the clock is the work). A run of
-        layers on one other rank's device comes as one RemoteRun (one call over the seam), on `meta`."""
+        layers on one other rank's device comes as one RemoteRun (one call over the seam), on `meta`. Without `layers`:
+        the embedding and the head alone (the layers run in one call: local_layers)."""
         i = 0
         while i < len(self.names):
             name, place = self.names[i], self.places[i]
+            if not layers and layer_of(name) is not None:
+                i += 1
+                continue
             if is_remote(place):
                 j = i
                 while j + 1 < len(self.names) and self.places[j + 1] == place:
