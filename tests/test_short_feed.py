@@ -30,19 +30,18 @@ def variant(request):
 
 
 def _spy_layers(monkeypatch, seen) -> None:
-    """seen(rows, many) for each layer's fused call, whether a step calls its layers one by one (decode_layer) or all in
-    one call (decode_stack)."""
-    from jitllmd.engine.models import llama
+    """seen(rows, many) for each layer a fused call runs, whether a step calls its layers one by one or all in one call
+    (both are layers/fused.py's decode_stack calls)."""
+    from jitllmd.engine.layers import fused
 
-    layer, stack = llama.decode_layer, llama.decode_stack
+    stack = fused.decode_stack
 
-    def stacked(layers, x, *a):
+    def spy(layers, x, *a):
         for _ in layers:
             seen(x.shape[0], a[-1])
         return stack(layers, x, *a)
 
-    monkeypatch.setattr(llama, "decode_layer", lambda q, x, *a: seen(x.shape[0], a[-1]) or layer(q, x, *a))
-    monkeypatch.setattr(llama, "decode_stack", stacked)
+    monkeypatch.setattr(fused, "decode_stack", spy)
 
 
 def _history(loaded, n: int):
@@ -176,17 +175,17 @@ def test_the_engine_marks_a_feed_short_from_its_own_new_tokens(tiny_serve_q8_jlm
 def test_every_layer_in_one_call_gives_the_bits_of_layer_by_layer(request, monkeypatch, variant, model: str) -> None:
     """A step whose every layer is held on the CPU and fuses its rows runs them in one decode_stack call: decode rows of
     two sessions beside a short feed, the logits and each layer's K/V exactly those of the layers called one by one."""
+    from jitllmd.engine.layers import fused
     from jitllmd.engine.loader import load_model
-    from jitllmd.engine.models import llama
 
     stacked: list[int] = []
-    stack = llama.decode_stack
-    monkeypatch.setattr(llama, "decode_stack", lambda layers, x, *a: stacked.append(len(layers)) or stack(layers, x, *a))
+    stack = fused.decode_stack
+    monkeypatch.setattr(fused, "decode_stack", lambda layers, x, *a: stacked.append(len(layers)) or stack(layers, x, *a))
     loaded = load_model(request.getfixturevalue(model), max_seq=256)
     model_cls = type(loaded.runner.model)
 
     def step(one_call: bool) -> tuple[torch.Tensor, list]:
-        monkeypatch.setattr(model_cls, "stack", staticmethod(llama.fused_stack) if one_call else None)
+        monkeypatch.setattr(model_cls, "stack", staticmethod(fused.stack) if one_call else None)
         kvs = [_history(loaded, 12), _history(loaded, 9), _history(loaded, 12)]
         feed = [17, 5, 30]
         rows = [RowSpan(0, 1, kvs[0]), RowSpan(1, len(feed), kvs[2], prompt=True, short=True), RowSpan(1 + len(feed), 1, kvs[1])]
@@ -197,9 +196,10 @@ def test_every_layer_in_one_call_gives_the_bits_of_layer_by_layer(request, monke
                          for kv in kvs for i in range(loaded.model.cfg.num_layers)]
 
     by_layer, kv_by_layer = step(False)
-    assert not stacked
+    kernel = variant is not None and ops.bf16_units() != "amx"  # AMX's prompt rows attend on its tiles: layer by layer there
+    assert stacked == ([1] * loaded.model.cfg.num_layers if kernel else []), stacked  # a call per layer
+    stacked.clear()
     one_call, kv_one_call = step(True)
-    fused = variant is not None and ops.bf16_units() != "amx"  # AMX's prompt rows attend on its tiles: layer by layer there
-    assert stacked == ([loaded.model.cfg.num_layers] if fused else []), stacked
+    assert stacked == ([loaded.model.cfg.num_layers] if kernel else []), stacked  # one call for all
     assert torch.equal(one_call, by_layer)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(kv_one_call, kv_by_layer)) and all(torch.equal(a, b) for (_, a), (_, b) in zip(kv_one_call, kv_by_layer))

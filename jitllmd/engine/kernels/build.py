@@ -204,8 +204,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pool_test_nested.restype = ctypes.c_int64
     lib.pool_test_workers.argtypes = []
     lib.pool_test_workers.restype = ctypes.c_int
-    lib.decode_layer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.decode_layer.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int

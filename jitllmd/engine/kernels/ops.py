@@ -14,7 +14,7 @@ from .build import rows_kernel
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "GATES", "KV_DTYPES", "MAX_ROWS", "Gate", "QuantLayer", "attend_chunk", "attend_rows", "bf16_attention", "bf16_round",
-    "bf16_runs", "bf16_units", "check_quant_weight", "decode_layer", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
+    "bf16_runs", "bf16_units", "check_quant_weight", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
     "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear",
 ]
 
@@ -104,18 +104,26 @@ def panel_linear(
 KV_DTYPES = (torch.float32, torch.float16)  # the caches the attention kernels read
 
 
+def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]) -> list[int]:
+    """Single-token rows' caches as layer.c reads them: five int64 arrays [R] (keys' and values' addresses, lengths,
+    starts, strides), one after another. Every cache is [Hkv, stride, D] contiguous on the CPU."""
+    return [*(t.data_ptr() for t in keys), *(t.data_ptr() for t in values), *lengths, *starts, *(t.shape[1] for t in keys)]
+
+
+def _kv16(caches: list[torch.Tensor]) -> int:
+    """Whether the caches (all of one dtype in KV_DTYPES) are f16."""
+    dtype = caches[0].dtype
+    assert dtype in KV_DTYPES and all(t.dtype == dtype for t in caches)
+    return int(dtype == torch.float16)
+
+
 class _RowMeta:
-    """Single-token rows' caches as attend_rows and decode_layer take them: five int64 arrays [R] (keys' and
-    values' addresses, lengths, starts, strides) in one ctypes array (a few times cheaper than a tensor of it), and
-    whether the caches are f16. Every cache is [Hkv, stride, D] contiguous on the CPU, all of one dtype in KV_DTYPES."""
+    """Single-token rows' caches as attend_rows takes them (_row_meta) in one ctypes array (a few times cheaper than a
+    tensor of it), and whether the caches are f16."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]):
-        dtype = keys[0].dtype
-        assert dtype in KV_DTYPES and all(t.dtype == dtype for t in (*keys, *values))
-        self.kv16 = int(dtype == torch.float16)
-        self.array = (ctypes.c_int64 * (5 * len(keys)))(
-            *[t.data_ptr() for t in keys], *[t.data_ptr() for t in values], *lengths, *starts, *[t.shape[1] for t in keys]
-        )
+        self.kv16 = _kv16([*keys, *values])
+        self.array = (ctypes.c_int64 * (5 * len(keys)))(*_row_meta(keys, values, lengths, starts))
         at, step = ctypes.addressof(self.array), 8 * len(keys)
         self.pointers = [at + i * step for i in range(5)]
 
@@ -414,53 +422,30 @@ class QuantLayer:
         self.address = ctypes.addressof(L)
 
 
-def decode_layer(layer: QuantLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 lengths: list[int], starts: list[int], many: list[bool] | None = None) -> torch.Tensor:
-    """One layer's decode step for R single-token rows x [R, hidden] f32 -> [R, hidden] (layer.c): norm, qkv, the q/k
-    norms (Gemma's), RoPE (cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
-    (keys[r], values[r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[r] - 1, keys from starts[r]), o
-    (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the calls the
-    Python path makes, with the same bits. `many`: per row, whether its products are a prompt chunk's (bf16_runs' where
-    the CPU has bf16 units, else the int8 GEMM's: gemm_runs) rather than the few-row kernel's (a short feed past
-    `rows_feed`); None: none are."""
-    lib = _lib()
-    R = x.shape[0]
-    assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layer.hidden
-    assert many is None or len(many) == R
-    cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(x)
-    meta = _RowMeta(keys, values, lengths, starts)
-    kind = _MANY_BF16 if many is not None and any(many) and bf16_units() is not None else _MANY_GEMM  # layer.c's MANY_*
-    flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*(kind if m else 0 for m in many))
-    if lib.decode_layer(layer.address, x.data_ptr(), y.data_ptr(), R, cos.data_ptr(), sin.data_ptr(), *meta.pointers, meta.kv16, flags,
-                        torch.get_num_threads()):
-        raise MemoryError("decode_layer: no memory for its buffers")
-    return y
-
-
 def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], keys: list[list[torch.Tensor]],
                  values: list[list[torch.Tensor]], lengths: list[list[int]], starts: list[list[int]], many: list[bool] | None = None) -> torch.Tensor:
-    """decode_layer over each of `layers` in turn, in one call (layer.c's decode_stack: a step returns to Python once,
-    not once a layer), each layer with its own RoPE rows (cos, sin) and its rows' caches (keys[l], values[l], lengths[l],
-    starts[l], as decode_layer takes them): the same bits as those calls. x [R, hidden] f32 -> [R, hidden]."""
+    """Each of `layers`' decode step in turn, in one call (layer.c's decode_stack over its decode_layer: a step returns
+    to Python once, not once a layer). For R single-token rows x [R, hidden] f32 -> [R, hidden]: norm, qkv, the q/k
+    norms (Gemma's), RoPE (rope[l]: cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
+    (keys[l][r], values[l][r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[l][r] - 1, keys from
+    starts[l][r]), o (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the
+    calls the Python path makes, with the same bits. `many`: per row, whether its products are a prompt chunk's
+    (bf16_runs' where the CPU has bf16 units, else the int8 GEMM's: gemm_runs) rather than the few-row kernel's (a
+    short feed past `rows_feed`); None: none are."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layers[0].hidden
     assert len(rope) == len(keys) == len(values) == len(lengths) == len(starts) == len(layers) and (many is None or len(many) == R)
-    dtype = keys[0][0].dtype
-    assert dtype in KV_DTYPES and all(t.dtype == dtype for ks, vs in zip(keys, values) for t in (*ks, *vs))
+    kv16 = _kv16([t for ks, vs in zip(keys, values) for t in (*ks, *vs)])
     rope = [(c.contiguous(), s.contiguous()) for c, s in rope]
-    meta = (ctypes.c_int64 * (5 * R * len(layers)))(*[
-        v for ks, vs, ls, ss in zip(keys, values, lengths, starts)
-        for v in (*(t.data_ptr() for t in ks), *(t.data_ptr() for t in vs), *ls, *ss, *(t.shape[1] for t in ks))
-    ])
+    meta = (ctypes.c_int64 * (5 * R * len(layers)))(*(v for ks, vs, ls, ss in zip(keys, values, lengths, starts) for v in _row_meta(ks, vs, ls, ss)))
     addresses = (ctypes.c_void_p * len(layers))(*(layer.address for layer in layers))
     cos = (ctypes.c_void_p * len(layers))(*(c.data_ptr() for c, _ in rope))
     sin = (ctypes.c_void_p * len(layers))(*(s.data_ptr() for _, s in rope))
     kind = _MANY_BF16 if many is not None and any(many) and bf16_units() is not None else _MANY_GEMM
     flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*(kind if m else 0 for m in many))
     y = torch.empty_like(x)
-    if lib.decode_stack(addresses, len(layers), x.data_ptr(), y.data_ptr(), R, cos, sin, meta, int(dtype == torch.float16), flags,
+    if lib.decode_stack(addresses, len(layers), x.data_ptr(), y.data_ptr(), R, cos, sin, meta, kv16, flags,
                         torch.get_num_threads()):
         raise MemoryError("decode_stack: no memory for its buffers")
     return y

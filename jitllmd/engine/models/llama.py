@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from ..jlm import JLMFile
-from ..kernels.ops import GATES, QuantLayer, bf16_round, decode_layer, decode_stack
+from ..kernels.ops import GATES, QuantLayer, bf16_round
 from ..kv import RowSpan, SessionKV
+from ..layers import fused
 from ..layers.activation import GatedAct
 from ..layers.attention import Attention
 from ..layers.linear import make_linear
@@ -153,7 +154,7 @@ class DecoderBlock:
         T = x.shape[0]
         tables = rope[self.rope_index]
         if self.fuses(rows):
-            return self._fused_step(x, tables, rows, keep)  # decode rows and short feeds (but AMX's bf16 prompt attention): one kernel call
+            return fused.run([self], x, rope, rows, keep)  # decode rows and short feeds (but AMX's bf16 prompt attention): one kernel call
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         chunk = chunk_tokens(rows, T)  # prompt chunks' tokens: quantized projections' prompt path (bf16 or int8 GEMM)
         if self.fold:
@@ -189,25 +190,10 @@ class DecoderBlock:
             return out
         return self.mlp(x, chunk)
 
-    def _fused_step(self, x: torch.Tensor, tables: RopeTables, rows: list[RowSpan], keep: list[int] | None) -> torch.Tensor:
-        """The layer in one decode_layer call, each token a row of its own attending up to its own position (every K/V is
-        written before any attends): a short feed's causal attention. -> [T, hidden], or the `keep` tokens'."""
-        assert self.fused is not None  # forward takes this path only where the layer has one
-        keys, values, lengths, starts = self._caches(_tokens(rows))
-        y = decode_layer(self.fused, x.contiguous(), *tables.on(x.device), keys, values, lengths, starts, _many(rows))
-        return y if keep is None else y[keep]
-
     def fuses(self, rows: list[RowSpan]) -> bool:
-        """Whether these rows take the layer's one decode_layer call (decode rows and short feeds; not prompt chunks,
-        nor AMX's bf16 prompt attention)."""
+        """Whether these rows take the layer's one kernel call (layers/fused.py: decode rows and short feeds; not prompt
+        chunks, nor AMX's bf16 prompt attention)."""
         return self.fused is not None and not any(r.exact or (r.prompt and self.attn.bf16) for r in rows)
-
-    def _caches(self, tokens: list[tuple[SessionKV, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
-        """Each token's K/V cache of this layer, the length its query sees (its own K/V written at the end) and where
-        its window starts, as decode_layer takes them."""
-        i, window = self.attn.layer, self.attn.window
-        return ([kv.k[i] for kv, _ in tokens], [kv.v[i] for kv, _ in tokens], [kv.slot(i, pos) + 1 for kv, pos in tokens],
-                [kv.slot(i, max(0, pos - window + 1) if window else 0) for kv, pos in tokens])
 
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
         """x + the MLP of a prompt chunk's rows [T, hidden] f32 in bf16, MLP_COLUMNS of the intermediate at a time: gate
@@ -233,31 +219,6 @@ class DecoderBlock:
         else:
             y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk)
         return y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float())
-
-
-def _tokens(rows: list[RowSpan]) -> list[tuple[SessionKV, int]]:
-    """Each token of the rows as (its session's KV, its position)."""
-    return [(r.kv, pos) for r in rows for pos in range(r.kv.length, r.kv.length + r.num_tokens)]
-
-
-def _many(rows: list[RowSpan]) -> list[bool] | None:
-    return [r.many for r in rows for _ in range(r.num_tokens)] if any(r.many for r in rows) else None
-
-
-def fused_stack(blocks: list[Any], rows: list[RowSpan]) -> Any:
-    """A step's layers in one call where each takes these rows in its fused call (DecoderBlock.fuses): a function of
-    (x, the forward's RoPE tables, keep) that runs them all (decode_stack: the bits of the blocks one by one), or None."""
-    if not blocks or not all(isinstance(b, DecoderBlock) and b.fuses(rows) for b in blocks):
-        return None
-
-    def run(x: torch.Tensor, rope: tuple[RopeTables, ...], keep: list[int] | None) -> torch.Tensor:
-        tokens = _tokens(rows)
-        caches = [b._caches(tokens) for b in blocks]
-        y = decode_stack([b.fused for b in blocks], x.contiguous(), [rope[b.rope_index].on(x.device) for b in blocks], [c[0] for c in caches],
-                         [c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches], _many(rows))
-        return y if keep is None else y[keep]
-
-    return run
 
 
 class Embed:
@@ -329,7 +290,7 @@ class LlamaModel:
     (engine/runner.py runs them where the placement holds them)."""
 
     block_layouts = staticmethod(layouts)  # (config, the .jlm's tensor names) -> each block's parts
-    stack = staticmethod(fused_stack)  # (layer blocks, rows) -> a step's layers in one call where they fuse, or None (runner.py)
+    stack = staticmethod(fused.stack)  # (layer blocks, rows) -> a step's layers in one call where they fuse, or None (runner.py)
 
     def __init__(self, cfg: LlamaConfig, jlm: JLMFile, dtype: torch.dtype):
         self.cfg = cfg
