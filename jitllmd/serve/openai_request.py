@@ -29,10 +29,10 @@ from .prompt import (
 )
 from .reasoning import EFFORTS, Reasoning, markers_of, plan_reasoning
 
-__all__ = ["Limits", "OpenAIGeneration", "chat_messages", "chat_reasoning", "completion_prompts", "parse_common", "prompt_items", "tools_of"]
+__all__ = ["ROLES", "Limits", "OpenAIGeneration", "chat_messages", "chat_reasoning", "completion_prompts", "parse_common", "prompt_items", "tools_of"]
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> chat templates'
 _REASONING = ("reasoning_content", "reasoning")  # an assistant message's thought, as vLLM and llama-server send it back
 
 
@@ -263,13 +263,13 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
     for i, item in enumerate(raw):
         m = Fields(item, f"messages[{i}].")
         role = m.string("role", required=True)
-        if role not in _ROLES and role != "tool":
+        if role not in ROLES and role != "tool":
             raise m.error("role", f"{role!r} is not a role: use system, developer, user, assistant or tool")
         if m.has("function_call"):
             raise m.error("function_call", "the legacy function_call is not supported: use tool_calls")
         if role not in ("assistant", "tool") and m.raw("content") is None:
             raise m.error("content", "this field is required")
-        msg: dict[str, Any] = {"role": _ROLES.get(role, role), "content": m.text("content", items="content parts")}
+        msg: dict[str, Any] = {"role": ROLES.get(role, role), "content": m.text("content", items="content parts")}
         if role == "assistant" and m.has("tool_calls"):
             msg["tool_calls"] = _message_tool_calls(m)
         for key in (_REASONING if role == "assistant" else ()):  # a past turn's thought, for templates that show it

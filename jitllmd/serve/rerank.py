@@ -58,7 +58,7 @@ class Scoring:
         """{model, query, documents, top_n, return_documents} -> the documents by relevance_score, highest first."""
         f = Fields(await read_json(request))
         name = f.string("model")
-        served = _scorer(f, find_model(self.catalog, name))
+        served = find_model(self.catalog, name)  # rank checks it scores
         query = f.string("query", required=True) or ""
         documents = _texts(f, "documents")  # vLLM's takes one string too
         top_n = f.integer("top_n", low=1)
@@ -76,7 +76,7 @@ class Scoring:
         """{model, text_1, text_2}: one text_1 against each text_2, or text_1[i] against text_2[i] -> a score per pair."""
         f = Fields(await read_json(request))
         name = f.string("model")
-        served = _scorer(f, find_model(self.catalog, name))
+        served = _scorer(find_model(self.catalog, name))
         left, right = _texts(f, "text_1"), _texts(f, "text_2")
         if len(left) > 1 and len(left) != len(right):
             raise f.error("text_1", f"{len(left)} texts against {len(right)} in text_2: give one text_1 for all of text_2, or one for each")
@@ -97,16 +97,15 @@ class Ranked(Scored):
 async def rank(served: ServedModel, query: Text, documents: list[Text], top_n: int | None = None) -> Ranked:
     """The documents scored against the query and ordered by score, highest first (ties keep their order), at most
     top_n of them: /v1/rerank's path and Connect's Rerank. Bad input raises APIError naming its field."""
-    if not served.engine.loaded.embeds:
-        raise APIError(f"model: {served.id} generates text; scoring needs an embedding model or a cross-encoder", param="model")
-    scored = await _score(served, [query], documents)
+    scored = await _score(_scorer(served), [query], documents)
     order = sorted(range(len(documents)), key=lambda i: -scored.scores[i])[:top_n]
     return Ranked(scored.scores, scored.num_tokens, scored.figures, [(i, scored.scores[i]) for i in order])
 
 
-def _scorer(f: Fields, served: ServedModel) -> ServedModel:
+def _scorer(served: ServedModel) -> ServedModel:
+    """The model that scores, checked: an embedding model or a cross-encoder (every path to _score comes here first)."""
     if not served.engine.loaded.embeds:
-        raise f.error("model", f"{served.id} generates text; scoring needs an embedding model or a cross-encoder")
+        raise APIError(f"model: {served.id} generates text; scoring needs an embedding model or a cross-encoder", param="model")
     return served
 
 

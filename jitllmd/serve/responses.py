@@ -40,18 +40,7 @@ class Responses:
 
     @dialect(error_response)
     async def create(self, request: Request) -> Response:
-        body = await read_json(request)
-        req = read_request(body)
-        history = self._history(req)
-        served, session = find_target(self.catalog, req.model, Fields(body).string("jitllm_session"))
-        if session is not None and req.previous_response_id is not None:
-            raise APIError("previous_response_id: a named session keeps its own conversation; send one or the other", param="previous_response_id")
-        chat = conversation(session, [*req.system(), *history, *req.messages])
-        gen = parse_common(Fields(req.chat), served, req.model or served.id, ("max_completion_tokens",), session, chat, req.chat_tools,
-                           limits=self.limits)
-        if gen.grammar_param == "response_format":
-            gen = replace(gen, grammar_param="text.format")  # a schema the grammar refuses is a 400 naming the field the client sent
-        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools, extra=gen.template_kwargs)
+        req, history, gen, prompt_ids = await self._prompt(await read_json(request))
         [outbox] = await gen.start_all("input", request.state.request_id, [prompt_ids])
         run = _Run(item_id("resp"), int(time.time()), req, gen, Stored({}, req.items, [*history, *req.messages], cancel=outbox.end))
         run.stored.response = run.response("in_progress")
@@ -131,17 +120,25 @@ class Responses:
     @dialect(error_response)
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens: the input tokens a create of the same body reports."""
-        body = await read_json(request)
-        req = read_request(body, counting=True)
-        history = self._history(req)
-        served, session = find_target(self.catalog, req.model, Fields(body).string("jitllm_session"))
-        chat = conversation(session, [*req.system(), *history, *req.messages])
-        gen = parse_common(Fields(req.chat), served, req.model or served.id, ("max_completion_tokens",), session, chat, req.chat_tools,
-                           limits=self.limits)
-        prompt_ids = await chat_prompt_ids(served, chat, session, tools=req.chat_tools, extra=gen.template_kwargs)
+        *_, prompt_ids = await self._prompt(await read_json(request), counting=True)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     # -- the parts --------------------------------------------------------------------------------
+
+    async def _prompt(self, body: dict[str, Any], *, counting: bool = False) -> tuple[ResponsesRequest, list[dict[str, Any]], OpenAIGeneration, list[int]]:
+        """A body read (`counting`: input_tokens'), the conversation it continues, its generation (chat's parse_common
+        over the translated fields) and its prompt ids through the model's template."""
+        req = read_request(body, counting=counting)
+        history = self._history(req)
+        served, session = find_target(self.catalog, req.model, Fields(body).string("jitllm_session"))
+        if session is not None and req.previous_response_id is not None:
+            raise APIError("previous_response_id: a named session keeps its own conversation; send one or the other", param="previous_response_id")
+        chat = conversation(session, [*req.system(), *history, *req.messages])
+        gen = parse_common(Fields(req.chat), served, req.model or served.id, ("max_completion_tokens",), session, chat, req.chat_tools,
+                           limits=self.limits)
+        if gen.grammar_param == "response_format":
+            gen = replace(gen, grammar_param="text.format")  # a schema the grammar refuses is a 400 naming the field the client sent
+        return req, history, gen, await chat_prompt_ids(served, chat, session, tools=req.chat_tools, extra=gen.template_kwargs)
 
     def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
         """The conversation previous_response_id continues (its instructions left out, as OpenAI's are)."""

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .body import APIError, Fields
+from .openai_request import ROLES
 from .prompt import check_tool_schema
 from .reasoning import EFFORTS
 
 __all__ = ["ResponsesRequest", "item_id", "not_found", "read_request"]
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # Fields chat completions reads that a Responses body may carry as they are (vLLM's Responses API takes its sampling
 # and template extensions too).
 _CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
@@ -169,13 +169,13 @@ def _input(f: Fields) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         ident = it.string("id")
         if kind == "message":
             role = it.string("role", required=True) or ""
-            if role not in _ROLES:
+            if role not in ROLES:
                 raise it.error("role", f"{role!r}: expected user, assistant, system or developer")
             if not it.has("content"):
                 raise it.error("content", "this field is required")
             text = _content(it, "content")
             items.append(_message_item(ident or item_id("msg"), role, text))
-            messages.append({"role": _ROLES[role], "content": text})
+            messages.append({"role": ROLES[role], "content": text})
             if role == "assistant" and thought is not None:
                 messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
