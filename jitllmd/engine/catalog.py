@@ -22,6 +22,7 @@ from .memory.devices import available_devices, parse_devices, release_host_memor
 from .memory.placement import HOST
 from .memory.relocation import Relocation, block_held
 from .sessions import Session
+from .speculative import SpecConfig
 
 if TYPE_CHECKING:
     from .cluster.link import Cluster
@@ -190,16 +191,23 @@ class Catalog:
         devices: str | None = None,
         gpu_layers: int | None = None,
         max_seq: int | None = None,
+        draft: str | Path | None = None,
+        spec: str | None = None,
+        draft_max: int | None = None,
     ) -> ServedModel:
         """Load a model file under `id` (default: m-<hash of its path>; see check_id), also answering to `aliases` and
-        its file name without .jlm where no other loaded model does. devices, gpu_layers and max_seq override the
-        server's flags for this model. Raises ValueError/OSError with one-line messages."""
+        its file name without .jlm where no other loaded model does. devices, gpu_layers, max_seq, spec and draft_max
+        override the server's flags for this model; `draft`: its draft model's file, found as a model file is (for
+        speculative decoding: spec draft unless spec says otherwise). Raises ValueError/OSError with one-line messages."""
         config = dataclasses.replace(  # validates
             self.config,
             devices=self.config.devices if devices is None else devices,
             gpu_layers=self.config.gpu_layers if gpu_layers is None else gpu_layers,
             max_seq=self.config.max_seq if max_seq is None else max_seq,
+            spec=spec or ("draft" if draft else self.config.spec),  # a draft named for this model is its drafter
+            draft_max=self.config.draft_max if draft_max is None else draft_max,
         )
+        speculative = SpecConfig(config.spec, str(self.prepare(draft, inside_only=inside_only)) if draft else None, config.draft_max)
         placed_on = self.devices if devices is None else self.parse_devices(devices)
         if id is not None:
             check_id(id)
@@ -211,7 +219,7 @@ class Catalog:
                 raise ValueError(f"a model named {model_id!r} is already being loaded")
             self._loading[model_id] = (model_id, *aliases, path.stem)
         try:
-            engine = self._engine(path, model_id, config, placed_on, file, on_load)
+            engine = self._engine(path, model_id, config, placed_on, file, on_load, speculative)
         finally:
             with self._lock:
                 del self._loading[model_id]
@@ -228,7 +236,7 @@ class Catalog:
         return served
 
     def _engine(self, path: Path, model_id: str, config: EngineConfig, placed_on: list[str], file: str | Path,
-                on_load: Callable[[int, int], None] | None) -> Engine:
+                on_load: Callable[[int, int], None] | None, spec: SpecConfig | None = None) -> Engine:
         return Engine.load(
             path,
             name=model_id,
@@ -243,6 +251,7 @@ class Catalog:
             row_limit=config.sessions,
             prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,
+            spec=spec,
             on_progress=on_load,
             room=self.relocation,
             cluster=self.cluster,

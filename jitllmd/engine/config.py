@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["JOINT_STEPS", "EngineConfig", "find_model_file", "parse_size"]
+__all__ = ["JOINT_STEPS", "SPEC_MODES", "EngineConfig", "find_model_file", "parse_size"]
 
 JOINT_STEPS = ("auto", "always", "never")
+SPEC_MODES = ("auto", "ngram", "draft", "off")  # engine/speculative.py's (that module imports torch's users; this one is read first)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -39,6 +40,8 @@ class EngineConfig:
     relocate: bool = False  # each model's relocation switch at load (SetRelocation changes it)
     relocate_idle: float = 10.0  # seconds without a row before a relocation-enabled model may be demoted
     relocate_horizon: int = 256  # tokens within which a promotion must repay its copy
+    spec: str = "auto"  # speculative decoding: auto (a draft model where a model has one, else ngram), ngram, draft, off
+    draft_max: int = 8  # the most tokens a row guesses a step
 
     def __post_init__(self) -> None:
         if self.maxmem is not None and self.maxmem < 1:
@@ -59,6 +62,10 @@ class EngineConfig:
             raise ValueError(f"relocate_idle must be >= 0 seconds, got {self.relocate_idle:g}")
         if self.relocate_horizon < 1:
             raise ValueError(f"relocate_horizon must be >= 1 token, got {self.relocate_horizon}")
+        if self.spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+        if not 0 <= self.draft_max <= 64:
+            raise ValueError(f"draft_max must be between 0 and 64, got {self.draft_max}")
         if self.joint_steps not in JOINT_STEPS:
             raise ValueError(f"joint_steps must be one of {', '.join(JOINT_STEPS)}, got {self.joint_steps!r}")
 

@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 
 from .cluster.link import RankError
+from .draft import DraftModel
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
@@ -27,6 +28,7 @@ from .runner import JointSteps
 from .sampler import Sampler
 from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
+from .speculative import DRAFT_COST, TOKEN_COST, Drafter, NgramDrafter, SpecConfig, Speculator
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
 from .tuning.seam import SeamCandidate
@@ -43,7 +45,8 @@ class Engine:
 
     def __init__(
         self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto",
-        host_rows: int | None = None, split_rows: int | None = None, room: Room | None = None,
+        host_rows: int | None = None, split_rows: int | None = None, room: Room | None = None, spec: SpecConfig | None = None,
+        drafter: Drafter | None = None,
     ):
         self.loaded = loaded
         self.device_rows = max_batch  # rows of a step while every block is on one device
@@ -55,6 +58,8 @@ class Engine:
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
+        self.speculator = self._speculator(spec, drafter)
+        self.outputs.speculator = self.speculator
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
         self._weight_bytes = loaded.decode_bytes()
@@ -67,12 +72,23 @@ class Engine:
         self._stopping = False
         self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
 
+    def _speculator(self, spec: SpecConfig | None, drafter: Drafter | None) -> Speculator | None:
+        """Speculative decoding where `spec` asks for it and the model can: a decoder wholly on one device (a model
+        with host blocks or split runs one request at a time, where a guess's step costs what it saves)."""
+        if spec is None or spec.kind == "off" or spec.draft_max == 0 or self.loaded.embeds or self.loaded.runner is None:
+            return None
+        if spec.kind == "draft":
+            if drafter is None:
+                raise ValueError("-spec draft needs a draft model (-draft FILE)")
+            return Speculator(spec, drafter, TOKEN_COST["draft"] + DRAFT_COST)
+        return Speculator(spec, NgramDrafter(), TOKEN_COST["ngram"])
+
     # -- public API -----------------------------------------------------------------------------
 
     @classmethod
     def load(
         cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1,
-        host_rows: int | None = None, split_rows: int | None = None, **load_kw,
+        host_rows: int | None = None, split_rows: int | None = None, spec: SpecConfig | None = None, **load_kw,
     ) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
@@ -92,8 +108,13 @@ class Engine:
                 loaded = load_model(path, **load_kw)
                 kind = loaded.runner.device.type if loaded.runner is not None else "cpu"
                 batching = decide(max_batch=max_batch, sessions=max(1, row_limit), prompt_chunk=prompt_chunk, device_kind=kind, max_seq=loaded.max_seq)
-                engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
-                             split_rows=split_rows, room=load_kw.get("room"))
+                try:
+                    drafter = cls._draft_model(spec, loaded, load_kw)
+                    engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
+                                 split_rows=split_rows, room=load_kw.get("room"), spec=spec, drafter=drafter)
+                except BaseException:
+                    loaded.close()
+                    raise
                 engine.batching = batching
                 engine._owns_model = True
             except BaseException as exc:  # handed to the caller
@@ -111,6 +132,20 @@ class Engine:
         if "error" in box:
             raise box["error"]
         return box["engine"]
+
+    @staticmethod
+    def _draft_model(spec: SpecConfig | None, target: LoadedModel, load_kw: dict) -> DraftModel | None:
+        """The draft model `spec` names, loaded on the target's devices with its sessions' room; None where it names
+        none. ValueError for one whose tokenizer is not the target's."""
+        if spec is None or spec.kind != "draft" or not spec.draft:
+            return None
+        draft = load_model(spec.draft, devices=load_kw.get("devices"), sessions=load_kw.get("sessions", 1),
+                           max_seq=target.max_seq)
+        try:
+            return DraftModel(draft, target)
+        except BaseException:
+            draft.close()
+            raise
 
     def start(self) -> Engine:
         if self._thread is None:
@@ -131,6 +166,8 @@ class Engine:
             self._thread = None
         if self._owns_model:
             self.loaded.close()
+            if self.speculator is not None:
+                self.speculator.close()
 
     def new_session(self, max_seq: int | None = None) -> Session:
         """A named session that keeps its KV cache across requests."""
@@ -178,6 +215,8 @@ class Engine:
             prompt_logprobs=spec.prompt_logprobs,
             leader=follows,
         )
+        if self.speculator is not None and spec.speculative is not False:
+            req.spec = self.speculator.row(spec.draft_max)
         if not hold:
             self._inbox.put(Submit(req))
         return req
@@ -257,6 +296,8 @@ class Engine:
             try:
                 runner = self.loaded.runner
                 rows = self.scheduler.feed(scheduled, *((runner.short_feed, runner.rows_feed) if runner is not None else (0, 0)))
+                if self.speculator is not None:  # guesses ride in the step's token budget, after the prompts' tokens
+                    rows = self.speculator.draft(rows, self.scheduler.prompt_chunk - sum(len(r.ids) for r in rows if r.prompt))
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang

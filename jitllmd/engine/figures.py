@@ -34,12 +34,15 @@ class Figures:
     decode_ms: float
     decode_tokens_per_second: float
     bytes_per_token: int
+    drafted_tokens: int = 0  # speculative decoding: tokens guessed for it and fed to check
+    accepted_tokens: int = 0  # ... and those its sampler took
 
     @classmethod
     def build(cls, where: Where, *, session_id: str, arrival: float, first_step: float | None, first_token: float | None,
-              last_token: float | None, queue_depth: int, generated: int, bytes_per_token: int) -> Figures:
+              last_token: float | None, queue_depth: int, generated: int, bytes_per_token: int, drafted: int = 0, accepted: int = 0) -> Figures:
         """From a request's times (time.perf_counter(); None: it never got there): queued from arrival to its first
-        step, prefill to its first token, decode from there to its last, over the `generated` tokens after the first."""
+        step, prefill to its first token, decode from there to its last, over the `generated` tokens after the first;
+        `drafted` and `accepted`: its speculative decoding's guesses."""
         ms = lambda a, b: round((b - a) * 1000, 3) if a is not None and b is not None else 0.0
         decode_s = (last_token - first_token) if first_token and last_token else 0.0
         after_first = max(0, generated - 1)
@@ -54,6 +57,8 @@ class Figures:
             decode_ms=round(decode_s * 1000, 3),
             decode_tokens_per_second=round(after_first / decode_s, 2) if decode_s > 0 else 0.0,
             bytes_per_token=bytes_per_token,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
         )
 
     def to_json(self) -> dict[str, Any]:

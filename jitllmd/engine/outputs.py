@@ -12,6 +12,7 @@ from .loader import LoadedModel
 from .request import Delta, Done, Failed, FinishReason, Request, RequestState
 from .sampler import TokenLogprobs, logprobs_of
 from .scheduler import Row, Scheduler
+from .speculative import Speculator
 from .stats import EngineStats
 from .text import release
 
@@ -22,7 +23,8 @@ def request_figures(req: Request, loaded: LoadedModel) -> Figures:
     """The figures of a generation that ended (or is ending now)."""
     return Figures.build(loaded.where(), session_id=req.session.id, arrival=req.t_arrival, first_step=req.t_first_step, first_token=req.t_first_token,
                          last_token=req.t_last_token, queue_depth=req.queue_depth_on_entry, generated=len(req.output_ids),
-                         bytes_per_token=int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0)
+                         bytes_per_token=int(req.decode_bytes / req.decode_steps) if req.decode_steps else 0,
+                         drafted=req.spec.drafted if req.spec else 0, accepted=req.spec.accepted if req.spec else 0)
 
 
 class Outputs:
@@ -33,6 +35,7 @@ class Outputs:
         self.scheduler = scheduler
         self.stats = stats
         self.eos = frozenset(loaded.eos_token_ids)
+        self.speculator: Speculator | None = None  # the engine's, where it drafts (its counts)
 
     def postprocess(self, rows: list[Row], logits: torch.Tensor, weight_bytes: float) -> None:
         """Sample each row that finished its prompt or decodes, and hand out what it produced."""
@@ -50,8 +53,11 @@ class Outputs:
             if req.state is RequestState.PREFILL and req.prompt_left > 0:
                 continue  # more prompt to feed next step
             if req.state is RequestState.DECODE:
-                req.decode_steps += 1
                 req.decode_bytes += weight_bytes / num_rows + req.session.kv.bytes_at(req.session.kv.length)
+                if row.draft:
+                    req.decode_steps += self.verify(req, row, mine, now)
+                    continue
+                req.decode_steps += 1
             elif req.followers:  # the prompt ran once for them too
                 self._fork(req, mine[-1], now)
             if req.state is RequestState.PREFILL and req.max_tokens == 0:  # the prompt alone (scored, for echo)
@@ -61,6 +67,28 @@ class Outputs:
             self._stamp(req, now)
             req.state = RequestState.DECODE
             self._accept(req, token)
+
+    def verify(self, req: Request, row: Row, logits: torch.Tensor, now: float) -> int:
+        """A drafting row's step: row i of `logits` follows its token and guesses 0..i-1. Each guess the sampler takes
+        (Sampler.sample with the guess) lets the next row's pick count too; the first refused is replaced by the
+        sampler's own pick, and a row whose every guess was taken gets one more. The KV and the session's tokens go
+        back to what those picks followed. Returns the tokens taken."""
+        draft, taken, accepted = row.draft, 0, 0
+        for i in range(len(draft) + 1):
+            guess = draft[i] if i < len(draft) else None
+            token = req.sampler.sample(logits[i], guess)
+            self._stamp(req, now)
+            taken += 1
+            accepted += token == guess
+            self._accept(req, token)
+            if req.finished or token != guess:
+                break
+        kept = row.pos + taken  # the row's token and the guesses taken: what the picks followed
+        req.session.kv.truncate(kept)
+        del req.session.token_ids[kept:]
+        if self.speculator is not None:
+            self.speculator.verified(req, len(draft), accepted)
+        return taken
 
     def _fork(self, leader: Request, logits: torch.Tensor, now: float) -> None:
         """The leader's prompt just ran: each follower gets a copy of its KV and samples its own first token from the

@@ -13,6 +13,7 @@ from .figures import Figures
 from .grammar import Constraint
 from .sampler import Sampler, SamplingParams, Thinking, TokenLogprobs
 from .sessions import Session
+from .speculative import RowSpec
 from .tokenizer import Detokenizer
 
 __all__ = ["Generation", "Delta", "Done", "Embedded", "Event", "Failed", "FinishReason", "Request", "RequestState"]
@@ -95,8 +96,12 @@ class Generation:
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
     thinking: Thinking | None = None
+    speculative: bool | None = None  # False: no speculative decoding for this request (None: the server's choice)
+    draft_max: int | None = None  # the most tokens it guesses a step (None: the server's -draft-max)
 
     def __post_init__(self) -> None:
+        if self.draft_max is not None and self.draft_max < 0:
+            raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
@@ -131,13 +136,14 @@ class Request:
     t_first_step: float | None = None
     t_first_token: float | None = None
     t_last_token: float | None = None
-    decode_steps: int = 0
+    decode_steps: int = 0  # tokens decoded (a verifying step counts each it took): bytes_per_token divides by it
     decode_bytes: float = 0.0
     prompt_scores: list[TokenLogprobs | None] = field(default_factory=list)  # with prompt_logprobs: the prompt's so far
     prompt_scores_sent: bool = False
     leader: Request | None = None  # a row that shares this prompt and runs it once: this one waits for its KV (n > 1)
     followers: list[Request] = field(default_factory=list)  # the rows waiting for this one's prompt
     forked: bool = False  # a follower whose prompt KV and first token came from its leader
+    spec: RowSpec | None = None  # its speculative decoding (engine/speculative.py), where the engine drafts for it
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -94,7 +94,8 @@ class Batch:
     positions: list[int] = field(default_factory=list)
     spans: list[RowSpan] = field(default_factory=list)
     logits_at: list[int] = field(default_factory=list)
-    num_prompt: int = 0  # prompt tokens fed (the rest are decode rows' one token each)
+    num_prompt: int = 0  # prompt tokens fed (the rest are decode rows' one token each, and their guesses)
+    num_drafted: int = 0  # decode rows' guesses fed (engine/speculative.py)
 
 
 class ModelRunner:
@@ -189,11 +190,12 @@ class ModelRunner:
             b.logits_at.extend(range(len(b.tokens) - row.logits, len(b.tokens)))
             if row.req.state is RequestState.PREFILL:
                 b.num_prompt += len(row.ids)
+            b.num_drafted += len(row.draft)
         return b
 
     def run(self, b: Batch, joint: JointSteps) -> torch.Tensor:
         """The batch as one packed forward or its rows one after another, as `joint` says; the step timed for it."""
-        decode_only = b.num_prompt == 0
+        decode_only = b.num_prompt == 0 and b.num_drafted == 0  # a step of one token a row: comparable across steps
         together = joint.joint(len(b.spans), decode_only)
         self.placement.synchronize()  # the clock times this step's work alone, not its queueing
         self.placement.costs.begin_step()

@@ -230,12 +230,13 @@ class Sampler:
             logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
         return logits
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, draft: int | None = None) -> int:
         """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`); a thought
-        whose budget is spent takes its close marker instead."""
+        whose budget is spent takes its close marker instead. `draft`: a guess (speculative decoding) that the pick
+        takes or refuses, its distribution still this row's own (_sample)."""
         token = self.thought.forced() if self.thought is not None else None
         if token is None:
-            token = self._sample(self._masked(logits))
+            token = self._sample(self._masked(logits), draft)
         if self.params.logprobs is not None:
             self.last = logprobs_of(logits, token, self.params.logprobs)
         return token
@@ -251,7 +252,11 @@ class Sampler:
             masked[thought.spec.open_id] = logits[thought.spec.open_id]
         return masked
 
-    def _sample(self, logits: torch.Tensor) -> int:
+    def _sample(self, logits: torch.Tensor, draft: int | None = None) -> int:
+        """The row's pick. With a `draft` guessed deterministically (prompt lookup, a draft model's greedy token: a
+        proposal q putting all its mass on it), speculative sampling's rule: take it with probability p(draft) under
+        this row's distribution p (temperature, top-k/top-p/min-p, penalties, bias, grammar), else draw from p with
+        the draft left out, renormalized: the token's law is p either way. Greedy takes the argmax whatever the guess."""
         p = self.params
         logits = self.penalize(logits)
         if p.greedy:
@@ -284,10 +289,20 @@ class Sampler:
             if p.min_p > 0.0:
                 keep &= probs >= p.min_p * probs.max()
             probs = torch.where(keep, probs, torch.zeros_like(probs))
+        gen = self.generator(probs.device)
+        if draft is not None:
+            at = draft if ids is None else int(torch.nonzero(ids == draft)[0]) if bool((ids == draft).any()) else -1
+            if at >= 0:
+                mass = float(probs[at] / probs.sum())
+                if float(torch.rand(1, generator=gen, device=probs.device)) < mass:
+                    return draft
+                if mass < 1.0:
+                    probs = probs.clone()
+                    probs[at] = 0.0
         # inverse transform sampling: the first candidate whose cumulative mass passes a uniform draw of their total
         # (torch.multinomial takes ~7 ms over a 262k vocabulary; this is a cumsum and a search)
         cdf = torch.cumsum(probs, dim=-1)
-        u = torch.rand(1, generator=self.generator(probs.device), device=probs.device, dtype=cdf.dtype) * cdf[-1]
+        u = torch.rand(1, generator=gen, device=probs.device, dtype=cdf.dtype) * cdf[-1]
         choice = int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1))
         if float(probs[choice]) == 0.0:  # u at the very top of the mass: the last candidate that has any
             choice = int(probs.nonzero()[-1])

@@ -22,7 +22,8 @@ class Row:
     prompt: bool  # prompt tokens, not a decode row's token
     short: bool  # prompt tokens of a short feed: a layer's fused call, each token a row (layers/quant.py)
     many: bool  # ... a short feed past the few-row kernel's figure: its products a prompt chunk's (layers/quant.py)
-    logits: int  # logits rows it takes from the step: 0, 1 (its last token's), or one per token fed (a scored prompt)
+    logits: int  # logits rows it takes from the step: 0, 1 (its last token's), or one per token fed (a scored prompt, a draft)
+    draft: tuple[int, ...] = ()  # a decode row's guesses after its token (engine/speculative.py), verified by Outputs
 
 
 class Scheduler:

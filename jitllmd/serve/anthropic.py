@@ -25,6 +25,7 @@ from .prompt import (
     find_target,
     remember,
     sampling_params,
+    speculation,
     start,
     tool_grammar,
 )
@@ -277,7 +278,8 @@ class Anthropic:
         [constraint] = await constraints(p.served, grammar, 1, grammar_param)
         tokenizer = p.served.engine.loaded.tokenizer
         spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, ignore_eos=ignore_eos,
-                          request_id=request.state.request_id, constraint=constraint, thinking=p.reasoning.thinking(tokenizer, p.prompt_ids))
+                          request_id=request.state.request_id, constraint=constraint, thinking=p.reasoning.thinking(tokenizer, p.prompt_ids),
+                          **speculation(f))
         outbox = start(p.served, spec, param="messages")
         tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
         reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names, omit=p.omit)

@@ -87,6 +87,10 @@ class _Engines(Collector):
             add(counter, "pager_reads", "Blocks the host pager read from the model file.", m.id, reads)
             add(counter, "pager_read_bytes", "Bytes the host pager read from the model file.", m.id, read_bytes)
             add(counter, "pager_read_seconds", "Seconds the host pager spent reading the model file.", m.id, read_seconds)
+            spec = engine.speculator
+            if spec is not None:  # vLLM's names for the same counts
+                add(counter, "spec_decode_num_draft_tokens", "Tokens speculative decoding guessed and fed to check.", m.id, spec.drafted)
+                add(counter, "spec_decode_num_accepted_tokens", "Guessed tokens the sampler took.", m.id, spec.accepted)
         yield from families.values()
         pairs = [(m.id, m.engine.stats) for m in models]
         yield _histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first sampled token.",

@@ -4,7 +4,7 @@ it, and what they answer: openai.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.catalog import ServedModel
@@ -24,6 +24,7 @@ from .prompt import (
     remember,
     room_error,
     sampling_params,
+    speculation,
     start,
     tool_grammar,
 )
@@ -57,6 +58,7 @@ class OpenAIGeneration:
     grammar: GrammarSpec | None = None  # what every reply must be: response_format's JSON, or a forced tool call
     grammar_param: str = "response_format"  # the field that asked for it, for its errors
     reasoning: Reasoning | None = None  # chat: the template's extra variables and, for a model that thinks, its thought
+    speculation: dict[str, Any] = field(default_factory=dict)  # the request's jitllm.speculative / draft_max (Generation's keywords)
 
     @property
     def thinks(self) -> bool:
@@ -87,6 +89,7 @@ class OpenAIGeneration:
                         request_id=request_id + (f"-p{k}" if k else "") + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs,
                         constraint=matchers[k * self.n + i],
                         thinking=self.reasoning.thinking(self.tokenizer, prompt_ids) if self.reasoning is not None else None,
+                        **self.speculation,
                     )
                     where = f"{param}[{k}]" if len(prompts) > 1 else param
                     outboxes.append(start(self.served, spec, param=where, follows=first.request if first else None, hold=True))
@@ -187,6 +190,7 @@ def parse_common(
         grammar=grammar,
         grammar_param=grammar_param,
         reasoning=reasoning,
+        speculation=speculation(f),
     )
 
 

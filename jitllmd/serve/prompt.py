@@ -20,7 +20,7 @@ from ..engine.sessions import Session
 from .body import APIError, Fields
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "render_chat", "encode_at_most", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "start", "encode_in_room", "room_error", "BIG", "chars"]
+__all__ = ["chat_prompt_ids", "render_chat", "encode_at_most", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "speculation", "start", "encode_in_room", "room_error", "BIG", "chars"]
 
 T = TypeVar("T")
 
@@ -185,6 +185,20 @@ def sampling_params(**kw: Any) -> SamplingParams:
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise APIError(str(exc), param=field) from None
+
+
+def speculation(f: Fields) -> dict[str, Any]:
+    """A request's own say on speculative decoding, in its `jitllm` object: `speculative` (false: none for it) and
+    `draft_max` (the most tokens it guesses a step), as Generation's keywords."""
+    options = f.object("jitllm")
+    if options is None:
+        return {}
+    out: dict[str, Any] = {}
+    if options.has("speculative"):
+        out["speculative"] = options.boolean("speculative")
+    if options.has("draft_max"):
+        out["draft_max"] = options.integer("draft_max", low=0, high=64)
+    return out
 
 
 def tool_grammar(served: ServedModel, tools: list[dict[str, Any]], name: str | None, param: str) -> GrammarSpec:

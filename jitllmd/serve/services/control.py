@@ -207,6 +207,12 @@ class Models(ModelService):
             kw["gpu_layers"] = request.gpu_layers
         if request.HasField("max_seq"):
             kw["max_seq"] = request.max_seq
+        if request.draft:
+            kw["draft"] = request.draft  # inside the model directory, as file is
+        if request.spec:
+            kw["spec"] = request.spec
+        if request.HasField("draft_max"):
+            kw["draft_max"] = request.draft_max
         served = await asyncio.to_thread(self.catalog.load, request.file, **kw)
         log.info("loaded %s as %s", request.file, served.id)
         return mdl.LoadModelResponse(model=_model_message(self.catalog, served))

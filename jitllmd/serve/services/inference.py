@@ -158,6 +158,8 @@ class Inference(InferenceService):
         outbox = Outbox(served.engine, Generation(
             ids, _params(request.sampling), max_tokens=request.max_tokens if request.HasField("max_tokens") else None, stop=list(request.stop),
             session=session, ignore_eos=request.ignore_eos, request_id=request.request_id or f"r-{uuid.uuid4().hex[:12]}",
+            speculative=request.speculative if request.HasField("speculative") else None,
+            draft_max=min(request.draft_max, 64) if request.HasField("draft_max") else None,
         ))
         self.running[outbox.request.request_id] = outbox
         return _Run(outbox, session, chat)

@@ -79,6 +79,9 @@ class Telemetry(TelemetryService):
                 joint=[tel.JointStep(rows=n, choice=c, joint_ms=j, sequential_ms=q) for n, (c, j, q) in engine.joint.choices().items()],
                 relocation=relocation.enabled(m.id), demotions=moved["demote"], promotions=moved["promote"],
                 rows_why=engine.rows_why(), prompt_chunk_why=engine.batching.chunk_why if engine.batching is not None else "",
+                speculative=engine.speculator.describe() if engine.speculator is not None else "off",
+                drafted_tokens=engine.speculator.drafted if engine.speculator is not None else 0,
+                accepted_tokens=engine.speculator.accepted if engine.speculator is not None else 0,
             ))
         return tel.GetStatsResponse(
             uptime_s=time.time() - self.info.started,

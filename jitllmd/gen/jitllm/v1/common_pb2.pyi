@@ -51,7 +51,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Figures(_message.Message):
-    __slots__ = ("session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids", "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token")
+    __slots__ = ("session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids", "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token", "drafted_tokens", "accepted_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_ON_ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class Figures(_message.Message):
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     queued_ms: float
     queue_depth_on_entry: int
@@ -72,7 +74,9 @@ class Figures(_message.Message):
     decode_ms: float
     decode_tokens_per_second: float
     bytes_per_token: int
-    def __init__(self, session_id: _Optional[str] = ..., queued_ms: _Optional[float] = ..., queue_depth_on_entry: _Optional[int] = ..., device_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., queued_ms: _Optional[float] = ..., queue_depth_on_entry: _Optional[int] = ..., device_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from jitllmd.gen.jitllm.v1 import common_pb2 as jitllm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jitllm/v1/inference.proto\x12\tjitllm.v1\x1a\x16jitllm/v1/common.proto\"5\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitllm.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xc3\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.jitllm.v1.ChatInputH\x00\x12\'\n\x06tokens\x18\x05 \x01(\x0b\x32\x15.jitllm.v1.TokenInputH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.jitllm.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10\x63ontinue_session\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokens\"H\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x97\x01\n\x08\x46inished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.jitllm.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.jitllm.v1.Usage\x12#\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x12.jitllm.v1.Figures\"\x8e\x01\n\x10GenerateResponse\x12%\n\x07started\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.StartedH\x00\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.jitllm.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.jitllm.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"n\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.jitllm.v1.Finished\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"-\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.jitllm.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"O\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\r\n\x05top_n\x18\x04 \x01(\r\"6\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x17\n\x0frelevance_score\x18\x02 \x01(\x01\"Q\n\x0eRerankResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.jitllm.v1.RerankResult\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r2\xd8\x02\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.jitllm.v1.GenerateRequest\x1a\x1b.jitllm.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.jitllm.v1.GenerateRequest\x1a\x1b.jitllm.v1.CompleteResponse\x12=\n\x06\x43\x61ncel\x12\x18.jitllm.v1.CancelRequest\x1a\x19.jitllm.v1.CancelResponse\x12:\n\x05\x45mbed\x12\x17.jitllm.v1.EmbedRequest\x1a\x18.jitllm.v1.EmbedResponse\x12=\n\x06Rerank\x12\x18.jitllm.v1.RerankRequest\x1a\x19.jitllm.v1.RerankResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jitllm/v1/inference.proto\x12\tjitllm.v1\x1a\x16jitllm/v1/common.proto\"5\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.jitllm.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x93\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.jitllm.v1.ChatInputH\x00\x12\'\n\x06tokens\x18\x05 \x01(\x0b\x32\x15.jitllm.v1.TokenInputH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.jitllm.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10\x63ontinue_session\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x18\n\x0bspeculative\x18\x0c \x01(\x08H\x02\x88\x01\x01\x12\x16\n\tdraft_max\x18\r \x01(\rH\x03\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_speculativeB\x0c\n\n_draft_max\"H\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x97\x01\n\x08\x46inished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.jitllm.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.jitllm.v1.Usage\x12#\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x12.jitllm.v1.Figures\"\x8e\x01\n\x10GenerateResponse\x12%\n\x07started\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.StartedH\x00\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.jitllm.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.jitllm.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"n\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.jitllm.v1.Finished\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"-\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.jitllm.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"O\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\r\n\x05top_n\x18\x04 \x01(\r\"6\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x17\n\x0frelevance_score\x18\x02 \x01(\x01\"Q\n\x0eRerankResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.jitllm.v1.RerankResult\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r2\xd8\x02\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.jitllm.v1.GenerateRequest\x1a\x1b.jitllm.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.jitllm.v1.GenerateRequest\x1a\x1b.jitllm.v1.CompleteResponse\x12=\n\x06\x43\x61ncel\x12\x18.jitllm.v1.CancelRequest\x1a\x19.jitllm.v1.CancelResponse\x12:\n\x05\x45mbed\x12\x17.jitllm.v1.EmbedRequest\x1a\x18.jitllm.v1.EmbedResponse\x12=\n\x06Rerank\x12\x18.jitllm.v1.RerankRequest\x1a\x19.jitllm.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENINPUT']._serialized_start=119
   _globals['_TOKENINPUT']._serialized_end=150
   _globals['_GENERATEREQUEST']._serialized_start=153
-  _globals['_GENERATEREQUEST']._serialized_end=476
-  _globals['_STARTED']._serialized_start=478
-  _globals['_STARTED']._serialized_end=550
-  _globals['_DELTA']._serialized_start=552
-  _globals['_DELTA']._serialized_end=592
-  _globals['_FINISHED']._serialized_start=595
-  _globals['_FINISHED']._serialized_end=746
-  _globals['_GENERATERESPONSE']._serialized_start=749
-  _globals['_GENERATERESPONSE']._serialized_end=891
-  _globals['_COMPLETERESPONSE']._serialized_start=893
-  _globals['_COMPLETERESPONSE']._serialized_end=1003
-  _globals['_CANCELREQUEST']._serialized_start=1005
-  _globals['_CANCELREQUEST']._serialized_end=1040
-  _globals['_CANCELRESPONSE']._serialized_start=1042
-  _globals['_CANCELRESPONSE']._serialized_end=1077
-  _globals['_EMBEDREQUEST']._serialized_start=1079
-  _globals['_EMBEDREQUEST']._serialized_end=1124
-  _globals['_EMBEDDING']._serialized_start=1126
-  _globals['_EMBEDDING']._serialized_end=1153
-  _globals['_EMBEDRESPONSE']._serialized_start=1155
-  _globals['_EMBEDRESPONSE']._serialized_end=1235
-  _globals['_RERANKREQUEST']._serialized_start=1237
-  _globals['_RERANKREQUEST']._serialized_end=1316
-  _globals['_RERANKRESULT']._serialized_start=1318
-  _globals['_RERANKRESULT']._serialized_end=1372
-  _globals['_RERANKRESPONSE']._serialized_start=1374
-  _globals['_RERANKRESPONSE']._serialized_end=1455
-  _globals['_INFERENCESERVICE']._serialized_start=1458
-  _globals['_INFERENCESERVICE']._serialized_end=1802
+  _globals['_GENERATEREQUEST']._serialized_end=556
+  _globals['_STARTED']._serialized_start=558
+  _globals['_STARTED']._serialized_end=630
+  _globals['_DELTA']._serialized_start=632
+  _globals['_DELTA']._serialized_end=672
+  _globals['_FINISHED']._serialized_start=675
+  _globals['_FINISHED']._serialized_end=826
+  _globals['_GENERATERESPONSE']._serialized_start=829
+  _globals['_GENERATERESPONSE']._serialized_end=971
+  _globals['_COMPLETERESPONSE']._serialized_start=973
+  _globals['_COMPLETERESPONSE']._serialized_end=1083
+  _globals['_CANCELREQUEST']._serialized_start=1085
+  _globals['_CANCELREQUEST']._serialized_end=1120
+  _globals['_CANCELRESPONSE']._serialized_start=1122
+  _globals['_CANCELRESPONSE']._serialized_end=1157
+  _globals['_EMBEDREQUEST']._serialized_start=1159
+  _globals['_EMBEDREQUEST']._serialized_end=1204
+  _globals['_EMBEDDING']._serialized_start=1206
+  _globals['_EMBEDDING']._serialized_end=1233
+  _globals['_EMBEDRESPONSE']._serialized_start=1235
+  _globals['_EMBEDRESPONSE']._serialized_end=1315
+  _globals['_RERANKREQUEST']._serialized_start=1317
+  _globals['_RERANKREQUEST']._serialized_end=1396
+  _globals['_RERANKRESULT']._serialized_start=1398
+  _globals['_RERANKRESULT']._serialized_end=1452
+  _globals['_RERANKRESPONSE']._serialized_start=1454
+  _globals['_RERANKRESPONSE']._serialized_end=1535
+  _globals['_INFERENCESERVICE']._serialized_start=1538
+  _globals['_INFERENCESERVICE']._serialized_end=1882
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class TokenInput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "session_id", "prompt", "chat", "tokens", "sampling", "max_tokens", "stop", "ignore_eos", "continue_session", "request_id")
+    __slots__ = ("model", "session_id", "prompt", "chat", "tokens", "sampling", "max_tokens", "stop", "ignore_eos", "continue_session", "request_id", "speculative", "draft_max")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     model: str
     session_id: str
     prompt: str
@@ -43,7 +45,9 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     continue_session: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., continue_session: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    speculative: bool
+    draft_max: int
+    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., continue_session: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative: _Optional[bool] = ..., draft_max: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("request_id", "session_id", "prompt_tokens")

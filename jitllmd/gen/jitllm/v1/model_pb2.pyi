@@ -68,18 +68,24 @@ class GetModelResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("file", "id", "devices", "gpu_layers", "max_seq")
+    __slots__ = ("file", "id", "devices", "gpu_layers", "max_seq", "draft", "spec", "draft_max")
     FILE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     file: str
     id: str
     devices: str
     gpu_layers: int
     max_seq: int
-    def __init__(self, file: _Optional[str] = ..., id: _Optional[str] = ..., devices: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., max_seq: _Optional[int] = ...) -> None: ...
+    draft: str
+    spec: str
+    draft_max: int
+    def __init__(self, file: _Optional[str] = ..., id: _Optional[str] = ..., devices: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., max_seq: _Optional[int] = ..., draft: _Optional[str] = ..., spec: _Optional[str] = ..., draft_max: _Optional[int] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model",)

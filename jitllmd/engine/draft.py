@@ -1,0 +1,135 @@
+"""A draft model for speculative decoding (engine/speculative.py): a small model of the target's vocabulary that
+guesses greedily, k tokens a step for each drafting row, all rows in one forward of its own per guess.
+
+It keeps a KV per session of the target's (its own, beside the target's), and the tokens that KV holds: before a
+step's guesses it catches up with the session's tokens (a new prompt, the last step's taken guesses and the token
+the target picked; what it guessed and the target refused is cut off first), then feeds each guess to get the next.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kv import RowSpan, SessionKV
+from .loader import LoadedModel
+from .sessions import Session, common_prefix
+
+if TYPE_CHECKING:
+    from .request import Request
+
+__all__ = ["DraftModel", "check_vocabulary"]
+
+CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
+_PROBES = 4096  # token ids whose strings must agree (spread over the vocabulary), with every special token's
+
+
+def check_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a draft model whose token ids do not mean the target's: the same vocabulary size (the tokenizer's) and
+    the same strings for ids across it, and the same end-of-sequence ids. ValueError names the first difference."""
+    a, b = draft.tokenizer, target.tokenizer
+    if a.vocab_size != b.vocab_size:
+        raise ValueError(f"the draft model {draft.name} has a vocabulary of {a.vocab_size} tokens and {target.name} of {b.vocab_size}: "
+                         "a draft model must share the target's tokenizer")
+    step = max(1, a.vocab_size // _PROBES)
+    for i in [*range(0, a.vocab_size, step), a.vocab_size - 1]:
+        if a.id_to_token(i) != b.id_to_token(i):
+            raise ValueError(f"the draft model {draft.name}'s token {i} is {a.id_to_token(i)!r}, {target.name}'s is {b.id_to_token(i)!r}: "
+                             "a draft model must share the target's tokenizer")
+    if set(draft.eos_token_ids) != set(target.eos_token_ids):
+        raise ValueError(f"the draft model {draft.name} ends sequences with tokens {sorted(draft.eos_token_ids)}, {target.name} with "
+                         f"{sorted(target.eos_token_ids)}: a draft model must share the target's tokenizer")
+
+
+@dataclass
+class _Held:
+    kv: SessionKV
+    ids: list[int] = field(default_factory=list)  # the tokens whose K/V `kv` holds
+
+
+class DraftModel:
+    """Greedy guesses from a loaded draft model, for the rows of the target's steps. Only the target's engine thread
+    calls it (the draft runs on that thread's torch pool)."""
+
+    def __init__(self, loaded: LoadedModel, target: LoadedModel):
+        if loaded.embeds or loaded.runner is None:
+            raise ValueError(f"the draft model {loaded.name} does not generate text")
+        check_vocabulary(loaded, target)
+        self.loaded = loaded
+        self._held: weakref.WeakKeyDictionary[Session, _Held] = weakref.WeakKeyDictionary()  # its KV goes with the session
+
+    def close(self) -> None:
+        self._held.clear()
+        self.loaded.close()
+
+    def nbytes(self) -> int:
+        """The draft's weights and its sessions' KV."""
+        return self.loaded.weight_nbytes() + sum(h.kv.nbytes() for h in list(self._held.values()))
+
+    def _held_for(self, session: Session) -> _Held:
+        held = self._held.get(session)
+        if held is None:
+            held = self._held[session] = _Held(self.loaded.new_kv(min(session.max_seq, self.loaded.max_seq)))
+        return held
+
+    def propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
+        """k greedy guesses for each (request, k), its session's tokens (the last: the token this step feeds) as the
+        context; none for a row past the draft's own room (its context may be shorter than the target's)."""
+        fits = [i for i, (req, k) in enumerate(asks) if len(req.session.token_ids) + k <= self._held_for(req.session).kv.capacity]
+        out: list[list[int]] = [[] for _ in asks]
+        if fits:
+            for i, guess in zip(fits, self._propose([asks[i] for i in fits])):
+                out[i] = guess
+        return out
+
+    def _propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
+        rows: list[tuple[_Held, list[int]]] = []
+        for req, _ in asks:
+            held, tokens = self._held_for(req.session), req.session.token_ids
+            n = held.kv.reusable(min(common_prefix(held.ids, tokens), len(tokens) - 1))  # at least one token to feed
+            held.kv.truncate(n)
+            del held.ids[n:]
+            rows.append((held, tokens[n:]))
+        guesses: list[list[int]] = [[] for _ in asks]
+        feeds = [list(t) for _, t in rows]
+        for j in range(max(k for _, k in asks)):
+            live = [i for i, (_, k) in enumerate(asks) if k > j]
+            pending = list(live)
+            while pending:  # catch up in chunks; a row's last chunk gives its next guess
+                chunk = [(i, feeds[i][:CATCH_UP]) for i in pending]
+                picks = self._forward([(rows[i][0], ids) for i, ids in chunk], [len(feeds[i]) <= CATCH_UP for i, _ in chunk])
+                for (i, ids), pick in zip(chunk, picks):
+                    rows[i][0].ids.extend(ids)
+                    feeds[i] = feeds[i][len(ids) :]
+                    if pick is not None:
+                        guesses[i].append(pick)
+                pending = [i for i in pending if feeds[i]]
+            for i in live:  # the guess is fed for the next; the last one never is (the next step starts from the target's)
+                feeds[i] = [guesses[i][-1]]
+        return guesses
+
+    @torch.inference_mode()
+    def _forward(self, rows: list[tuple[_Held, list[int]]], last: list[bool]) -> list[int | None]:
+        """One packed forward of the draft over each row's `ids` (appended to its KV); the greedy next token of each
+        row whose ids are its `last` chunk, else None."""
+        runner = self.loaded.runner
+        assert runner is not None
+        tokens: list[int] = []
+        positions: list[int] = []
+        spans: list[RowSpan] = []
+        at: list[int] = []
+        for (held, ids), is_last in zip(rows, last):
+            start = len(tokens)
+            tokens.extend(ids)
+            positions.extend(range(held.kv.length, held.kv.length + len(ids)))
+            spans.append(RowSpan(start, len(ids), held.kv, prompt=len(ids) > 1))
+            if is_last:
+                at.append(len(tokens) - 1)
+        dev = runner.device
+        logits = runner.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), spans,
+                                torch.tensor(at or [len(tokens) - 1], dtype=torch.long, device=dev))
+        picks = iter(torch.argmax(logits, dim=-1).tolist())
+        return [next(picks) if is_last else None for is_last in last]

@@ -1,0 +1,311 @@
+"""Speculative decoding (engine/speculative.py, Outputs.verify): a decode row feeds its guesses after its token and keeps
+those the sampler takes. Greedy, the tokens are decoding's without guesses, token for token, on every kernel variant
+(the guesses multiply and attend as decode rows do: their logits are decode's, bit for bit, and so is the KV left
+behind); sampled, each token's law is the row's own distribution (checked against it with a chi-square bound that a
+wrong acceptance rule fails)."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from jitllmd.engine import kernels
+from jitllmd.engine.engine import Engine
+from jitllmd.engine.request import Generation
+from jitllmd.engine.sampler import Sampler, SamplingParams
+from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, expected_gain
+from tests.test_engine import collect
+
+GREEDY = SamplingParams(temperature=0.0)
+# a prompt that repeats itself: prompt lookup finds what follows its last tokens, and a tiny random model's greedy
+# output falls into loops, which it finds too
+PROMPT = [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12]
+
+
+@pytest.fixture(params=kernels.variants() or [None])
+def variant(request):
+    kernels.use_variant(request.param)
+    yield request.param
+    kernels.use_variant(None)
+
+
+def _engine(path, mode: str = "ngram", draft_max: int = 8, max_batch: int = 4) -> Engine:
+    return Engine.load(path, max_batch=max_batch, spec=SpecConfig(mode=mode, draft_max=draft_max), max_seq=512)
+
+
+def _run(engine: Engine, prompt=PROMPT, n: int = 120, **kw):
+    kw.setdefault("ignore_eos", True)  # long enough to fall into loops
+    return collect(engine.generate(Generation(prompt, kw.pop("params", GREEDY), max_tokens=n, **kw)))
+
+
+# -- the drafter and k ---------------------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert idx.propose(3) == [4, 5, 9]  # "1 2 3" at 0, though "2 3" is later, at 6: the longest suffix wins
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 7])
+    assert idx.propose(2) == []  # "3 7", "2 3 7": never before
+    idx.extend([4, 2, 3])
+    assert idx.propose(4) == [7, 4, 2, 3]  # "2 3": latest earlier at 6, then what followed
+    assert NgramIndex([6, 6]).propose(2) == []  # the suffix itself is no earlier occurrence
+
+
+def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again() -> None:
+    assert expected_gain(0.0, 3, 0.1) < 1.0 < expected_gain(0.9, 3, 0.1)
+    a = Adaptive(8, 0.12)
+    for _ in range(30):
+        a.record(4, 4)
+    assert a.k() >= 4
+    for _ in range(40):
+        a.record(4, 0)
+    ks = [a.k() for _ in range(PROBE_EVERY)]
+    assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1  # off, then one guess to learn the rate again
+    assert Adaptive(0, 0.1).k() == 0
+
+
+# -- greedy: the same tokens -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm", "tiny_serve_jlm"])
+def test_greedy_tokens_are_decodings_with_guesses_and_without(request, variant, model: str) -> None:
+    """Every kernel variant, llama and Gemma (a window of 8, crossed) quantized, and the f32 llama (torch's products,
+    the same up to f32 rounding: its greedy picks here are the same); the KV left behind is the same bits."""
+    path = request.getfixturevalue(model)
+    plain, spec = _engine(path, "off"), _engine(path)
+    try:
+        a_session, b_session = plain.new_session(), spec.new_session()
+        a = _run(plain, session=a_session)
+        b = _run(spec, session=b_session)
+        assert b.ids == a.ids and b.done.finish_reason == a.done.finish_reason
+        assert spec.speculator is not None and spec.speculator.accepted > 0, "no guess was taken: the test tests nothing"
+        assert b_session.token_ids == a_session.token_ids and b_session.kv.length == a_session.kv.length
+        if model != "tiny_serve_jlm":
+            for layer in range(plain.loaded.model.cfg.num_layers):
+                for x, y in zip(a_session.kv.filled(layer), b_session.kv.filled(layer)):
+                    assert torch.equal(x, y), layer
+        # the session goes on: a second turn on each, the same again
+        more = [7, 5, 9, 14]
+        assert _run(spec, a_session.token_ids + more, 40, session=b_session).ids == _run(plain, a_session.token_ids + more, 40, session=a_session).ids
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+def test_batched_rows_stop_strings_and_max_tokens_inside_a_guessed_run(tiny_serve_q8_jlm) -> None:
+    """Several rows at once (some drafting, one not), a stop string, and max_tokens landing inside a run of taken
+    guesses: each row's tokens and text are its own plain decoding's."""
+    plain, spec = _engine(tiny_serve_q8_jlm, "off"), _engine(tiny_serve_q8_jlm)
+    try:
+        prompts = [PROMPT, PROMPT[3:] + [8], [5, 9, 14, 3, 22, 7, 5, 9, 14, 3, 40, 5, 9], PROMPT[:7]]
+        want = [_run(plain, p, 60) for p in prompts]
+        text = want[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]  # somewhere in the middle of the first's reply
+        boxes: list = [None] * 6
+
+        def go(i: int, engine: Engine, prompt, n: int, **kw) -> None:
+            boxes[i] = _run(engine, prompt, n, **kw)
+
+        jobs = [(i, spec, p, 60, {}) for i, p in enumerate(prompts)]
+        jobs[3] = (3, spec, prompts[3], 60, {"speculative": False})
+        jobs.append((4, spec, PROMPT, 60, {"stop": [stop]}))
+        jobs.append((5, spec, PROMPT, 37, {}))
+        threads = [threading.Thread(target=go, args=(i, e, p, n), kwargs=kw) for i, e, p, n, kw in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(4):
+            assert boxes[i].ids == want[i].ids, i
+        stopped = _run(plain, PROMPT, 60, stop=[stop])
+        assert boxes[4].text == stopped.text and boxes[4].done.stop == stop
+        assert boxes[5].ids == want[0].ids[:37] and boxes[5].done.completion_tokens == 37
+        assert spec.speculator is not None and spec.speculator.accepted > 0
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+def test_a_request_may_turn_it_off_or_cap_its_guesses(tiny_serve_q8_jlm) -> None:
+    spec = _engine(tiny_serve_q8_jlm)
+    try:
+        _run(spec, speculative=False)
+        assert spec.speculator is not None and spec.speculator.drafted == 0
+        seen: list[int] = []
+        draft = spec.speculator.draft
+        spec.speculator.draft = lambda rows, budget: [seen.append(len(r.draft)) or r for r in draft(rows, budget)]  # type: ignore[method-assign]
+        _run(spec, draft_max=2)
+        assert max(seen) == 2 and spec.speculator.drafted > 0
+    finally:
+        spec.stop()
+    assert _engine(tiny_serve_q8_jlm, "off").speculator is None
+    with pytest.raises(ValueError, match="draft_max"):
+        Generation([1], GREEDY, draft_max=-1)
+    with pytest.raises(ValueError, match="spec must be"):
+        SpecConfig(mode="sometimes")
+
+
+# -- sampled: the row's own distribution ---------------------------------------------------------------------------------
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = float(counts.sum())
+    keep = probs > 0
+    assert int(counts[~keep].sum()) == 0, "a token the distribution excludes was drawn"
+    expected = probs[keep] * n
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+# chi-square's 99.9% point for up to 7 degrees of freedom is 24.3: a sound rule stays below it but once in a thousand runs
+BOUND = 26.0
+
+
+def _target(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """The row's distribution as the API defines it: temperature, then top-k, top-p (the smallest likeliest set whose
+    mass reaches it) and min-p (against the likeliest), renormalized."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros(probs.shape[0], dtype=torch.bool)
+    mass, top = 0.0, probs.max()
+    for rank, i in enumerate(order.tolist()):
+        if params.top_k and rank >= params.top_k:
+            break
+        if mass >= params.top_p:
+            break
+        if probs[i] < params.min_p * top:
+            continue
+        keep[i] = True
+        mass += float(probs[i]) / (float(probs[order[: params.top_k]].sum()) if params.top_k else 1.0)
+    want = torch.where(keep, probs, torch.zeros_like(probs))
+    return want / want.sum()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_k=4, seed=2),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, seed=3),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, logit_bias=((2, 1.5),), seed=4),
+    ],
+    ids=["plain", "top_k", "top_p_min_p", "penalties_bias"],
+)
+def test_a_guess_is_taken_or_refused_so_each_token_follows_the_rows_distribution(params: SamplingParams) -> None:
+    """On a vocabulary of 8, with a likely guess, an unlikely one and (under the filters) an excluded one: drawn
+    6000 times each (seeded: the same draws every run), the tokens' counts against the row's own probabilities."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0])
+    n = 6000
+    s = Sampler(params, prompt_ids=[])
+    s.counts = {0: 1}  # a penalty applies to token 0 where one is asked
+    want = _target(params, s.penalize(logits))
+    for guess in (None, 0, 5, 7):
+        counts = torch.zeros(8)
+        for _ in range(n):
+            counts[s._sample(logits, guess)] += 1
+        assert _chi_square(counts, want) < BOUND, (guess, counts, want * n)
+
+
+def test_the_wrong_acceptance_rule_fails_the_bound() -> None:
+    """What the bound catches: accept with p(guess), else draw from the whole distribution (guess not left out)."""
+    probs = torch.softmax(torch.tensor([2.0, 1.0, 0.5, 0.0]), dim=-1)
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(4)
+    for _ in range(20000):
+        if float(torch.rand(1, generator=g)) < float(probs[0]):
+            counts[0] += 1
+        else:
+            counts[int(torch.multinomial(probs, 1, generator=g))] += 1
+    assert _chi_square(counts, probs) > BOUND
+    assert math.isfinite(_chi_square(counts, probs))
+
+
+# -- served: the flags, the request's say, the figures ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_models(tmp_path_factory, tiny_serve_q8_jlm, tiny_thinker_jlm):
+    """A -models directory: the tiny quantized llama, itself again as its draft, and a model of another tokenizer."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("spec") / "models"
+    d.mkdir()
+    shutil.copyfile(tiny_serve_q8_jlm, d / "tiny.jlm")
+    shutil.copyfile(tiny_serve_q8_jlm, d / "small.jlm")
+    shutil.copyfile(tiny_thinker_jlm, d / "other.jlm")
+    return d
+
+
+def _completion(url: str, model: str, **jitllm) -> dict:
+    import httpx
+
+    body = {"model": model, "prompt": "a b c a b c a b", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    if jitllm:
+        body["jitllm"] = jitllm
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_served_with_a_draft_model_and_with_prompt_lookup_the_same_text(serve, spec_models) -> None:
+    """serve -draft: the draft model guesses (itself here: nearly every guess taken); a request's jitllm.speculative
+    false turns it off and jitllm.draft_max caps it; the text is the same each way, the figures and stats say what was
+    guessed and taken; -spec off serves with none."""
+    import httpx
+
+    from tests.serving import jitllmd
+
+    server = serve("-models", str(spec_models), "-load", "tiny.jlm", "-id", "tiny", "-draft", "small.jlm", "-sessions", "2")
+    off = serve("-models", str(spec_models), "-load", "tiny.jlm", "-id", "tiny", "-spec", "off")
+    plain = _completion(off.url, "tiny")
+    assert plain["jitllm"]["drafted_tokens"] == 0
+    guessed = _completion(server.url, "tiny")
+    assert guessed["choices"][0]["text"] == plain["choices"][0]["text"]
+    figures = guessed["jitllm"]
+    assert figures["drafted_tokens"] > 0 and figures["accepted_tokens"] >= figures["drafted_tokens"] * 0.9
+    none = _completion(server.url, "tiny", speculative=False)
+    assert none["choices"][0]["text"] == plain["choices"][0]["text"] and none["jitllm"]["drafted_tokens"] == 0
+    capped = _completion(server.url, "tiny", draft_max=1)
+    assert capped["choices"][0]["text"] == plain["choices"][0]["text"] and 0 < capped["jitllm"]["drafted_tokens"] <= 60
+    bad = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "jitllm": {"draft_max": -1}}, timeout=60)
+    assert bad.status_code == 400 and "draft_max" in bad.json()["error"]["message"]
+    stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"][0]
+    assert stats["speculative"] == "draft small.jlm" and int(stats["acceptedTokens"]) > 0
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert "jitllmd:spec_decode_num_accepted_tokens_total" in metrics or "spec_decode_num_accepted_tokens" in metrics
+    shown = jitllmd("stats", "-addr", server.url.removeprefix("http://"))
+    assert "speculative decoding draft small.jlm" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_a_draft_of_another_tokenizer_is_refused_at_load_and_nothing_is_loaded(serve, spec_models) -> None:
+    import httpx
+
+    server = serve("-models", str(spec_models), "-load", "tiny.jlm", "-id", "tiny", "-spec", "off")
+    r = httpx.post(server.url + "/jitllm.v1.ModelService/LoadModel", json={"file": "tiny.jlm", "id": "t2", "draft": "other.jlm"}, timeout=120)
+    assert r.status_code == 400 and "must share the target's tokenizer" in r.text, r.text
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=60).json()["data"] if m["jitllm"]["loaded"]] == ["tiny"]
+    r = httpx.post(server.url + "/jitllm.v1.ModelService/LoadModel", json={"file": "tiny.jlm", "id": "t3", "draft": "../outside.jlm"}, timeout=60)
+    assert r.status_code in (400, 403, 404), r.text  # a draft is found as a model file is: never outside -models
+    r = httpx.post(server.url + "/jitllm.v1.ModelService/LoadModel", json={"file": "tiny.jlm", "id": "t4", "spec": "draft"}, timeout=60)
+    assert r.status_code == 400 and "-draft" in r.json()["message"], r.text
+
+
+def test_the_flags_are_checked_before_anything_loads(spec_models) -> None:
+    from tests.serving import jitllmd
+
+    for args, says in [
+        (("serve", "-models", str(spec_models), "-load", "tiny.jlm", "-spec", "draft"), "-spec draft needs a draft model"),
+        (("serve", "-models", str(spec_models), "-load", "tiny.jlm", "-draft", "nope.jlm"), "nope.jlm: no such model file"),
+        (("serve", "-models", str(spec_models), "-load", "tiny.jlm", "-spec", "maybe"), "-spec must be one of"),
+        (("run", "-model", str(spec_models / "tiny.jlm"), "-draft", str(spec_models / "other.jlm"), "hi"), "must share the target's tokenizer"),
+    ]:
+        r = jitllmd(*args)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = jitllmd("run", "-model", str(spec_models / "tiny.jlm"), "-draft", str(spec_models / "small.jlm"), "-temp", "0", "-n", "40", "-json", "a b c a b c a b")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert out["jitllm"]["drafted_tokens"] > 0
