@@ -16,7 +16,7 @@ from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import Sampler, SamplingParams
-from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, expected_gain
+from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, expected_gain, token_cost
 from tests.test_engine import collect
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -65,6 +65,12 @@ def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again()
     ks = [a.k() for _ in range(PROBE_EVERY)]
     assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1  # off, then one guess to learn the rate again
     assert Adaptive(0, 0.1).k() == 0
+    # a wider step makes a guess dearer: the same rate drafts fewer tokens, or none
+    assert token_cost(0.12, 1) == pytest.approx(0.12) and token_cost(0.12, 8) > 0.5
+    b = Adaptive(8, 0.12)
+    for _ in range(30):
+        b.record(4, 3)
+    assert b.k(1) > b.k(8) > 0 and b.k(32) <= 1
 
 
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------

@@ -1,30 +1,108 @@
-"""A draft model for speculative decoding (engine/speculative.py): a small model of the target's vocabulary that
-guesses greedily, k tokens a step for each drafting row, all rows in one forward of its own per guess.
+"""Drafting for speculative decoding (engine/speculative.py): the Speculator that puts each step's guesses after its
+decode rows' tokens, and what guesses — prompt lookup (NgramDrafter) or a draft model (DraftModel).
 
-It keeps a KV per session of the target's (its own, beside the target's), and the tokens that KV holds: before a
-step's guesses it catches up with the session's tokens (a new prompt, the last step's taken guesses and the token
-the target picked; what it guessed and the target refused is cut off first), then feeds each guess to get the next.
+A draft model is a small model of the target's vocabulary that guesses greedily, k tokens a step for each drafting
+row, all rows in one forward of its own per guess. It keeps a KV per session of the target's (its own, beside the
+target's), and the tokens that KV holds: before a step's guesses it catches up with the session's tokens (a new
+prompt, the last step's taken guesses and the token the target picked; what it guessed and the target refused is cut
+off first), then feeds each guess to get the next.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
 from .kv import RowSpan, SessionKV
 from .loader import LoadedModel
+from .request import Request
+from .scheduler import Row
 from .sessions import Session, common_prefix
+from .speculative import Adaptive, RowSpec, SpecConfig
 
-if TYPE_CHECKING:
-    from .request import Request
-
-__all__ = ["DraftModel", "check_vocabulary"]
+__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary"]
 
 CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
 _PROBES = 4096  # token ids whose strings must agree (spread over the vocabulary), with every special token's
+
+
+class Drafter(Protocol):
+    """Guesses for a step's rows: for each (request, k), up to k tokens to follow its history (prompt, output)."""
+
+    def propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: each row's guesses continue the latest earlier occurrence of its last few tokens."""
+
+    def propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
+        return [req.spec.history(req.prompt_ids, req.output_ids).propose(k) if req.spec is not None else [] for req, k in asks]
+
+
+class Speculator:
+    """A model's speculative decoding: each step, the guesses of its decode rows that draft (Speculator.draft)."""
+
+    def __init__(self, config: SpecConfig, drafter: Drafter, cost: float):
+        self.config = config
+        self.drafter = drafter
+        self.cost = cost
+        self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
+        self.accepted = 0
+
+    def row(self, draft_max: int | None) -> RowSpec:
+        """A new request's state; `draft_max` its own limit (None: the server's)."""
+        most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
+        return RowSpec(Adaptive(most, self.cost))
+
+    def draft(self, rows: list[Row], budget: int) -> list[Row]:
+        """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
+        products and attention per token), taking at most `budget` tokens in all."""
+        asks: list[tuple[int, Request, int]] = []
+        decoding = sum(1 for r in rows if not r.prompt and r.ids)
+        for i, row in enumerate(rows):
+            req = row.req
+            spec = req.spec
+            if spec is None or row.prompt or not row.ids or req.cancel_requested:
+                continue
+            # never past max_tokens (k + 1 tokens may come of it) nor the session's room
+            room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
+            k = min(spec.adaptive.k(decoding), room)
+            if k > 0:
+                asks.append((i, row.req, k))
+                budget -= k
+        if not asks:
+            return rows
+        guesses = self.drafter.propose([(req, k) for _, req, k in asks])
+        out = list(rows)
+        for (i, req, _), guess in zip(asks, guesses):
+            if not guess:
+                continue
+            req.session.token_ids.extend(guess)  # the session's tokens are its KV's: Outputs.verify trims what is refused
+            row = rows[i]
+            out[i] = replace(row, ids=row.ids + list(guess), short=True, logits=1 + len(guess), draft=tuple(guess))
+        return out
+
+    def describe(self) -> str:
+        """What drafts: ngram, or the draft model's file name."""
+        loaded = getattr(self.drafter, "loaded", None)
+        return f"draft {loaded.path.name}" if loaded is not None else "ngram"
+
+    def close(self) -> None:
+        """Let go of what the drafter holds (a draft model's weights and KV)."""
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
+
+    def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        assert req.spec is not None
+        req.spec.adaptive.record(drafted, accepted)
+        req.spec.drafted += drafted
+        req.spec.accepted += accepted
+        self.drafted += drafted
+        self.accepted += accepted
 
 
 def check_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:

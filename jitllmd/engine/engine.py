@@ -14,12 +14,12 @@ from typing import TypeVar
 import torch
 
 from .cluster.link import RankError
-from .draft import DraftModel
+from .draft import Drafter, DraftModel, NgramDrafter, Speculator
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
 from .loader import LoadedModel, load_model
-from .memory.devices import trim_heap
+from .memory.devices import is_remote, trim_heap
 from .memory.jobs import PlacementJobs
 from .memory.placement import HOST, Placement, Room
 from .outputs import Outputs
@@ -28,7 +28,7 @@ from .runner import JointSteps
 from .sampler import Sampler
 from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
-from .speculative import DRAFT_COST, TOKEN_COST, Drafter, NgramDrafter, SpecConfig, Speculator
+from .speculative import DRAFT_COST, TOKEN_COST, SpecConfig
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
 from .tuning.seam import SeamCandidate
@@ -73,9 +73,12 @@ class Engine:
         self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
 
     def _speculator(self, spec: SpecConfig | None, drafter: Drafter | None) -> Speculator | None:
-        """Speculative decoding where `spec` asks for it and the model can: a decoder wholly on one device (a model
-        with host blocks or split runs one request at a time, where a guess's step costs what it saves)."""
+        """Speculative decoding where `spec` asks for it and the model can: a decoder whose blocks are all on this
+        host (another rank's KV is not rolled back with this one's)."""
         if spec is None or spec.kind == "off" or spec.draft_max == 0 or self.loaded.embeds or self.loaded.runner is None:
+            return None
+        placement = self.loaded.placement
+        if placement is not None and any(is_remote(p) for p in placement.places):
             return None
         if spec.kind == "draft":
             if drafter is None:

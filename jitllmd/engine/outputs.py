@@ -7,12 +7,12 @@ import time
 
 import torch
 
+from .draft import Speculator
 from .figures import Figures
 from .loader import LoadedModel
 from .request import Delta, Done, Failed, FinishReason, Request, RequestState
 from .sampler import TokenLogprobs, logprobs_of
 from .scheduler import Row, Scheduler
-from .speculative import Speculator
 from .stats import EngineStats
 from .text import release
 

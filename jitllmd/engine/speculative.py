@@ -2,24 +2,19 @@
 multiplies and attends as a decode row does, so on the kernels' path its logits are decode's, bit for bit), keeps the
 guesses the sampler accepts plus one token of its own, and rolls its KV back past the first rejection (Outputs.verify).
 
-Drafters guess: `ngram` (prompt lookup: the most recent earlier occurrence of the last few tokens of the prompt and
-output, and what followed it; no model) and `draft` (a small model of the same vocabulary, greedy, with its own KV per
-session: engine/draft.py). Each row keeps its own acceptance rate and drafts the k that pays most by it (Adaptive),
-none where none pays; a row that stopped drafting probes again now and then.
+This module: the settings, a row's state and how many tokens it guesses. Each row keeps its own acceptance rate and
+drafts the k that pays most by it (Adaptive), none where none pays; a row that stopped drafting probes again now and
+then. Prompt lookup (`ngram`: the most recent earlier occurrence of the last few tokens of the prompt and output, and
+what followed it) is NgramIndex. engine/draft.py fills a step's guesses (Speculator) from it or from a draft model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
 
 from .config import SPEC_MODES
 
-if TYPE_CHECKING:
-    from .request import Request
-    from .scheduler import Row
-
-__all__ = ["SPEC_MODES", "Adaptive", "Drafter", "NgramIndex", "RowSpec", "SpecConfig", "Speculator", "expected_gain"]
+__all__ = ["SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "expected_gain", "token_cost"]
 
 DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
@@ -39,22 +34,33 @@ def expected_gain(rate: float, k: int, cost: float) -> float:
     return tokens / (1.0 + cost * k)
 
 
+def token_cost(alone: float, rows: int) -> float:
+    """What one more token costs a step of `rows` decode rows, as a fraction of that step's time, given `alone`: its
+    cost to a step of one row. A step takes a + b * tokens (the weights' read, then each token's products and
+    attention), so b / a = alone / (1 - alone), and each extra token adds b to a + b * rows: the wider the step, the
+    dearer a guess, relatively (at 0.12 alone: 0.52 at 8 rows, 0.69 at 16)."""
+    per = alone / (1.0 - alone)
+    return rows * per / (1.0 + rows * per)
+
+
 class Adaptive:
-    """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate, or 0 where
-    none beats a plain step; after PROBE_EVERY steps without drafting, one guess to learn the rate again."""
+    """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate and the
+    step's cost of a token, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to
+    learn the rate again."""
 
     def __init__(self, most: int, cost: float):
         self.most = most
-        self.cost = cost
+        self.cost = cost  # a guessed token's cost to a step of this row alone
         self.rate = PRIOR
         self._idle = 0  # steps since the row last drafted
 
-    def k(self) -> int:
+    def k(self, rows: int = 1) -> int:
         if self.most <= 0:
             return 0
+        cost = token_cost(self.cost, rows)
         best, gain = 0, 1.0
         for k in range(1, self.most + 1):
-            g = expected_gain(self.rate, k, self.cost)
+            g = expected_gain(self.rate, k, cost)
             if g > gain * 1.02:  # a longer draft must pay a little more than noise
                 best, gain = k, g
         if best == 0:
@@ -137,89 +143,13 @@ class RowSpec:
     index: NgramIndex | None = None
     drafted: int = 0
     accepted: int = 0
-    draft: list[int] = field(default_factory=list)  # this step's guesses, verified by Outputs
 
-    def history(self, req: Request) -> NgramIndex:
+    def history(self, prompt_ids: list[int], output_ids: list[int]) -> NgramIndex:
         """The request's prompt lookup index, brought up to date with its output."""
-        seen = len(req.prompt_ids) + len(req.output_ids)
         if self.index is None:
-            self.index = NgramIndex(list(req.prompt_ids) + req.output_ids)
-        elif len(self.index.tokens) < seen:
-            self.index.extend(req.output_ids[len(self.index.tokens) - len(req.prompt_ids) :])
+            self.index = NgramIndex(list(prompt_ids) + output_ids)
+        elif len(self.index.tokens) < len(prompt_ids) + len(output_ids):
+            self.index.extend(output_ids[len(self.index.tokens) - len(prompt_ids) :])
         return self.index
 
 
-class Drafter(Protocol):
-    """Guesses for a step's rows: for each (request, k), up to k tokens to follow its history (prompt, output)."""
-
-    def propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]: ...
-
-
-class NgramDrafter:
-    def propose(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
-        return [req.spec.history(req).propose(k) if req.spec is not None else [] for req, k in asks]
-
-
-class Speculator:
-    """A model's speculative decoding: each step, the guesses of its decode rows that draft (Speculator.draft)."""
-
-    def __init__(self, config: SpecConfig, drafter: Drafter, cost: float):
-        self.config = config
-        self.drafter = drafter
-        self.cost = cost
-        self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
-        self.accepted = 0
-
-    def row(self, draft_max: int | None) -> RowSpec:
-        """A new request's state; `draft_max` its own limit (None: the server's)."""
-        most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
-        return RowSpec(Adaptive(most, self.cost))
-
-    def draft(self, rows: list[Row], budget: int) -> list[Row]:
-        """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
-        products and attention per token), taking at most `budget` tokens in all."""
-        asks: list[tuple[int, Request, int]] = []
-        for i, row in enumerate(rows):
-            req = row.req
-            spec = req.spec
-            if spec is None or row.prompt or not row.ids or req.cancel_requested:
-                continue
-            spec.draft = []
-            # never past max_tokens (k + 1 tokens may come of it) nor the session's room
-            room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
-            k = min(spec.adaptive.k(), room)
-            if k > 0:
-                asks.append((i, row.req, k))
-                budget -= k
-        if not asks:
-            return rows
-        guesses = self.drafter.propose([(req, k) for _, req, k in asks])
-        out = list(rows)
-        for (i, req, _), guess in zip(asks, guesses):
-            if not guess:
-                continue
-            assert req.spec is not None
-            req.spec.draft = list(guess)
-            req.session.token_ids.extend(guess)  # the session's tokens are its KV's: Outputs.verify trims what is refused
-            row = rows[i]
-            out[i] = replace(row, ids=row.ids + list(guess), short=True, logits=1 + len(guess), draft=tuple(guess))
-        return out
-
-    def describe(self) -> str:
-        """What drafts: ngram, or the draft model's file name."""
-        loaded = getattr(self.drafter, "loaded", None)
-        return f"draft {loaded.path.name}" if loaded is not None else "ngram"
-
-    def close(self) -> None:
-        """Let go of what the drafter holds (a draft model's weights and KV)."""
-        close = getattr(self.drafter, "close", None)
-        if close is not None:
-            close()
-
-    def verified(self, req: Request, drafted: int, accepted: int) -> None:
-        assert req.spec is not None
-        req.spec.adaptive.record(drafted, accepted)
-        req.spec.drafted += drafted
-        req.spec.accepted += accepted
-        self.drafted += drafted
-        self.accepted += accepted
