@@ -141,6 +141,40 @@ def batched(url: str, clients: int, max_tokens: int) -> float:
     return sum(g["tokens"] for g in got) / (time.perf_counter() - t0)
 
 
+_COST = """
+import json, statistics, sys, time
+import jitllmd  # noqa: F401  (first, as the CLI runs it)
+import torch
+from jitllmd.engine import kernels
+from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.loader import load_model
+if sys.argv[2] != "-":
+    kernels.use_variant(sys.argv[2])
+loaded = load_model(sys.argv[1], max_seq=1024)
+run = loaded.runner
+kv = loaded.new_kv(1024)
+ids = torch.arange(300) % 1000 + 100
+run.forward(ids, torch.arange(300), [RowSpan(0, 300, kv, prompt=True)], torch.tensor([299]))
+out = {}
+for rnd in range(7):
+    for t in (1, 2, 3, 5, 9):
+        toks = torch.arange(t) + 200
+        t0 = time.perf_counter()
+        run.forward(toks, torch.arange(300, 300 + t), [RowSpan(0, t, kv, short=True)], torch.arange(t))
+        out.setdefault(t, []).append(time.perf_counter() - t0)
+        kv.truncate(300)
+print(json.dumps({t: statistics.median(v) for t, v in out.items()}))
+"""
+
+
+def token_costs(path: Path, kernel: str | None) -> dict[int, float]:
+    """A verifying row of t tokens (a short feed at depth 300) against one token, in its own process: step seconds."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _COST, str(path), kernel or "-"], capture_output=True, text=True, timeout=1800, check=True)
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen-1.5b")
@@ -164,6 +198,14 @@ def main() -> None:
         if not link.exists():
             link.unlink(missing_ok=True)
             link.symlink_to(p.resolve())
+    from jitllmd.embedded import cache_dir
+    from jitllmd.engine.loader import cached_conversion
+
+    for name, p in (("target", target), ("draft", draft)):
+        costs = token_costs(cached_conversion(p, cache_dir()), args.kernel)
+        one_token = costs[1]
+        print(f"{name} {p.name}: a step of one row feeding t tokens, x one token's: "
+              + ", ".join(f"t={t} {v / one_token:.2f}" for t, v in costs.items()) + f" (one token {1000 * one_token:.1f} ms)", flush=True)
     bin_dir = None if args.no_llama else llama_bin()
     configs = [c for c in CONFIGS if not (args.no_llama and c.startswith("llama"))]
     servers: dict[str, Server] = {}

@@ -20,7 +20,7 @@ from .conftest import seeded_cache, write_tiny_gguf, write_tiny_llama
 ROOT = Path(__file__).resolve().parent.parent
 FIGURE_KEYS = {
     "session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids",
-    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token",
+    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token", "drafted_tokens", "accepted_tokens",
 }
 
 

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(temperature=0)
 TIMEOUT = 60.0
 FIGURE_KEYS = {
     "session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids",
-    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token",
+    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token", "drafted_tokens", "accepted_tokens",
 }
 
 

@@ -178,18 +178,21 @@ def test_non_streaming_client_that_leaves_stops_its_generation(tiny_server):
     ended_cancelled(tiny_server, before)
 
 
+ONE_A_STEP = {"jitllm": {"speculative": False}}  # a token a step: no guesses (engine/speculative.py) that would make it several
+
+
 def test_second_request_queues_behind_the_first(tiny_server):
     """-host-concurrency 1: two at once, the second waits for the whole of the first and says so."""
     before = idle(tiny_server)
     results: dict[str, dict] = {}
 
     def first() -> None:  # long enough (~1 s of the tiny model's steps) that a poll finds it running: 200 could end first
-        results["first"] = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "ignore_eos": True}).json()
+        results["first"] = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "ignore_eos": True, **ONE_A_STEP}).json()
 
     t = threading.Thread(target=first)
     t.start()
     wait_for(lambda: running(tiny_server), "the first request to run")
-    second = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "xyz", "max_tokens": 4, "ignore_eos": True}).json()
+    second = post(tiny_server, "/v1/completions", json={"model": "tiny", "prompt": "xyz", "max_tokens": 4, "ignore_eos": True, **ONE_A_STEP}).json()
     t.join(300)
     assert results["first"]["usage"]["completion_tokens"] == 2000 and second["usage"]["completion_tokens"] == 4
     assert second["jitllm"]["queue_depth_on_entry"] == 1  # the first was in the engine when it arrived

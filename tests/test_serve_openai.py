@@ -14,7 +14,7 @@ import pytest
 
 JITLLM_KEYS = {
     "session_id", "queued_ms", "queue_depth_on_entry", "device_blocks", "host_blocks", "device_ids",
-    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token",
+    "prefill_ms", "decode_ms", "decode_tokens_per_second", "bytes_per_token", "drafted_tokens", "accepted_tokens",
 }
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_schemas.json").read_text())["schemas"]
 HELLO = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three prime numbers."}]

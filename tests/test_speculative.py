@@ -33,7 +33,9 @@ def variant(request):
 
 
 def _engine(path, mode: str = "ngram", draft_max: int = 8, max_batch: int = 4) -> Engine:
-    return Engine.load(path, max_batch=max_batch, spec=SpecConfig(mode=mode, draft_max=draft_max), max_seq=512)
+    """The model with `mode`'s drafter: draft is the model itself as its own draft model (nearly every guess taken)."""
+    spec = SpecConfig(mode=mode, draft=str(path) if mode == "draft" else None, draft_max=draft_max)
+    return Engine.load(path, max_batch=max_batch, spec=spec, max_seq=512)
 
 
 def _run(engine: Engine, prompt=PROMPT, n: int = 120, **kw):
@@ -76,12 +78,14 @@ def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again()
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
 @pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm", "tiny_serve_jlm"])
-def test_greedy_tokens_are_decodings_with_guesses_and_without(request, variant, model: str) -> None:
-    """Every kernel variant, llama and Gemma (a window of 8, crossed) quantized, and the f32 llama (torch's products,
-    the same up to f32 rounding: its greedy picks here are the same); the KV left behind is the same bits."""
+def test_greedy_tokens_are_decodings_with_guesses_and_without(request, variant, model: str, drafter: str) -> None:
+    """Every kernel variant and drafter, llama and Gemma (a window of 8, crossed) quantized, and the f32 llama
+    (torch's products, the same up to f32 rounding: its greedy picks here are the same); the KV left behind is the
+    same bits."""
     path = request.getfixturevalue(model)
-    plain, spec = _engine(path, "off"), _engine(path)
+    plain, spec = _engine(path, "off"), _engine(path, drafter, draft_max=3 if drafter == "draft" else 8)
     try:
         a_session, b_session = plain.new_session(), spec.new_session()
         a = _run(plain, session=a_session)

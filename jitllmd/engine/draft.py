@@ -26,7 +26,7 @@ from .speculative import Adaptive, RowSpec, SpecConfig
 __all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary"]
 
 CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
-_PROBES = 4096  # token ids whose strings must agree (spread over the vocabulary), with every special token's
+_PROBES = 4096  # token ids whose strings must agree, spread over the vocabulary (its last one too)
 
 
 class Drafter(Protocol):
@@ -142,10 +142,6 @@ class DraftModel:
     def close(self) -> None:
         self._held.clear()
         self.loaded.close()
-
-    def nbytes(self) -> int:
-        """The draft's weights and its sessions' KV."""
-        return self.loaded.weight_nbytes() + sum(h.kv.nbytes() for h in list(self._held.values()))
 
     def _held_for(self, session: Session) -> _Held:
         held = self._held.get(session)

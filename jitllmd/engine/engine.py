@@ -28,7 +28,7 @@ from .runner import JointSteps
 from .sampler import Sampler
 from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
-from .speculative import DRAFT_COST, TOKEN_COST, SpecConfig
+from .speculative import DRAFT_STEP, TOKEN_COST, SpecConfig
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
 from .tuning.seam import SeamCandidate
@@ -81,10 +81,12 @@ class Engine:
         if placement is not None and any(is_remote(p) for p in placement.places):
             return None
         if spec.kind == "draft":
-            if drafter is None:
+            if not isinstance(drafter, DraftModel):
                 raise ValueError("-spec draft needs a draft model (-draft FILE)")
-            return Speculator(spec, drafter, TOKEN_COST["draft"] + DRAFT_COST)
-        return Speculator(spec, NgramDrafter(), TOKEN_COST["ngram"])
+            # a guess also costs the draft model's step: about its share of the bytes a step reads
+            share = drafter.loaded.decode_bytes() / max(1, self.loaded.decode_bytes())
+            return Speculator(spec, drafter, min(0.9, TOKEN_COST + DRAFT_STEP + share))
+        return Speculator(spec, drafter or NgramDrafter(), TOKEN_COST)
 
     # -- public API -----------------------------------------------------------------------------
 

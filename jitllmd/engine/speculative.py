@@ -20,8 +20,10 @@ DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
 # What one more token in a verifying row costs, as a fraction of a decode step: a row of k + 1 tokens reads the weights
 # once, its products and attention grow with k (measured on 2 cores, SmolLM2 and Qwen2.5 Q8_0/Q4_K_M: bench/speculative.py)
-TOKEN_COST = {"ngram": 0.12, "draft": 0.12}
-DRAFT_COST = 0.08  # ... and a drafted token of a draft model, as a fraction of the target's step (its own forward)
+TOKEN_COST = 0.12
+# A draft model's guess costs besides its share of the weight bytes a target step reads (engine.py): its forward's
+# fixed work (a step of its own, in Python and the kernels' calls)
+DRAFT_STEP = 0.05
 PRIOR = 0.6  # a new row's acceptance rate before it has drafted
 RATE_WEIGHT = 0.15  # weight of the newest observation in a row's running acceptance rate
 PROBE_EVERY = 16  # a row that stopped drafting drafts again after this many steps (what it guesses may have changed)
