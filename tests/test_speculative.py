@@ -16,7 +16,7 @@ from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import Sampler, SamplingParams
-from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, expected_gain, token_cost
+from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, StepCost, expected_gain, token_cost
 from tests.test_engine import collect
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -58,21 +58,34 @@ def test_prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_su
 
 def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again() -> None:
     assert expected_gain(0.0, 3, 0.1) < 1.0 < expected_gain(0.9, 3, 0.1)
-    a = Adaptive(8, 0.12)
+    a = Adaptive(8)
     for _ in range(30):
         a.record(4, 4)
-    assert a.k() >= 4
+    assert a.k(0.12) >= 4
     for _ in range(40):
         a.record(4, 0)
-    ks = [a.k() for _ in range(PROBE_EVERY)]
+    ks = [a.k(0.12) for _ in range(PROBE_EVERY)]
     assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1  # off, then one guess to learn the rate again
-    assert Adaptive(0, 0.1).k() == 0
+    assert Adaptive(0).k(0.0) == 0
     # a wider step makes a guess dearer: the same rate drafts fewer tokens, or none
-    assert token_cost(0.12, 1) == pytest.approx(0.12) and token_cost(0.12, 8) > 0.5
-    b = Adaptive(8, 0.12)
+    assert token_cost(0.33, 1) == pytest.approx(0.25, abs=0.01) and token_cost(0.33, 8) > 0.7
+    b = Adaptive(8)
     for _ in range(30):
         b.record(4, 3)
-    assert b.k(1) > b.k(8) > 0 and b.k(32) <= 1
+    assert b.k(token_cost(0.15, 1)) > b.k(token_cost(0.15, 8)) > 0 and b.k(token_cost(0.15, 32)) <= 1
+
+
+def test_a_steps_cost_per_token_is_fitted_from_the_steps_it_sees() -> None:
+    """Seconds a + b * tokens (with noise): the fit finds b / a once the token counts differ; before, the prior."""
+    cost = StepCost(prior=0.5)
+    for _ in range(20):
+        cost.observe(4, 0.1 + 0.02 * 4)
+    assert cost.per_token() == 0.5  # every step alike: nothing to tell b from a
+    g = torch.Generator().manual_seed(0)
+    for i in range(200):
+        t = 1 + i % 9
+        cost.observe(t, (0.1 + 0.02 * t) * (1 + 0.05 * float(torch.randn(1, generator=g))))
+    assert cost.per_token() == pytest.approx(0.2, rel=0.25)
 
 
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------

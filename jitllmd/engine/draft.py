@@ -21,7 +21,7 @@ from .loader import LoadedModel
 from .request import Request
 from .scheduler import Row
 from .sessions import Session, common_prefix
-from .speculative import Adaptive, RowSpec, SpecConfig
+from .speculative import Adaptive, RowSpec, SpecConfig, StepCost, token_cost
 
 __all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary"]
 
@@ -45,23 +45,30 @@ class NgramDrafter:
 class Speculator:
     """A model's speculative decoding: each step, the guesses of its decode rows that draft (Speculator.draft)."""
 
-    def __init__(self, config: SpecConfig, drafter: Drafter, cost: float):
+    def __init__(self, config: SpecConfig, drafter: Drafter, extra: float = 0.0):
         self.config = config
         self.drafter = drafter
-        self.cost = cost
+        self.extra = extra  # what a guess costs besides the target's step, as a fraction of a one-row step (a draft model's forward)
+        self.steps = StepCost()  # the target's step seconds against its tokens (the engine tells it each step)
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
 
     def row(self, draft_max: int | None) -> RowSpec:
         """A new request's state; `draft_max` its own limit (None: the server's)."""
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
-        return RowSpec(Adaptive(most, self.cost))
+        return RowSpec(Adaptive(most))
+
+    def cost(self, rows: int) -> float:
+        """A guess's cost in a step of `rows` decode rows (token_cost), and the drafter's own: a draft model's forward,
+        whose share of a one-row step shrinks as the target's step widens."""
+        per_token = self.steps.per_token()
+        return min(0.95, token_cost(per_token, rows) + self.extra / (1.0 + rows * per_token))
 
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
         products and attention per token), taking at most `budget` tokens in all."""
         asks: list[tuple[int, Request, int]] = []
-        decoding = sum(1 for r in rows if not r.prompt and r.ids)
+        cost = self.cost(sum(1 for r in rows if not r.prompt and r.ids))
         for i, row in enumerate(rows):
             req = row.req
             spec = req.spec
@@ -69,7 +76,7 @@ class Speculator:
                 continue
             # never past max_tokens (k + 1 tokens may come of it) nor the session's room
             room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
-            k = min(spec.adaptive.k(decoding), room)
+            k = min(spec.adaptive.k(cost), room)
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k

@@ -28,7 +28,7 @@ from .runner import JointSteps
 from .sampler import Sampler
 from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
-from .speculative import DRAFT_STEP, TOKEN_COST, SpecConfig
+from .speculative import DRAFT_STEP, SpecConfig
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
 from .tuning.seam import SeamCandidate
@@ -85,8 +85,8 @@ class Engine:
                 raise ValueError("-spec draft needs a draft model (-draft FILE)")
             # a guess also costs the draft model's step: about its share of the bytes a step reads
             share = drafter.loaded.decode_bytes() / max(1, self.loaded.decode_bytes())
-            return Speculator(spec, drafter, min(0.9, TOKEN_COST + DRAFT_STEP + share))
-        return Speculator(spec, drafter or NgramDrafter(), TOKEN_COST)
+            return Speculator(spec, drafter, DRAFT_STEP + share)
+        return Speculator(spec, drafter or NgramDrafter())
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -383,7 +383,10 @@ class Engine:
         if not batch.spans:
             return torch.empty(0)
         self.stats.step(len(batch.spans), batch.num_prompt)
-        return runner.run(batch, self.joint)
+        logits = runner.run(batch, self.joint)
+        if self.speculator is not None and batch.num_prompt == 0:  # what a guessed token costs a step, measured
+            self.speculator.steps.observe(len(batch.tokens), runner.seconds)
+        return logits
 
     def _after_step(self, hook: Callable[[], None]) -> None:
         """Between steps of this busy model: the server's hook (relocation may bring a host block back)."""

@@ -107,6 +107,7 @@ class ModelRunner:
         self.placement = placement
         self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
         self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, a prompt chunk's products past it
+        self.seconds = 0.0  # the last step's wall time (run)
 
     @property
     def device(self) -> torch.device:
@@ -202,7 +203,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits = self._forward(b.tokens, b.positions, b.spans, b.logits_at) if together else self._forward_each(b)
         self.placement.synchronize()
-        seconds = time.perf_counter() - t0
+        seconds = self.seconds = time.perf_counter() - t0
         joint.record(len(b.spans), together, seconds, decode_only)
         self.placement.costs.end_step(seconds, self.placement.device_weight_bytes())
         return logits

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 from .config import SPEC_MODES
 
-__all__ = ["SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "expected_gain", "token_cost"]
+__all__ = ["SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "StepCost", "expected_gain", "token_cost"]
 
 DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
-# What one more token in a verifying row costs, as a fraction of a decode step: a row of k + 1 tokens reads the weights
-# once, its products and attention grow with k (measured on 2 cores, SmolLM2 and Qwen2.5 Q8_0/Q4_K_M: bench/speculative.py)
-TOKEN_COST = 0.12
+# A step's time as a + b * tokens: b / a before the engine has fitted its own (StepCost). A row of k + 1 tokens reads
+# the weights once, but on a CPU's few cores its products are much of a step: measured 0.21-0.28 a token on 2 Zen 5
+# cores for Qwen2.5-Coder 0.5B and 1.5B Q4_K_M (0.12-0.29 for SmolLM2 Q8_0; the AVX2 kernels the dearer), i.e. b / a
+# about 0.33 (bench/speculative.py prints it)
+PRIOR_PER_TOKEN = 0.33
 # A draft model's guess costs besides its share of the weight bytes a target step reads (engine.py): its forward's
 # fixed work (a step of its own, in Python and the kernels' calls)
 DRAFT_STEP = 0.05
@@ -36,30 +38,54 @@ def expected_gain(rate: float, k: int, cost: float) -> float:
     return tokens / (1.0 + cost * k)
 
 
-def token_cost(alone: float, rows: int) -> float:
-    """What one more token costs a step of `rows` decode rows, as a fraction of that step's time, given `alone`: its
-    cost to a step of one row. A step takes a + b * tokens (the weights' read, then each token's products and
-    attention), so b / a = alone / (1 - alone), and each extra token adds b to a + b * rows: the wider the step, the
-    dearer a guess, relatively (at 0.12 alone: 0.52 at 8 rows, 0.69 at 16)."""
-    per = alone / (1.0 - alone)
-    return rows * per / (1.0 + rows * per)
+def token_cost(per_token: float, rows: int) -> float:
+    """What a guess costs, as a fraction of a decode step of `rows` rows where each row guesses alike, when a step takes
+    a + b * tokens and per_token = b / a: k guesses a row stretch the step from a + b * rows by b * rows * k, so the
+    throughput is E(k) / (1 + k * rows * per_token / (1 + rows * per_token)). The wider the step, the dearer a guess
+    (at b / a = 0.33: 0.25 at one row, 0.73 at 8, 0.84 at 16)."""
+    return rows * per_token / (1.0 + rows * per_token)
+
+
+class StepCost:
+    """b / a of a step's seconds fitted as a + b * tokens over the recent steps without prompt tokens (least squares,
+    older steps weighing less); the prior until the steps seen differ enough in their token counts to tell."""
+
+    DECAY = 0.99  # weight a step loses per later step: about the last hundred count
+    SPREAD = 0.25  # the least variance of the steps' token counts a fit needs
+
+    def __init__(self, prior: float = PRIOR_PER_TOKEN):
+        self.prior = prior
+        self._sums = [0.0] * 5  # weights, and their sums of tokens, tokens^2, seconds, tokens * seconds
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self._sums[i] = self._sums[i] * d + v
+
+    def per_token(self) -> float:
+        w, t, t2, y, ty = self._sums
+        if w < 8 or t2 / w - (t / w) ** 2 < self.SPREAD:
+            return self.prior
+        b = (w * ty - t * y) / (w * t2 - t * t)
+        a = (y - b * t) / w
+        if a <= 0 or b <= 0:  # a fit the noise made: no better than the prior
+            return self.prior
+        return min(4.0, b / a)
 
 
 class Adaptive:
-    """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate and the
-    step's cost of a token, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to
-    learn the rate again."""
+    """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate and a guess's
+    cost, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to learn the rate
+    again."""
 
-    def __init__(self, most: int, cost: float):
+    def __init__(self, most: int):
         self.most = most
-        self.cost = cost  # a guessed token's cost to a step of this row alone
         self.rate = PRIOR
         self._idle = 0  # steps since the row last drafted
 
-    def k(self, rows: int = 1) -> int:
+    def k(self, cost: float) -> int:
         if self.most <= 0:
             return 0
-        cost = token_cost(self.cost, rows)
         best, gain = 0, 1.0
         for k in range(1, self.most + 1):
             g = expected_gain(self.rate, k, cost)
