@@ -64,8 +64,14 @@ def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again()
     assert a.k(0.12) >= 4
     for _ in range(40):
         a.record(4, 0)
-    ks = [a.k(0.12) for _ in range(PROBE_EVERY)]
-    assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1  # off, then one guess to learn the rate again
+    ks = [a.k(0.3) for _ in range(8 * PROBE_EVERY)]
+    assert ks.count(1) == 1 and ks[-1] == 1  # off, then (the refusals having stretched the wait) one guess to learn again
+    a.record(1, 1)  # taken: the next probe comes at the shortest wait
+    ks = [a.k(0.3) for _ in range(PROBE_EVERY)]
+    assert ks.count(1) == 1 and ks[-1] == 1
+    a.record(1, 0)  # refused: the next one waits twice as long
+    ks = [a.k(0.3) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(1) == 1 and ks[-1] == 1
     assert Adaptive(0).k(0.0) == 0
     # a wider step makes a guess dearer: the same rate drafts fewer tokens, or none
     assert token_cost(0.33, 1) == pytest.approx(0.25, abs=0.01) and token_cost(0.33, 8) > 0.7

@@ -10,6 +10,7 @@ off first), then feeds each guess to get the next.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -48,8 +49,9 @@ class Speculator:
     def __init__(self, config: SpecConfig, drafter: Drafter, extra: float = 0.0):
         self.config = config
         self.drafter = drafter
-        self.extra = extra  # what a guess costs besides the target's step, as a fraction of a one-row step (a draft model's forward)
+        self.extra = extra  # what a guess costs besides the target's step, as a fraction of a one-row step, until measured
         self.steps = StepCost()  # the target's step seconds against its tokens (the engine tells it each step)
+        self.guess_s = 0.0  # a drafter's pass (one guess of each drafting row): seconds, a running mean (0: none yet)
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
 
@@ -62,7 +64,9 @@ class Speculator:
         """A guess's cost in a step of `rows` decode rows (token_cost), and the drafter's own: a draft model's forward,
         whose share of a one-row step shrinks as the target's step widens."""
         per_token = self.steps.per_token()
-        return min(0.95, token_cost(per_token, rows) + self.extra / (1.0 + rows * per_token))
+        step = self.steps.seconds(rows)
+        extra = self.guess_s / step if self.guess_s and step else self.extra / (1.0 + rows * per_token)
+        return min(0.95, token_cost(per_token, rows) + extra)
 
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
@@ -82,7 +86,12 @@ class Speculator:
                 budget -= k
         if not asks:
             return rows
+        t0 = time.perf_counter()
         guesses = self.drafter.propose([(req, k) for _, req, k in asks])
+        if self.extra and not getattr(self.drafter, "caught_up", False):  # a model's forwards: what a pass took (not a prompt's catching up)
+            passes = max(k for _, _, k in asks)
+            seconds = (time.perf_counter() - t0) / passes
+            self.guess_s = seconds if not self.guess_s else self.guess_s + 0.2 * (seconds - self.guess_s)
         out = list(rows)
         for (i, req, _), guess in zip(asks, guesses):
             if not guess:
@@ -144,6 +153,7 @@ class DraftModel:
             raise ValueError(f"the draft model {loaded.name} does not generate text")
         check_vocabulary(loaded, target)
         self.loaded = loaded
+        self.caught_up = False  # the last call fed a row more than a few tokens before its guesses (a new prompt)
         self._held: weakref.WeakKeyDictionary[Session, _Held] = weakref.WeakKeyDictionary()  # its KV goes with the session
 
     def close(self) -> None:
@@ -176,6 +186,7 @@ class DraftModel:
             rows.append((held, tokens[n:]))
         guesses: list[list[int]] = [[] for _ in asks]
         feeds = [list(t) for _, t in rows]
+        self.caught_up = any(len(f) > 4 for f in feeds)  # a new prompt to read first: this call is no guess's cost
         for j in range(max(k for _, k in asks)):
             live = [i for i, (_, k) in enumerate(asks) if k > j]
             pending = list(live)

@@ -28,7 +28,7 @@ PRIOR_PER_TOKEN = 0.33
 DRAFT_STEP = 0.05
 PRIOR = 0.6  # a new row's acceptance rate before it has drafted
 RATE_WEIGHT = 0.15  # weight of the newest observation in a row's running acceptance rate
-PROBE_EVERY = 16  # a row that stopped drafting drafts again after this many steps (what it guesses may have changed)
+PROBE_EVERY = 16  # a row that stopped drafting guesses once again after this many steps (twice as many after a refused probe)
 
 
 def expected_gain(rate: float, k: int, cost: float) -> float:
@@ -62,28 +62,42 @@ class StepCost:
         for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
             self._sums[i] = self._sums[i] * d + v
 
-    def per_token(self) -> float:
+    def _fit(self) -> tuple[float, float] | None:
         w, t, t2, y, ty = self._sums
         if w < 8 or t2 / w - (t / w) ** 2 < self.SPREAD:
-            return self.prior
+            return None
         b = (w * ty - t * y) / (w * t2 - t * t)
         a = (y - b * t) / w
-        if a <= 0 or b <= 0:  # a fit the noise made: no better than the prior
-            return self.prior
-        return min(4.0, b / a)
+        return (a, b) if a > 0 and b > 0 else None  # else a fit the noise made: no better than the prior
+
+    def per_token(self) -> float:
+        fit = self._fit()
+        return min(4.0, fit[1] / fit[0]) if fit is not None else self.prior
+
+    def seconds(self, tokens: int) -> float:
+        """A step's seconds at `tokens`: the fit's, else the steps' mean (0 before any)."""
+        fit = self._fit()
+        if fit is not None:
+            return fit[0] + fit[1] * tokens
+        w, _, _, y, _ = self._sums
+        return y / w if w else 0.0
 
 
 class Adaptive:
     """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate and a guess's
     cost, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to learn the rate
-    again."""
+    again (the wait doubling, up to 8 times, while those guesses are refused)."""
 
     def __init__(self, most: int):
         self.most = most
         self.rate = PRIOR
         self._idle = 0  # steps since the row last drafted
+        self._probe = PROBE_EVERY  # steps between probes: doubling while they fail
+        self._run = 0  # the last draft's length where every guess of it was taken, else 0
 
     def k(self, cost: float) -> int:
+        """Guesses are taken in runs (a reply copying its input, a stretch the draft model knows): after a draft taken
+        whole, twice as many where drafting pays at all, however many the running rate alone would say."""
         if self.most <= 0:
             return 0
         best, gain = 0, 1.0
@@ -91,9 +105,11 @@ class Adaptive:
             g = expected_gain(self.rate, k, cost)
             if g > gain * 1.02:  # a longer draft must pay a little more than noise
                 best, gain = k, g
+        if self._run and best:
+            return max(best, min(self.most, 2 * self._run))
         if best == 0:
             self._idle += 1
-            if self._idle >= PROBE_EVERY:
+            if self._idle >= self._probe:
                 self._idle = 0
                 return 1
         return best
@@ -103,6 +119,8 @@ class Adaptive:
         if drafted <= 0:
             return
         self._idle = 0
+        self._run = drafted if accepted == drafted else 0
+        self._probe = PROBE_EVERY if accepted else min(8 * PROBE_EVERY, 2 * self._probe)
         observations = [1.0] * accepted + ([0.0] if accepted < drafted else [])
         for x in observations:
             self.rate += RATE_WEIGHT * (x - self.rate)
