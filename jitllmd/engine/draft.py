@@ -72,7 +72,9 @@ class Speculator:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
         products and attention per token), taking at most `budget` tokens in all."""
         asks: list[tuple[int, Request, int]] = []
-        cost = self.cost(sum(1 for r in rows if not r.prompt and r.ids))
+        decoding = sum(1 for r in rows if not r.prompt and r.ids)
+        cost = self.cost(decoding)
+        probe = decoding == 1 or not self.extra  # a draft model's probe reads the row's prompt first: alone, not in a wide step
         for i, row in enumerate(rows):
             req = row.req
             spec = req.spec
@@ -80,7 +82,7 @@ class Speculator:
                 continue
             # never past max_tokens (k + 1 tokens may come of it) nor the session's room
             room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
-            k = min(spec.adaptive.k(cost), room)
+            k = min(spec.adaptive.k(cost, probe), room)
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k

@@ -95,9 +95,10 @@ class Adaptive:
         self._probe = PROBE_EVERY  # steps between probes: doubling while they fail
         self._run = 0  # the last draft's length where every guess of it was taken, else 0
 
-    def k(self, cost: float) -> int:
+    def k(self, cost: float, probe: bool = True) -> int:
         """Guesses are taken in runs (a reply copying its input, a stretch the draft model knows): after a draft taken
-        whole, twice as many where drafting pays at all, however many the running rate alone would say."""
+        whole, twice as many where drafting pays at all, however many the running rate alone would say. `probe`
+        False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows)."""
         if self.most <= 0:
             return 0
         best, gain = 0, 1.0
@@ -107,7 +108,7 @@ class Adaptive:
                 best, gain = k, g
         if self._run and best:
             return max(best, min(self.most, 2 * self._run))
-        if best == 0:
+        if best == 0 and probe:
             self._idle += 1
             if self._idle >= self._probe:
                 self._idle = 0
