@@ -10,8 +10,10 @@ off first), then feeds each guess to get the next.
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -51,7 +53,7 @@ class Speculator:
         self.drafter = drafter
         self.extra = extra  # what a guess costs besides the target's step, as a fraction of a one-row step, until measured
         self.steps = StepCost()  # the target's step seconds against its tokens (the engine tells it each step)
-        self.guess_s = 0.0  # a drafter's pass (one guess of each drafting row): seconds, a running mean (0: none yet)
+        self._passes: deque[float] = deque(maxlen=9)  # a drafter's recent passes (one guess of each drafting row): seconds
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
 
@@ -65,7 +67,8 @@ class Speculator:
         whose share of a one-row step shrinks as the target's step widens."""
         per_token = self.steps.per_token()
         step = self.steps.seconds(rows)
-        extra = self.guess_s / step if self.guess_s and step else self.extra / (1.0 + rows * per_token)
+        # the passes' median, once there are a few (a draft model's first passes run cold)
+        extra = statistics.median(self._passes) / step if len(self._passes) >= 3 and step else self.extra / (1.0 + rows * per_token)
         return min(0.95, token_cost(per_token, rows) + extra)
 
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
@@ -91,9 +94,7 @@ class Speculator:
         t0 = time.perf_counter()
         guesses = self.drafter.propose([(req, k) for _, req, k in asks])
         if self.extra and not getattr(self.drafter, "caught_up", False):  # a model's forwards: what a pass took (not a prompt's catching up)
-            passes = max(k for _, _, k in asks)
-            seconds = (time.perf_counter() - t0) / passes
-            self.guess_s = seconds if not self.guess_s else self.guess_s + 0.2 * (seconds - self.guess_s)
+            self._passes.append((time.perf_counter() - t0) / max(k for _, _, k in asks))
         out = list(rows)
         for (i, req, _), guess in zip(asks, guesses):
             if not guess:
