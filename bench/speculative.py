@@ -1,5 +1,6 @@
 """Speculative decoding, served, one client: jitllmd without it, with prompt lookup and with a draft model, against
-llama-server without it and with the same draft model; then 8 streaming clients with guesses against without.
+llama-server without it, with its prompt lookup (ngram-simple) and with the same draft model; then 8 streaming clients
+with guesses against without.
 
     python bench/speculative.py                                  # Qwen2.5-Coder-1.5B Q4_K_M, drafted by the 0.5B
     python bench/speculative.py --rounds 2 --kernel avx2+fma     # jitllmd's AVX2 kernels forced (LLAMACPP_ISA=avx2 peer)
@@ -72,7 +73,7 @@ PROMPTS = {
     "edit": "Rename the variable `budget` to `token_budget` in this code. Reply with the whole code and nothing else.\n\n```python\n" + EDIT + "```",
     "chat": "What are the trade-offs between threads and processes for a Python web server? Answer in a few paragraphs.",
 }
-CONFIGS = ("jitllmd", "jitllmd ngram", "jitllmd draft", "llama-server", "llama-server draft")
+CONFIGS = ("jitllmd", "jitllmd ngram", "jitllmd draft", "llama-server", "llama-server ngram", "llama-server draft")
 
 
 def models() -> dict[str, Path]:
@@ -91,9 +92,13 @@ def jitllmd_cmd(models_dir: Path, target: str, draft: str | None, spec: str, por
     return cmd + (["-draft", draft] if draft else [])
 
 
-def llama_cmd(bin_dir: Path, target: Path, draft: Path | None, port: int, threads: int) -> list[str]:
+def llama_cmd(bin_dir: Path, target: Path, draft: Path | None, port: int, threads: int, ngram: bool = False) -> list[str]:
+    """llama-server with one slot; with its draft model (up to 8 guesses, as jitllmd's -draft-max), or its own prompt
+    lookup (`--spec-type ngram-simple`)."""
     cmd = [str(bin_dir / "llama-server"), "-m", str(target), "-np", "1", "-c", "2048", "-t", str(threads), "--no-repack",
            "--host", "127.0.0.1", "--port", str(port)]
+    if ngram:
+        return cmd + ["--spec-type", "ngram-simple"]
     return cmd + (["--model-draft", str(draft), "--spec-draft-n-max", "8", "-td", str(threads)] if draft else [])
 
 
@@ -215,7 +220,8 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             if c.startswith("llama"):
                 assert bin_dir is not None
-                servers[c] = Server(llama_cmd(bin_dir, target, draft if c.endswith("draft") else None, port, args.threads), url, "/health")
+                servers[c] = Server(llama_cmd(bin_dir, target, draft if c.endswith("draft") else None, port, args.threads, c.endswith("ngram")),
+                                    url, "/health")
             else:
                 spec = {"jitllmd": "off", "jitllmd ngram": "ngram", "jitllmd draft": "draft"}[c]
                 servers[c] = Server(jitllmd_cmd(models_dir, target.name, draft.name if spec == "draft" else None, spec, port, args.kernel,

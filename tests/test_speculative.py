@@ -338,3 +338,17 @@ def test_the_flags_are_checked_before_anything_loads(spec_models) -> None:
 
     out = json.loads(r.stdout)
     assert out["jitllm"]["drafted_tokens"] > 0
+
+
+def test_responses_and_anthropic_take_the_requests_say_too(serve, spec_models) -> None:
+    import httpx
+
+    server = serve("-models", str(spec_models), "-load", "tiny.jlm", "-id", "tiny", "-draft", "small.jlm", "-sessions", "2")
+    for path, body in [
+        ("/v1/responses", {"model": "tiny", "input": "a b c a b c a b", "max_output_tokens": 40, "temperature": 0, "ignore_eos": True}),
+        ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "a b c a b c a b"}], "max_tokens": 40, "temperature": 0, "ignore_eos": True}),
+    ]:
+        on = httpx.post(server.url + path, json=body, timeout=120).json()
+        off = httpx.post(server.url + path, json={**body, "jitllm": {"speculative": False}}, timeout=120).json()
+        assert on["jitllm"]["drafted_tokens"] > 0 and off["jitllm"]["drafted_tokens"] == 0, path
+        assert (on.get("output") or on.get("content")) is not None

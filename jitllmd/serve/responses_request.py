@@ -16,9 +16,9 @@ from .reasoning import EFFORTS
 __all__ = ["ResponsesRequest", "item_id", "not_found", "read_request"]
 
 # Fields chat completions reads that a Responses body may carry as they are (vLLM's Responses API takes its sampling
-# and template extensions too).
+# and template extensions too; `jitllm` holds this server's own: speculative, draft_max).
 _CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                "ignore_eos", "chat_template_kwargs", "thinking_token_budget")
+                "ignore_eos", "chat_template_kwargs", "thinking_token_budget", "jitllm")
 _LOGPROBS = "message.output_text.logprobs"
 
 
