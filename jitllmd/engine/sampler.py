@@ -291,7 +291,8 @@ class Sampler:
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         gen = self.generator(probs.device)
         if draft is not None:
-            at = draft if ids is None else int(torch.nonzero(ids == draft)[0]) if bool((ids == draft).any()) else -1
+            hits = None if ids is None else (ids == draft).nonzero()
+            at = draft if hits is None else int(hits[0]) if len(hits) else -1  # where the guess is among the candidates
             if at >= 0:
                 mass = float(probs[at] / probs.sum())
                 if float(torch.rand(1, generator=gen, device=probs.device)) < mass:

@@ -24,8 +24,8 @@ from .prompt import (
     conversation,
     find_target,
     remember,
+    request_options,
     sampling_params,
-    speculation,
     start,
     tool_grammar,
 )
@@ -266,7 +266,6 @@ class Anthropic:
         )
         stop = f.strings("stop_sequences", most=64, single=False)  # Anthropic's is an array, never a string
         stream = f.boolean("stream")
-        ignore_eos = f.boolean("ignore_eos")  # vLLM's extension: keep going past end of sequence (benchmarks)
         forced = _forced_tool(f)
         grammar, grammar_param = None, ""
         if p.tools and forced[0]:  # the reply is a call: the tool grammar wins over the format, as over OpenAI's response_format
@@ -277,9 +276,8 @@ class Anthropic:
             grammar, grammar_param = output[0], output[1] + ".schema"  # a schema the grammar refuses: a 400 naming it
         [constraint] = await constraints(p.served, grammar, 1, grammar_param)
         tokenizer = p.served.engine.loaded.tokenizer
-        spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, ignore_eos=ignore_eos,
-                          request_id=request.state.request_id, constraint=constraint, thinking=p.reasoning.thinking(tokenizer, p.prompt_ids),
-                          **speculation(f))
+        spec = Generation(p.prompt_ids, params, max_tokens=max_tokens, stop=stop, session=p.session, **request_options(f),
+                          request_id=request.state.request_id, constraint=constraint, thinking=p.reasoning.thinking(tokenizer, p.prompt_ids))
         outbox = start(p.served, spec, param="messages")
         tool_names = frozenset(t["function"]["name"] for t in p.tools) if p.tools else None
         reply = _Reply(ident=f"msg_{uuid.uuid4().hex}", model=p.name or p.served.id, tool_names=tool_names, omit=p.omit)

@@ -22,9 +22,9 @@ from .prompt import (
     constraints,
     encode_in_room,
     remember,
+    request_options,
     room_error,
     sampling_params,
-    speculation,
     start,
     tool_grammar,
 )
@@ -49,7 +49,6 @@ class OpenAIGeneration:
     stop: list[str]
     stream: bool
     include_usage: bool
-    ignore_eos: bool
     session: Session | None = None  # a named session (jitllm_session)
     chat: list[dict[str, Any]] | None = None  # the whole conversation, for the session to remember
     tool_names: frozenset[str] | None = None  # the declared tools: replies are parsed for calls to them
@@ -58,7 +57,7 @@ class OpenAIGeneration:
     grammar: GrammarSpec | None = None  # what every reply must be: response_format's JSON, or a forced tool call
     grammar_param: str = "response_format"  # the field that asked for it, for its errors
     reasoning: Reasoning | None = None  # chat: the template's extra variables and, for a model that thinks, its thought
-    speculation: dict[str, Any] = field(default_factory=dict)  # the request's jitllm.speculative / draft_max (Generation's keywords)
+    options: dict[str, Any] = field(default_factory=dict)  # ignore_eos, jitllm.speculative / draft_max: Generation's keywords (request_options)
 
     @property
     def thinks(self) -> bool:
@@ -85,11 +84,11 @@ class OpenAIGeneration:
                     if i and params.seed is not None:
                         params = replace(params, seed=(params.seed + i) % (1 << 64))
                     spec = Generation(
-                        prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session, ignore_eos=self.ignore_eos,
+                        prompt_ids, params, max_tokens=self.max_tokens, stop=self.stop, session=self.session,
                         request_id=request_id + (f"-p{k}" if k else "") + (f"-{i}" if i else ""), prompt_logprobs=self.prompt_logprobs,
                         constraint=matchers[k * self.n + i],
                         thinking=self.reasoning.thinking(self.tokenizer, prompt_ids) if self.reasoning is not None else None,
-                        **self.speculation,
+                        **self.options,
                     )
                     where = f"{param}[{k}]" if len(prompts) > 1 else param
                     outboxes.append(start(self.served, spec, param=where, follows=first.request if first else None, hold=True))
@@ -181,7 +180,6 @@ def parse_common(
         stop=f.strings("stop"),
         stream=f.boolean("stream"),
         include_usage=options.boolean("include_usage") if options else False,
-        ignore_eos=f.boolean("ignore_eos"),
         session=session,
         chat=chat,
         tool_names=frozenset(t["function"]["name"] for t in tools) if tools else None,
@@ -190,7 +188,7 @@ def parse_common(
         grammar=grammar,
         grammar_param=grammar_param,
         reasoning=reasoning,
-        speculation=speculation(f),
+        options=request_options(f),
     )
 
 

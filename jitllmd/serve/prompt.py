@@ -20,7 +20,7 @@ from ..engine.sessions import Session
 from .body import APIError, Fields
 from .outbox import Outbox
 
-__all__ = ["chat_prompt_ids", "render_chat", "encode_at_most", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "speculation", "start", "encode_in_room", "room_error", "BIG", "chars"]
+__all__ = ["chat_prompt_ids", "render_chat", "encode_at_most", "check_room", "check_tool_schema", "constraints", "tool_grammar", "conversation", "find_model", "find_target", "off_loop", "remember", "sampling_params", "request_options", "start", "encode_in_room", "room_error", "BIG", "chars"]
 
 T = TypeVar("T")
 
@@ -187,16 +187,15 @@ def sampling_params(**kw: Any) -> SamplingParams:
         raise APIError(str(exc), param=field) from None
 
 
-def speculation(f: Fields) -> dict[str, Any]:
-    """A request's own say on speculative decoding, in its `jitllm` object: `speculative` (false: none for it) and
-    `draft_max` (the most tokens it guesses a step), as Generation's keywords."""
+def request_options(f: Fields) -> dict[str, Any]:
+    """The fields every dialect takes beyond its own, as Generation's keywords: vLLM's `ignore_eos` (keep going past
+    end of sequence: benchmarks) and, in the `jitllm` object, speculative decoding's say: `speculative` (false: none
+    for this request) and `draft_max` (the most tokens it guesses a step)."""
+    out: dict[str, Any] = {"ignore_eos": f.boolean("ignore_eos")}
     options = f.object("jitllm")
-    if options is None:
-        return {}
-    out: dict[str, Any] = {}
-    if options.has("speculative"):
+    if options is not None and options.has("speculative"):
         out["speculative"] = options.boolean("speculative")
-    if options.has("draft_max"):
+    if options is not None and options.has("draft_max"):
         out["draft_max"] = options.integer("draft_max", low=0, high=64)
     return out
 
