@@ -11,7 +11,7 @@ from jitllmd.engine import kernels
 from jitllmd.engine import kv as kv_module
 from jitllmd.engine.convert import convert
 from jitllmd.engine.jlm import JLMFile
-from jitllmd.engine.kv import RowSpan
+from jitllmd.engine.kv import PAGE, RowSpan
 from jitllmd.engine.loader import load_model
 from jitllmd.engine.request import Generation
 
@@ -59,10 +59,8 @@ def test_the_window_is_shorter_than_the_prompt(pair):
 
 
 def test_a_long_generation_keeps_only_the_window_in_local_layers(pair, monkeypatch):
-    """90 tokens one at a time, and in chunks, through storage that holds a dozen positions of each sliding layer:
-    they drop what no query sees (many times over) and the logits stay transformers'; global layers keep everything."""
-    monkeypatch.setattr(kv_module, "_GROW", 4)
-    monkeypatch.setattr(kv_module, "_ALIGN", 4)
+    """90 tokens one at a time, and in chunks: sliding layers hold at most two pages, letting go of the first once no
+    query sees it, and the logits stay transformers'; global layers keep everything."""
     monkeypatch.setattr(kv_module, "_REWIND", 2)
     loaded, hf = pair
     cfg = loaded.model.cfg
@@ -74,13 +72,14 @@ def test_a_long_generation_keeps_only_the_window_in_local_layers(pair, monkeypat
             out.append(loaded.runner.forward(torch.tensor(part), torch.arange(kv.length, kv.length + len(part)), [RowSpan(0, len(part), kv)]))
             longest = max(longest, len(part))
             for i in range(cfg.num_layers):
-                if cfg.window(i) is not None:  # at most the window, the rewind, an alignment step and the longest chunk
-                    assert kv.k[i].shape[1] <= cfg.sliding_window + 2 + 4 + max(4, longest)
+                if cfg.window(i) is not None:  # the page a query sees and the one being written
+                    assert kv.layer_nbytes(i) <= 2 * PAGE * kv.bytes_per_position() // cfg.num_layers
         assert (torch.cat(out) - ref).abs().max().item() <= TOL
         sliding = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
-        assert all(kv.offsets[i] > 40 for i in sliding) and all(kv.offsets[i] == 0 for i in range(cfg.num_layers) if i not in sliding)
-        assert kv.nbytes() < kv.bytes_per_position() * len(ids)  # less than every layer keeping every position
-        dropped = min(kv.offsets[i] for i in sliding)  # a session rewound to before its window's first kept key cannot go on
+        kv.reserve(kv.length + 1)  # as the next token's step does: the sliding layers let go first
+        assert all(kv.start(i) == PAGE for i in sliding) and all(kv.start(i) == 0 for i in range(cfg.num_layers) if i not in sliding)
+        assert all(kv.layer_nbytes(i) < kv.layer_nbytes(j) for i in sliding for j in range(cfg.num_layers) if j not in sliding)
+        dropped = min(kv.start(i) for i in sliding)  # a session rewound to before its window's first kept key cannot go on
         assert kv.reusable(len(ids) - 1) == len(ids) - 1 and kv.reusable(dropped + cfg.sliding_window - 2) == 0
 
 
@@ -256,8 +255,6 @@ def test_a_session_goes_on_past_its_window_and_rewinds_where_it_can(tiny_gemma_j
     from jitllmd.engine.request import Delta
     from jitllmd.engine.sampler import SamplingParams
 
-    monkeypatch.setattr(kv_module, "_GROW", 4)
-    monkeypatch.setattr(kv_module, "_ALIGN", 4)
     monkeypatch.setattr(kv_module, "_REWIND", 2)
     greedy = SamplingParams(temperature=0)
 
@@ -269,7 +266,7 @@ def test_a_session_goes_on_past_its_window_and_rewinds_where_it_can(tiny_gemma_j
     try:
         session = engine.new_session()
         first, _ = turn(engine, session, [5, 17, 23, 42, 7] * 20)
-        assert session.kv.offsets[0] > 60 and session.kv.k[0].shape[1] <= 8 + 2 + 4 + 100  # dropped what it may; room for its prompt chunk
+        assert session.kv.start(0) == 2 * PAGE and session.kv.layer_nbytes(0) <= session.kv.layer_nbytes(1) // 2  # let go of what it may
         history = list(session.token_ids)
         on, done = turn(engine, session, history + [9, 31])
         assert done.fed_tokens == 2  # the whole prefix reused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -27,8 +28,52 @@ from jitllmd.engine.kernels.ops import (
     rope_rows,
     rows_linear,
 )
+from jitllmd.engine.pages import PAGE
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
+
+
+class _Paged:
+    """A contiguous cache [Hkv, L, D] laid out as the kernels read a session's: pages [pages, Hkv, PAGE, D] in a
+    shuffled order (and two more, NaN, that no table names) through an int32 page table."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, seed: int = 0):
+        Hkv, L, D = keys.shape
+        self.length, num = L, -(-L // PAGE)
+        order = torch.randperm(num + 2, generator=torch.Generator().manual_seed(seed))[:num].tolist()
+        self.table = (ctypes.c_int32 * max(1, num))(*order)
+        self.pages = []
+        for cache in (keys, values):
+            store = torch.full((num + 2, Hkv, PAGE, D), float("nan"), dtype=cache.dtype)
+            for i, page in enumerate(order):
+                run = cache[:, i * PAGE : (i + 1) * PAGE]
+                store[page, :, : run.shape[1]] = run
+            self.pages.append(store)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.table)
+
+    def cache(self, which: int) -> torch.Tensor:
+        """The keys (0) or values (1) back as [Hkv, L, D]."""
+        store = self.pages[which]
+        return torch.cat([store[p] for p in self.table], dim=1)[:, : self.length]
+
+
+def _rows(q, k, v, keys, values, lengths, starts):
+    """attend_rows over each row's cache paged; the new K/V it wrote copied back into the contiguous caches."""
+    paged = [_Paged(kk, vv, seed=r) for r, (kk, vv) in enumerate(zip(keys, values))]
+    out = attend_rows(q, k, v, [p.pages[0] for p in paged], [p.pages[1] for p in paged], lengths, starts, [p.address for p in paged])
+    for p, kk, vv in zip(paged, keys, values):
+        kk.copy_(p.cache(0))
+        vv.copy_(p.cache(1))
+    return out
+
+
+def _chunk(q, keys, values, start, key_start, window, bf16=False):
+    """attend_chunk over the cache paged."""
+    p = _Paged(keys, values, seed=start)
+    return attend_chunk(q, p.pages[0], p.pages[1], p.address, start, key_start, window, bf16)
 
 
 @pytest.mark.parametrize("variant", variants())
@@ -44,18 +89,18 @@ def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str) -> None:
         keys32, values32 = [t.float() for t in keys16], [t.float() for t in values16]
         lengths, starts = [12, 300, 1], [0, 150, 0]
         q, k, v = torch.randn(3, H, D, generator=g), torch.randn(3, Hkv, D, generator=g), torch.randn(3, Hkv, D, generator=g)
-        out16 = attend_rows(q, k, v, keys16, values16, lengths, starts)
-        out32 = attend_rows(q, k.half().float(), v.half().float(), keys32, values32, lengths, starts)
+        out16 = _rows(q, k, v, keys16, values16, lengths, starts)
+        out32 = _rows(q, k.half().float(), v.half().float(), keys32, values32, lengths, starts)
         assert torch.equal(out16, out32)
         for r in range(3):
             assert torch.equal(keys16[r].float(), keys32[r]) and torch.equal(values16[r].float(), values32[r])
         n, start = 70, 100  # a later chunk: its keys span blocks of 64, the last one partial
         qc = torch.randn(n, H, D, generator=g)
         for window in (None, 50):
-            assert torch.equal(attend_chunk(qc, keys16[1], values16[1], start, 0, window), attend_chunk(qc, keys32[1], values32[1], start, 0, window))
+            assert torch.equal(_chunk(qc, keys16[1], values16[1], start, 0, window), _chunk(qc, keys32[1], values32[1], start, 0, window))
         odd16 = torch.randn(1, 40, 12, generator=g).half()  # a head size that is no multiple of 8: the widening's tail
         qo = torch.randn(9, 2, 12, generator=g)
-        assert torch.equal(attend_chunk(qo, odd16, odd16, 3, 0, None), attend_chunk(qo, odd16.float(), odd16.float(), 3, 0, None))
+        assert torch.equal(_chunk(qo, odd16, odd16, 3, 0, None), _chunk(qo, odd16.float(), odd16.float(), 3, 0, None))
     finally:
         use_variant(None)
 
@@ -88,7 +133,7 @@ def test_attend_rows_matches_sdpa_and_writes_the_new_position() -> None:
     values = [torch.randn(Hkv, cap, D, generator=g) for _ in range(3)]
     lengths, starts = [12, 40, 1], [0, 25, 0]  # the second row as under a sliding window
     q, k, v = torch.randn(3, H, D, generator=g), torch.randn(3, Hkv, D, generator=g), torch.randn(3, Hkv, D, generator=g)
-    out = attend_rows(q, k, v, keys, values, lengths, starts)
+    out = _rows(q, k, v, keys, values, lengths, starts)
     for r in range(3):
         at = lengths[r] - 1
         assert torch.equal(keys[r][:, at], k[r]) and torch.equal(values[r][:, at], v[r])
@@ -106,11 +151,11 @@ def test_attend_rows_over_a_long_history(dim: int) -> None:
     H, Hkv, L = 6, 2, 6001  # 3 heads x 6001 scores: 72 KB
     keys, values = [torch.randn(Hkv, L, dim, generator=g) for _ in range(2)], [torch.randn(Hkv, L, dim, generator=g) for _ in range(2)]
     q, k, v = torch.randn(2, H, dim, generator=g), torch.randn(2, Hkv, dim, generator=g), torch.randn(2, Hkv, dim, generator=g)
-    out = attend_rows(q, k, v, keys, values, [L, 37], [5, 0])
+    out = _rows(q, k, v, keys, values, [L, 37], [5, 0])
     kk, vv = keys[0][:, 5:L].repeat_interleave(H // Hkv, 0), values[0][:, 5:L].repeat_interleave(H // Hkv, 0)
     ref = F.scaled_dot_product_attention(q[0][:, None, :][None], kk[None], vv[None])[0, :, 0, :].reshape(-1)
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(attend_rows(q[:1], k[:1], v[:1], keys[:1], values[:1], [L], [5])[0], out[0])
+    assert torch.equal(_rows(q[:1], k[:1], v[:1], keys[:1], values[:1], [L], [5])[0], out[0])
 
 
 @pytest.mark.parametrize(
@@ -131,7 +176,7 @@ def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, wi
     cap = start + n + 5
     keys, values = torch.randn(kv_heads, cap, dim, generator=g), torch.randn(kv_heads, cap, dim, generator=g)
     q = torch.randn(n, heads, dim, generator=g)
-    out = attend_chunk(q, keys, values, start, key_start, window)
+    out = _chunk(q, keys, values, start, key_start, window)
     at, qpos = torch.arange(key_start, start + n), torch.arange(start, start + n)
     mask = at[None] <= qpos[:, None]
     if window:
@@ -141,7 +186,7 @@ def test_attend_chunk_matches_masked_sdpa(n: int, start: int, key_start: int, wi
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1).reshape(n, heads * dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     wide = torch.cat((q.reshape(n, heads * dim), torch.randn(n, 2 * dim, generator=g)), dim=1)  # q as qkv's rows hold it
-    assert torch.equal(attend_chunk(wide[:, : heads * dim].view(n, heads, dim), keys, values, start, key_start, window), out)
+    assert torch.equal(_chunk(wide[:, : heads * dim].view(n, heads, dim), keys, values, start, key_start, window), out)
 
 
 @pytest.mark.parametrize(
@@ -170,9 +215,9 @@ def test_attend_chunk_in_bf16_rounds_its_operands_only(n: int, start: int, key_s
     if not bf16_attention(dim):
         assert bf16_units() != "amx"
         with pytest.raises(ValueError, match="AMX"):
-            attend_chunk(q, keys, values, start, key_start, window, bf16=True)
+            _chunk(q, keys, values, start, key_start, window, bf16=True)
         pytest.skip(f"no AMX tiles here (bf16 units: {bf16_units()})")
-    out = attend_chunk(q, keys, values, start, key_start, window, bf16=True)
+    out = _chunk(q, keys, values, start, key_start, window, bf16=True)
     at, qpos = torch.arange(key_start, start + n), torch.arange(start, start + n)
     mask = at[None] <= qpos[:, None]
     if window:
@@ -183,21 +228,21 @@ def test_attend_chunk_in_bf16_rounds_its_operands_only(n: int, start: int, key_s
     scores = (r(q * dim**-0.5).transpose(0, 1) @ kk.transpose(1, 2)).masked_fill(~mask, float("-inf"))
     ref = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, heads * dim)
     assert (out.double() - ref).abs().max() <= 2**-9 * values[:, : start + n].abs().max() * 1.01
-    assert not torch.equal(out, attend_chunk(q, keys, values, start, key_start, window))  # it did round
+    assert not torch.equal(out, _chunk(q, keys, values, start, key_start, window))  # it did round
     for cut in {1, n // 2, n - 1} - {0, n}:
-        parts = [attend_chunk(q[:cut], keys, values, start, key_start, window, bf16=True),
-                 attend_chunk(q[cut:], keys, values, start + cut, key_start, window, bf16=True)]
+        parts = [_chunk(q[:cut], keys, values, start, key_start, window, bf16=True),
+                 _chunk(q[cut:], keys, values, start + cut, key_start, window, bf16=True)]
         assert torch.equal(torch.cat(parts), out)
     for i in {0, n // 3, n - 1}:
-        assert torch.equal(attend_chunk(q[i : i + 1], keys, values, start + i, key_start, window, bf16=True), out[i : i + 1])
+        assert torch.equal(_chunk(q[i : i + 1], keys, values, start + i, key_start, window, bf16=True), out[i : i + 1])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(attend_chunk(q, keys, values, start, key_start, window, bf16=True), out)
+        assert torch.equal(_chunk(q, keys, values, start, key_start, window, bf16=True), out)
     finally:
         torch.set_num_threads(threads)
     k16, v16 = keys.half(), values.half()
-    assert torch.equal(attend_chunk(q, k16, v16, start, key_start, window, bf16=True), attend_chunk(q, k16.float(), v16.float(), start, key_start, window, bf16=True))
+    assert torch.equal(_chunk(q, k16, v16, start, key_start, window, bf16=True), _chunk(q, k16.float(), v16.float(), start, key_start, window, bf16=True))
 
 
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, 300])

@@ -1,104 +1,128 @@
-"""Session KV storage: a CPU layer's storage is whole from the first reservation (never regrown by copying), the
-positions reserved are what it reports, and moves carry the filled positions."""
+"""Session KV in pages: tables grow a page at a time, pages are shared (forks, the prefix cache) and copied before a
+shared one is written, window groups let go of what no query sees, pages come back when a session goes, and the pool
+grows keeping what it holds."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
-from jitllmd.engine.kv import RoomError, SessionKV
+from jitllmd.engine.kv import PAGE, RoomError, SessionKV
+from jitllmd.engine.pages import PagePool
+
+
+def _pool(windows: list[int | None] = [None, None], pages: int = 4, heads: int = 2, dim: int = 8) -> PagePool:  # noqa: B006
+    return PagePool(heads, dim, torch.float32, [torch.device("cpu")] * len(windows), windows, [pages] * len(dict.fromkeys(windows)))
 
 
 @torch.inference_mode()  # as a forward writes it
-def _fill(kv: SessionKV, start: int, n: int) -> None:
+def _fill(kv: SessionKV, start: int, n: int, base: float = 0.0) -> None:
+    """Positions start .. start + n - 1 of every layer: K = base + position + 1000 * layer, V its negative."""
+    kv.reserve(start + n)
     for i in range(kv.num_layers):
-        for t in range(start, start + n):
-            kv.k[i][:, t] = t + 1000 * i
-            kv.v[i][:, t] = -(t + 1000 * i)
+        k = (base + torch.arange(start, start + n, dtype=torch.float32) + 1000 * i)[:, None, None].expand(n, kv.num_kv_heads, kv.head_dim)
+        kv.write(i, start, k, -k)
     kv.length = start + n
 
 
-def test_cpu_storage_is_whole_once_and_keeps_its_positions() -> None:
-    kv = SessionKV(num_layers=3, num_kv_heads=2, head_dim=8, capacity=3000, dtype=torch.float32)
-    kv.reserve(10)
-    assert kv.nbytes() == 256 * kv.bytes_per_position()  # positions reserved: at least a growth step
-    assert all(k.shape == (2, 3000, 8) for k in kv.k)  # the whole capacity, unwritten pages unmapped
-    addresses = [k.data_ptr() for k in kv.k]
+def _keys(kv: SessionKV, layer: int, lo: int = 0, hi: int | None = None) -> list[float]:
+    return kv.read(layer, lo, kv.length if hi is None else hi)[0][0, :, 0].tolist()
+
+
+def test_pages_come_as_positions_do_and_hold_them() -> None:
+    pool = _pool()
+    kv = SessionKV(pool, capacity=1000)
     _fill(kv, 0, 10)
-    for total in (300, 700, 2999, 3000):
-        kv.reserve(total)
-        assert [k.data_ptr() for k in kv.k] == addresses  # no copy to grow
-    assert kv.nbytes() == 3000 * kv.bytes_per_position()
-    assert kv.k[2][0, 9, 0].item() == 2009 and kv.v[1][1, 4, 3].item() == -1004
+    assert len(kv.pages[0]) == 1 and kv.nbytes() == 2 * PAGE * kv.bytes_per_position() // 2
+    _fill(kv, 10, 300)
+    assert len(kv.pages[0]) == 5 and kv.pages[0] == sorted(kv.pages[0])  # the lowest free pages first
+    assert _keys(kv, 1) == [1000.0 + p for p in range(310)] and kv.read(0, 5, 9)[1][1, :, 3].tolist() == [-5.0, -6.0, -7.0, -8.0]
+    assert pool.capacity == [8] and pool.counts() == (5, 0, 3)  # it doubled once, keeping what it held
     with pytest.raises(RoomError):
-        kv.reserve(3001)
+        kv.reserve(1001)
+    kv.truncate(100)
+    assert len(kv.pages[0]) == 2 and pool.counts() == (2, 0, 6)
+    del kv
+    gc.collect()
+    assert pool.counts() == (0, 0, 8)  # a session dropped gives its pages back
 
 
-def test_moves_carry_the_filled_positions() -> None:
-    kv = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32)
-    kv.reserve(20)
-    _fill(kv, 0, 20)
-    kv.move(1, torch.device("meta"))  # another device: storage for the positions reserved, not the capacity
-    assert kv.k[1].shape == (1, 256, 4) and kv.devices[1].type == "meta"
-    kv.reserve(300)  # it grows by doubling there (and the CPU layer stays as it is)
-    assert kv.k[1].shape == (1, 512, 4) and kv.k[0].shape == (1, 600, 4)
-    back = SessionKV(num_layers=1, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32)
-    back.reserve(20)
-    _fill(back, 0, 20)
-    back.move(0, torch.device("cpu"))  # same place: nothing to do
-    assert back.k[0][0, 19, 0].item() == 19
+def test_a_fork_shares_full_pages_and_a_write_copies_a_shared_one() -> None:
+    pool = _pool()
+    src = SessionKV(pool, 1000)
+    _fill(src, 0, 150)
+    fork = SessionKV(pool, 1000)
+    fork.copy_from(src, 140)
+    assert fork.pages[0][:2] == src.pages[0][:2] and fork.pages[0][2] != src.pages[0][2]  # the partial third page copied
+    assert _keys(fork, 0) == _keys(src, 0, 0, 140)
+    _fill(fork, 140, 10, base=0.5)  # into its own page
+    assert _keys(src, 0, 140) == [float(p) for p in range(140, 150)]
+    fork.truncate(100)  # inside a page it shares: writing there copies it first
+    shared = fork.pages[0][1]
+    _fill(fork, 100, 40, base=0.25)
+    assert fork.pages[0][1] != shared and src.pages[0][1] == shared
+    assert _keys(src, 0, 64, 140) == [float(p) for p in range(64, 140)]
+    assert _keys(fork, 0, 64, 140) == [float(p) for p in range(64, 100)] + [p + 0.25 for p in range(100, 140)]
 
 
-def test_a_window_layer_keeps_about_its_window() -> None:
+def test_the_prefix_cache_finds_a_prompt_by_its_tokens_up_to_each_page() -> None:
+    pool = _pool()
+    prompt = list(range(300))
+    a = SessionKV(pool, 1000)
+    _fill(a, 0, 200)
+    a.publish(prompt[:200])
+    assert len(a.prefix) == 3 and len(pool.prefixes) == 3
+    b = SessionKV(pool, 1000)
+    assert b.adopt(prompt, 0) == 192 and b.pages[0] == a.pages[0][:3] and _keys(b, 1) == _keys(a, 1, 0, 192)
+    c = SessionKV(pool, 1000)
+    assert c.adopt(prompt[:150] + [7] * 100, 0) == 128  # a different third page
+    assert c.adopt(prompt[:129], 0) == 128 and c.adopt(prompt[:128], 0) == 64  # at least the last token is fed
+    assert c.adopt([1] + prompt[1:], 0) == 0  # the first page's tokens differ: nothing after it counts
+    assert pool.hits == 192 + 128 + 128 + 64 and pool.queries == 300 + 250 + 129 + 128 + 300
+    b.publish(prompt[:192])
+    assert len(pool.prefixes) == 3  # the same pages: nothing new
+
+
+def test_cached_pages_outlive_their_session_until_wanted() -> None:
+    pool = _pool(pages=4)
+    a = SessionKV(pool, 1000)
+    _fill(a, 0, 256)
+    a.publish(list(range(256)))
+    del a
+    gc.collect()
+    assert pool.counts() == (0, 4, 0)  # no table holds them; the cache does
+    b = SessionKV(pool, 1000)
+    assert b.adopt(list(range(300)), 0) == 256
+    b.reset()
+    c = SessionKV(pool, 1000)
+    _fill(c, 0, 64)  # no free page: the least recently used entry without children goes (the last page)
+    assert pool.capacity == [4] and len(pool.prefixes) == 3
+    assert SessionKV(pool, 1000).adopt(list(range(300)), 0) == 192
+
+
+def test_a_window_group_lets_go_of_what_no_query_sees() -> None:
     """Layer 0 slides (window 100), layer 1 keeps everything: 1000 positions written a few at a time leave layer 0
-    with storage of its window and growth step, the positions a next query sees still there (moved to the front),
-    and the arithmetic (`bytes_at`, `nbytes`) counting that."""
-    kv = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=4000, dtype=torch.float32, windows=[100, None])
+    holding a few pages, the keys a query at 1000 sees still there; a session cannot rewind to before them."""
+    pool = _pool(windows=[100, None])
+    kv = SessionKV(pool, 4000)
     for start in range(0, 1000, 5):
-        kv.reserve(start + 5)
-        with torch.inference_mode():  # as a forward writes it
-            for i in range(2):
-                for t in range(start, start + 5):
-                    kv.k[i][:, kv.slot(i, t)] = t
-                    kv.v[i][:, kv.slot(i, t)] = -t
-        kv.length = start + 5
-    off = kv.offsets[0]
-    assert 0 < off <= 1000 - 100 and off % 64 == 0 and kv.offsets[1] == 0
-    assert kv.k[0].shape[1] == 100 + 64 + 64 + 256 and kv.k[1].shape[1] == 4000
-    seen = kv.k[0][0, kv.slot(0, 1000 - 100) : kv.slot(0, 1000), 0]
-    assert torch.equal(seen, torch.arange(900, 1000, dtype=torch.float32))  # what a query at 1000 attends
-    assert kv.layer_nbytes(0) == 484 * 32 and kv.layer_nbytes(1) == kv._allocated * 32
-    assert kv.bytes_at(1000) == (100 + 1000) * 32 and kv.bytes_at(50) == 100 * 32
-    assert kv.reusable(1000) == 1000 and kv.reusable(off + 98) == 0
-    kv.move(0, torch.device("meta"))  # the window layer's storage goes as it is
-    assert kv.k[0].shape == (1, 484, 4)
+        _fill(kv, start, 5)
+    assert 0 < kv.start(0) <= 1000 - 100 - 64 and kv.start(0) % PAGE == 0 and kv.start(1) == 0
+    assert len(kv.pages[0]) - kv.first[0] <= 4 and kv.pages[0][: kv.first[0]] == [-1] * kv.first[0]
+    assert _keys(kv, 0, 900, 1000) == [float(p) for p in range(900, 1000)]  # what a query at 1000 attends
+    assert kv.bytes_at(1000) == (100 + 1000) * kv.bytes_per_position() // 2
+    assert kv.reusable(1000) == 1000 and kv.reusable(kv.start(0) + 98) == 0 and not kv.forkable()
     kv.truncate(0)
-    assert kv.offsets == [0, 0]
+    assert kv.first == [0, 0] and pool.counts()[0] == 0
 
 
-def test_a_window_longer_than_the_session_is_no_window() -> None:
-    kv = SessionKV(num_layers=1, num_kv_heads=1, head_dim=4, capacity=64, dtype=torch.float32, windows=[512])
-    assert kv.windows == [None]
-    kv.reserve(10)
-    assert kv.k[0].shape[1] == 64
-
-
-def test_storage_made_inside_a_forward_takes_copies_moves_and_slides_outside_one() -> None:
-    """A forward runs under torch.inference_mode, so KV storage it reserves is an inference tensor; the engine then
-    forks a prompt's KV into it (n > 1), moves it (place -move) and slides a window outside any forward: each must
-    still work (a RuntimeError about inference tensors answered n > 1 chats 500 after a Connect call)."""
-    src = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32, windows=[70, None])
-    dst = SessionKV(num_layers=2, num_kv_heads=1, head_dim=4, capacity=600, dtype=torch.float32, windows=[70, None])
-    with torch.inference_mode():
-        for kv in (src, dst):  # both ran a forward before
-            kv.reserve(40)
-            for i in range(2):
-                kv.k[i][:, :40] = torch.randn(1, 40, 4)
-                kv.v[i][:, :40] = torch.randn(1, 40, 4)
-            kv.length = 40
-    dst.copy_from(src, 30)
-    assert dst.length == 30 and all(torch.equal(dst.k[i][:, :30], src.k[i][:, :30]) for i in range(2))
-    dst.reserve(600)  # the window layer slides its positions in place
-    dst.move(1, torch.device("cpu"))
-    dst.move(0, torch.device("meta"))
-    dst.move(0, torch.device("cpu"), filled=src.filled(0))
+def test_moves_carry_every_sessions_pages() -> None:
+    pool = _pool()
+    kv = SessionKV(pool, 600)
+    _fill(kv, 0, 70)
+    kv.move(1, torch.device("meta"))  # another rank holds layer 1 now: nothing of it here
+    assert pool.k[1].device.type == "meta" and kv.layer_nbytes(1) == 0 and kv.layer_nbytes(0) > 0
+    kv.move(1, torch.device("cpu"), (0, torch.arange(70.0)[None, :, None].expand(2, 70, 8), -torch.arange(70.0)[None, :, None].expand(2, 70, 8)))
+    assert _keys(kv, 1) == [float(p) for p in range(70)] and _keys(kv, 0) == [float(p) for p in range(70)]

@@ -80,8 +80,8 @@ def test_a_short_feed_gives_the_bits_of_one_token_a_step(request, monkeypatch, v
 
     assert same(fed, one_by_one), (variant, (fed - one_by_one).abs().max())
     for layer in range(loaded.model.cfg.num_layers):
-        sa, sb = a.slot(layer, 12 + n), b.slot(layer, 12 + n)
-        assert same(a.k[layer][:, :sa], b.k[layer][:, :sb]) and same(a.v[layer][:, :sa], b.v[layer][:, :sb]), layer
+        (ka, va), (kb, vb) = a.read(layer, 0, 12 + n), b.read(layer, 0, 12 + n)
+        assert same(ka, kb) and same(va, vb), layer
     exact = _history(loaded, 12)  # the same feed as a prompt chunk: the exact path, close but its own bits
     chunked = loaded.runner.forward(torch.tensor(new), torch.arange(12, 12 + n), [RowSpan(0, n, exact, prompt=True)], torch.arange(n))
     assert torch.allclose(chunked, fed, atol=0.05 * fed.abs().max().item())
@@ -126,8 +126,8 @@ def test_a_long_short_feed_takes_a_chunks_products_and_keeps_to_its_own_row(monk
         assert flags == [[False] + [True] * n + [False]] * loaded.model.cfg.num_layers, flags[:2]
         assert torch.equal(mixed[1 : 1 + n], alone) and torch.equal(mixed[0], c_alone[0]) and torch.equal(mixed[-1], d_alone[0])
         for layer_i in range(loaded.model.cfg.num_layers):
-            sa, sb = a.slot(layer_i, 12 + n), b.slot(layer_i, 12 + n)
-            assert torch.equal(a.k[layer_i][:, :sa], b.k[layer_i][:, :sb]) and torch.equal(a.v[layer_i][:, :sa], b.v[layer_i][:, :sb])
+            (ka, va), (kb, vb) = a.read(layer_i, 0, 12 + n), b.read(layer_i, 0, 12 + n)
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
     one_by_one = torch.cat([loaded.runner.forward(torch.tensor([t]), torch.tensor([12 + j]), [RowSpan(0, 1, solo)]) for j, t in enumerate(new)])
     assert torch.allclose(alone, one_by_one, atol=0.05 * one_by_one.abs().max().item())
 
@@ -192,8 +192,7 @@ def test_every_layer_in_one_call_gives_the_bits_of_layer_by_layer(request, monke
         ids = torch.tensor([7, *feed, 11])
         positions = torch.tensor([12, 12, 13, 14, 9])
         logits = loaded.runner.forward(ids, positions, rows, torch.arange(len(ids)))
-        return logits, [(kv.k[i][:, : kv.slot(i, kv.length)].clone(), kv.v[i][:, : kv.slot(i, kv.length)].clone())
-                         for kv in kvs for i in range(loaded.model.cfg.num_layers)]
+        return logits, [tuple(t.clone() for t in kv.read(i, 0, kv.length)) for kv in kvs for i in range(loaded.model.cfg.num_layers)]
 
     by_layer, kv_by_layer = step(False)
     kernel = variant is not None and ops.bf16_units() != "amx"  # AMX's prompt rows attend on its tiles: layer by layer there

@@ -36,6 +36,7 @@ def serve(
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 is the widest step, one row per session (-sessions); 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is one device prefill chunk: 512 on the CPU, 2048 on an accelerator, at most the session room.")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
+    prefix_cache: Annotated[str, typer.Option("-prefix-cache", "--prefix-cache", metavar="on|off", help="Automatic prefix caching: the K/V of every full page of 64 prompt (and reply) positions stays cached under the tokens up to its end, and a later prompt that starts with the same tokens starts from those pages (shared, not copied) instead of feeding them again; usage's cached_tokens counts them. Cached pages no session holds are let go, least recently used first, when a page is wanted.")] = "on",
     spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding: a decode row also feeds tokens guessed for it and keeps those the sampler takes (the same tokens greedy, the same distribution sampled). ngram guesses from the prompt and output (prompt lookup), draft with -draft's model; each row drafts only while its acceptance rate pays. auto: draft where a model has -draft, else ngram.")] = "auto",
     draft: Annotated[list[str] | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model for speculative decoding: a small .jlm (or .gguf) with the same tokenizer as the -load model it goes with, found as -load finds files. With several -load, one -draft each in the same order ('' for none).")] = None,
     draft_max: Annotated[int, typer.Option("-draft-max", "--draft-max", metavar="N", help="The most tokens a row guesses a step (0 turns speculative decoding off); each row drafts fewer while fewer pay.")] = 8,
@@ -75,7 +76,7 @@ def serve(
     plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
-                      spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
+                      prefix_cache=prefix_cache, spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
                       max_choices=max_choices, max_constrained=max_constrained, responses_store=responses_store,
                       responses_store_mem=responses_store_mem, responses_dir=responses_dir)
     try:
@@ -185,7 +186,7 @@ class ServePlan:
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int, spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
+               relocate_horizon: int, prefix_cache: str = "on", spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
                responses_dir: Path | None = None) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
@@ -195,8 +196,9 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
 
     try:
         host, port = parse_addr(addr)
-        if relocate not in ("on", "off"):
-            raise ValueError(f"-relocate {relocate!r}: give on or off")
+        for flag, switch in (("-relocate", relocate), ("-prefix-cache", prefix_cache)):
+            if switch not in ("on", "off"):
+                raise ValueError(f"{flag} {switch!r}: give on or off")
         for flag, value in (("-max-choices", max_choices), ("-max-constrained", max_constrained)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -220,6 +222,7 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             relocate_horizon=relocate_horizon,
             spec=spec,
             draft_max=draft_max,
+            prefix_cache=prefix_cache == "on",
         )
     except ValueError as exc:
         raise fail(_flag_names(str(exc))) from None

@@ -252,6 +252,7 @@ class Catalog:
             prompt_chunk=config.prompt_chunk,
             joint_steps=config.joint_steps,
             spec=spec,
+            prefix_cache=config.prefix_cache,
             on_progress=on_load,
             room=self.relocation,
             cluster=self.cluster,

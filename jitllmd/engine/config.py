@@ -42,6 +42,7 @@ class EngineConfig:
     relocate_horizon: int = 256  # tokens within which a promotion must repay its copy
     spec: str = "auto"  # speculative decoding: auto (a draft model where a model has one, else ngram), ngram, draft, off
     draft_max: int = 8  # the most tokens a row guesses a step
+    prefix_cache: bool = True  # a prompt starts from the K/V pages another request left for the same tokens
 
     def __post_init__(self) -> None:
         if self.maxmem is not None and self.maxmem < 1:

@@ -13,7 +13,9 @@ from typing import TypeVar
 
 import torch
 
+from . import session_file
 from .cluster.link import RankError
+from .cluster.remote import fingerprint
 from .draft import Drafter, DraftModel, NgramDrafter, Speculator
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
@@ -23,6 +25,7 @@ from .memory.devices import is_remote, trim_heap
 from .memory.jobs import PlacementJobs
 from .memory.placement import HOST, Placement, Room
 from .outputs import Outputs
+from .pages import KVPages
 from .request import Done, Embedded, Event, Failed, FinishReason, Generation, Request, RequestState
 from .runner import JointSteps
 from .sampler import Sampler
@@ -46,7 +49,7 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto",
         host_rows: int | None = None, split_rows: int | None = None, room: Room | None = None, spec: SpecConfig | None = None,
-        drafter: Drafter | None = None,
+        drafter: Drafter | None = None, prefix_cache: bool = True,
     ):
         self.loaded = loaded
         self.device_rows = max_batch  # rows of a step while every block is on one device
@@ -54,6 +57,8 @@ class Engine:
         self.split_rows = self.host_rows if split_rows is None else split_rows  # ... while split over devices, none on the host
         self.batching: Batching | None = None  # what load decided for the step's rows and prompt chunk, and why
         self.scheduler = Scheduler(self._rows_now(), prompt_chunk)
+        self.prefix_cache = prefix_cache and loaded.runner is not None  # a decoder's prompts start from cached pages
+        self.scheduler.prefix_cache = self.prefix_cache
         self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
@@ -93,7 +98,7 @@ class Engine:
     @classmethod
     def load(
         cls, path, *, max_batch: int = 1, prompt_chunk: int = 512, joint_steps: str = "auto", row_limit: int = 1,
-        host_rows: int | None = None, split_rows: int | None = None, spec: SpecConfig | None = None, **load_kw,
+        host_rows: int | None = None, split_rows: int | None = None, spec: SpecConfig | None = None, prefix_cache: bool = True, **load_kw,
     ) -> Engine:
         """Load a model on a new engine thread and run its step loop there.
 
@@ -103,7 +108,8 @@ class Engine:
         errors raise here. A model wholly on one device batches up to max_batch rows, 0 for `row_limit` (-sessions: the
         widest step); prompt_chunk 0 is one prefill chunk of the device (engine/tuning/batching.py), decided from counts. A
         model with host blocks runs `host_rows` requests at once (default max_batch); one split over several devices
-        with none on the host, `split_rows` (-device-concurrency; default host_rows).
+        with none on the host, `split_rows` (-device-concurrency; default host_rows). `prefix_cache`: prompts start
+        from the pages another request left with the same tokens (engine/pages.py).
         """
         box: dict = {}
         ready = threading.Event()
@@ -116,7 +122,7 @@ class Engine:
                 try:
                     drafter = cls._draft_model(spec, loaded, load_kw)
                     engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
-                                 split_rows=split_rows, room=load_kw.get("room"), spec=spec, drafter=drafter)
+                                 split_rows=split_rows, room=load_kw.get("room"), spec=spec, drafter=drafter, prefix_cache=prefix_cache)
                 except BaseException:
                     loaded.close()
                     raise
@@ -177,6 +183,36 @@ class Engine:
     def new_session(self, max_seq: int | None = None) -> Session:
         """A named session that keeps its KV cache across requests."""
         return self.sessions.create(self.loaded.name, self.loaded.new_kv(max_seq))
+
+    def save_session(self, session: Session) -> Future[bytes]:
+        """The session as a session file's bytes (engine/session_file.py), once its generation has ended."""
+        return self.run_job(lambda: session_file.dump(session, self.identity()), session)
+
+    def restore_session(self, saved: session_file.SavedSession, sid: str | None = None) -> Future[Session]:
+        """A new named session (id `sid` where free) holding a saved one of this model (ValueError where it is another
+        model's, or too long for this one's context)."""
+        mine, theirs = self.identity(), saved.model
+        if theirs.get("fingerprint") != mine["fingerprint"]:
+            raise ValueError(f"the session was saved from {theirs.get('file')} (weights {theirs.get('fingerprint')}); model {self.loaded.name} is "
+                             f"{mine['file']} (weights {mine['fingerprint']})")
+        if saved.length > self.loaded.context_length:
+            raise ValueError(f"the session holds {saved.length} positions; model {self.loaded.name}'s context is {self.loaded.context_length}")
+        capacity = min(self.loaded.context_length, max(saved.length, int(saved.meta.get("capacity", 0))))
+
+        def work() -> Session:
+            session = self.sessions.create(self.loaded.name, self.loaded.new_kv(capacity), sid)
+            try:
+                session_file.restore_into(session, saved)
+            except BaseException:
+                self.sessions.close(session.id)
+                raise
+            return session
+
+        return self.run_job(work)
+
+    def identity(self) -> dict[str, str]:
+        """What a session file names its model by: the name it is served as, its file and its weights' fingerprint."""
+        return {"name": self.loaded.name, "file": self.loaded.path.name, "fingerprint": fingerprint(self.loaded.jlm)}
 
     def submit(self, spec: Generation, emit: Callable[[Event], None], *, follows: Request | None = None, hold: bool = False) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named), and
@@ -305,6 +341,8 @@ class Engine:
                     rows = self.speculator.draft(rows, self.scheduler.prompt_chunk - sum(len(r.ids) for r in rows if r.prompt))
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
+                if self.prefix_cache:
+                    self._publish(rows)
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang
                 log.warning("%s: step failed: %s", self.loaded.name, exc)
                 for req, _ in scheduled:
@@ -322,6 +360,16 @@ class Engine:
             self.outputs.finish(req, FinishReason.CANCELLED)
         for job in self._jobs:
             job.future.cancel()
+
+    def _publish(self, rows: list[Row]) -> None:
+        """The full pages this step made enter the prefix cache (not where other ranks hold layers: theirs have none)."""
+        runner = self.loaded.runner
+        if runner is not None and runner.placement.remotes:
+            self.scheduler.prefix_cache = False
+            return
+        for row in rows:
+            if row.ids:
+                row.req.session.publish()
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -472,8 +520,19 @@ class Engine:
         return list(seen.values())
 
     def kv_bytes(self) -> int:
-        """Bytes of every KV cache of this model (see _kvs); read from any thread, as a figure."""
-        return sum(kv.nbytes() for kv in self._kvs())
+        """Bytes of the model's KV pages that sessions hold or the prefix cache keeps (a shared page once); read from
+        any thread, as a figure."""
+        runner = self.loaded.runner
+        return runner.kv_pool.nbytes() if runner is not None else 0
+
+    def kv_pages(self) -> KVPages:
+        """The model's KV pages and prefix cache now, as figures."""
+        runner = self.loaded.runner
+        if runner is None:
+            return KVPages(0, 0, 0, 0, 0)
+        pool = runner.kv_pool
+        held, cached, free = pool.counts()
+        return KVPages(held, cached, free, pool.hits, pool.queries)
 
     def _placed(self) -> None:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""

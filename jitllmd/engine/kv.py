@@ -1,78 +1,81 @@
-"""Session KV caches (per block) and the row layout a forward attends with."""
+"""Session KV caches (page tables into the model's pages) and the row layout a forward attends with."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["RoomError", "RowSpan", "SessionKV"]
+from .pages import META, PAGE, PagePool, Prefix
 
-_GROW = 256  # positions added at least per growth: few reallocations, little waste
-# A sliding-window layer drops the positions no query can see any more in steps of this many (a multiple of the bf16
-# attention's key blocks of 32, so a key's block is where it was: the same bits whatever was dropped before it)
-_ALIGN = 64
-# ... and keeps this many positions more than its window needs, so a session rewound a little (a regenerated reply,
-# prefix reuse) still finds the keys its next query sees
+__all__ = ["META", "PAGE", "RoomError", "RowSpan", "SessionKV"]
+
+# A sliding-window layer keeps this many positions more than its window needs, so a session rewound a little (a
+# regenerated reply, prefix reuse) still finds the keys its next query sees
 _REWIND = 64
 _KEYS = itertools.count(1)  # a session KV's key, by which another rank holding some of its layers knows it
-META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
 
 
 class RoomError(ValueError):
     """A prompt or generation does not fit in the session's KV capacity."""
 
 
-class SessionKV:
-    """K and V for every attention block of one session: [num_kv_heads, slots, head_dim] per block.
+def _release(pool: PagePool, pages: list[list[int]]) -> None:
+    for group, held in enumerate(pages):
+        pool.release(group, held)
+        held.clear()
 
-    A session costs what it uses, up to `capacity` (the session's -max-seq): on the CPU a full-attention layer's
-    storage is its whole capacity from the first reservation, whose pages the OS maps only as positions are written (so
-    it never grows by copying, which held the old and the new copy at once: ~150 MB of a 4k-token SmolLM2 session's
-    peak); on another device it grows on demand, doubling. A sliding-window layer (`windows`, one per layer: its
-    window, or None for full attention) keeps only what its queries can still see: positions `offsets[i]` on, slot 0
-    holding position `offsets[i]`; when its storage is full it drops the positions older than its window (moving the
-    rest to the front), so a long generation does not grow it past about its window. `nbytes` counts the positions
-    reserved either way. Each layer's K/V live on its block's place (`devices`, one per layer); `move` carries the
-    filled positions across. A layer whose block is on another rank is on the `meta` device here: its bookkeeping
-    (offsets, slots) goes on as for any layer, and its K/V are that rank's (`remotes`: engine/cluster/remote.py's proxies of
-    the ranks holding some of this cache's layers, told of a copy).
+
+class SessionKV:
+    """K and V for every attention block of one session: a page table per group of layers (engine/pages.py) into the
+    model's pool, position p in page `pages[g][p // PAGE]`.
+
+    A session costs the pages it holds, growing a page at a time up to `capacity` (its -max-seq); pages are shared
+    with other sessions where they hold the same positions (a prompt's cached prefix, a fork), and a shared page is
+    copied before this session writes into it. A sliding-window group (`windows`, one per layer: its window, or None)
+    lets go of the pages no query can see any more (less _REWIND), so a long generation holds about its window.
+    `prefix`: the prefix cache's entries of this session's full pages, in order, as far as they are entered. Each
+    layer's pages are on its block's place (`devices`); a layer on another rank is on `meta` here, its bookkeeping
+    going on as for any layer, its K/V that rank's (`remotes`: engine/cluster/remote.py's proxies of the ranks
+    holding some of this cache's layers, told of a copy). The pages go back to the pool when the session is dropped.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str | list[torch.device] = "cpu",
-        windows: list[int | None] | None = None,
-    ):
+    def __init__(self, pool: PagePool, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.pool = pool
+        self.num_layers = len(pool.windows)
+        self.num_kv_heads, self.head_dim, self.dtype = pool.num_kv_heads, pool.head_dim, pool.dtype
         self.capacity = capacity
-        self.dtype = dtype
-        self.devices = list(device) if isinstance(device, list) else [torch.device(device)] * num_layers
-        # a window at least as long as the session is no window for its storage
-        self.windows = [w if w is not None and w < capacity else None for w in (windows or [None] * num_layers)]
-        if len(self.windows) != num_layers or len(self.devices) != num_layers:
-            raise ValueError(f"windows and devices name {num_layers} layers")
+        self.windows = pool.windows
+        self._group = pool.group
         self._full = self.windows.count(None)  # bytes_at's terms, once: it runs for every decode row of every step
         self._sliding = [w for w in self.windows if w is not None]
-        self.offsets = [0] * num_layers  # the position each layer's slot 0 holds
         self.length = 0  # positions filled
-        self._layer_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # one position of one layer
-        self._allocated = 0  # positions reserved in every full-attention layer
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self._layer_bytes = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()  # one position of one layer
+        groups = len(pool.group_windows)
+        self.pages: list[list[int]] = [[] for _ in range(groups)]  # per group, the page of each PAGE positions (-1: let go)
+        self.first = [0] * groups  # per group, the first page index still held
+        slots = (capacity + PAGE - 1) // PAGE
+        self.tables = [(ctypes.c_int32 * slots)() for _ in range(groups)]  # the kernels' copy of `pages`
+        self._table_at = [ctypes.addressof(t) for t in self.tables]
+        self.prefix: list[Prefix] = []
         self.key = next(_KEYS)
         self.remotes: set[Any] = set()
+        weakref.finalize(self, _release, pool, self.pages)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.pool.devices
+
+    @property
+    def device(self) -> torch.device:
+        """Where the first layer's K/V are (the masks of a forward are built there)."""
+        return self.pool.devices[0]
 
     def bytes_per_position(self) -> int:
         """One position's K/V in every layer."""
@@ -87,136 +90,212 @@ class SessionKV:
         return sum(self.layer_nbytes(i) for i in range(self.num_layers))
 
     def layer_nbytes(self, layer: int) -> int:
-        """Bytes of one layer's K/V storage now (on this rank: none where another holds it)."""
+        """Bytes of the pages this session holds in one layer (on this rank: none where another holds it)."""
         if self.devices[layer] == META:
             return 0
-        if self.windows[layer] is None:
-            return self._allocated * self._layer_bytes  # the positions reserved (a CPU layer maps only those it writes)
-        return self.k[layer].shape[1] * self._layer_bytes if layer < len(self.k) else 0
+        g = self._group[layer]
+        return (len(self.pages[g]) - self.first[g]) * PAGE * self._layer_bytes
 
-    # K/V storage is written inside forwards (torch.inference_mode: what a forward reserves is an inference tensor) and
-    # outside them (forks, moves, slides): each method that writes storage it did not just make runs in inference mode,
-    # where writing either kind of tensor is allowed (reserve itself, called for every row of every step, does not)
+    # -- pages ------------------------------------------------------------------------------------
+
     def reserve(self, total: int) -> None:
-        """Make room for positions up to `total` (grows storage, never past capacity; a window layer first drops what
-        its queries from position `length` on cannot see)."""
+        """Make room for positions up to `total`: pages up to it, the page being written made this session's own; a
+        window group first lets go of what its queries from position `length` on cannot see."""
         if total > self.capacity:
             raise RoomError(f"{total} positions do not fit in the session's {self.capacity}")
-        if total > self._allocated:
-            self._allocated = min(self.capacity, max(total, self._allocated * 2, _GROW))
-        for i in range(self.num_layers):
-            window = self.windows[i]
-            have = self.k[i].shape[1] if i < len(self.k) else 0
-            if window is not None and total - self.offsets[i] > have:
-                self._slide(i, window)
-            need = total - self.offsets[i]
-            if need <= have and i < len(self.k):
-                continue
-            if window is None:
-                size = self.capacity if self.devices[i].type == "cpu" else self._allocated
-            else:
-                size = min(self.capacity, max(need, window + _REWIND + _ALIGN + _GROW))  # a longer chunk than ever: what it needs
-            k, v = self._storage(self.devices[i], size)
-            if i < len(self.k):
-                filled = self.length - self.offsets[i]
-                k[:, :filled] = self.k[i][:, :filled]
-                v[:, :filled] = self.v[i][:, :filled]
-                self.k[i], self.v[i] = k, v
-            else:
-                self.k.append(k)
-                self.v.append(v)
+        pool = self.pool
+        for g, window in enumerate(pool.group_windows):
+            pages, table = self.pages[g], self.tables[g]
+            if window is not None:
+                self._let_go(g, window)
+            tail = self.length // PAGE
+            if self.length % PAGE and pool.shared(g, pages[tail]):  # a page others hold too: written, it is copied
+                page = pool.alloc(g)
+                pool.copy_page(g, pages[tail], page, self.length % PAGE)
+                pool.release(g, [pages[tail]])
+                pages[tail] = table[tail] = page
+            while len(pages) * PAGE < total:
+                page = pool.alloc(g)
+                table[len(pages)] = page
+                pages.append(page)
+
+    def trim(self) -> None:
+        """Window groups let go of the pages no query from `length` on sees (a restored session's, never written)."""
+        for g, window in enumerate(self.pool.group_windows):
+            if window is not None:
+                self._let_go(g, window)
+
+    def _let_go(self, g: int, window: int) -> None:
+        keep = max(0, self.length - window + 1 - _REWIND) // PAGE  # pages before this one hold no key a query sees
+        pages = self.pages[g]
+        if keep > self.first[g]:
+            self.pool.release(g, pages[self.first[g] : keep])
+            for i in range(self.first[g], keep):
+                pages[i] = -1
+            self.first[g] = keep
+
+    def start(self, layer: int) -> int:
+        """The first position whose K/V layer still holds."""
+        return self.first[self._group[layer]] * PAGE
+
+    def table(self, layer: int) -> int:
+        """The address of the int32 page table of layer's group (the kernels read it)."""
+        return self._table_at[self._group[layer]]
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's pages in the pool, K and V [pages, Hkv, PAGE, D]."""
+        return self.pool.k[layer], self.pool.v[layer]
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put k, v [n, Hkv, D] at positions pos .. pos + n - 1 (reserved) of layer."""
+        K, V = self.storage(layer)
+        pages, n, i = self.pages[self._group[layer]], k.shape[0], 0
+        while i < n:
+            at = pos + i
+            page, off = pages[at // PAGE], at % PAGE
+            m = min(n - i, PAGE - off)
+            K[page, :, off : off + m] = k[i : i + m].transpose(0, 1)
+            V[page, :, off : off + m] = v[i : i + m].transpose(0, 1)
+            i += m
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's K/V of positions lo .. hi - 1 (held), contiguous: [Hkv, hi - lo, D] each."""
+        K, V = self.storage(layer)
+        if hi <= lo:
+            empty = K.new_empty((self.num_kv_heads, 0, self.head_dim))
+            return empty, empty
+        a, b = lo // PAGE, (hi + PAGE - 1) // PAGE
+        index = torch.tensor(self.pages[self._group[layer]][a:b], device=K.device)
+        off = lo - a * PAGE
+
+        def gather(store: torch.Tensor) -> torch.Tensor:  # [m, Hkv, PAGE, D] -> [Hkv, m * PAGE, D]
+            run = store.index_select(0, index).transpose(0, 1).reshape(self.num_kv_heads, (b - a) * PAGE, self.head_dim)
+            return run[:, off : off + hi - lo]
+
+        return gather(K), gather(V)
 
     @torch.inference_mode()
-    def _slide(self, layer: int, window: int) -> None:
-        """Drop layer's positions before what a query at `length` sees (less _REWIND, in steps of _ALIGN)."""
-        keep = max(0, self.length - window + 1 - _REWIND) // _ALIGN * _ALIGN
-        drop = keep - self.offsets[layer]
-        if drop <= 0:
-            return
-        n = self.length - keep
-        for cache in (self.k[layer], self.v[layer]):
-            src = cache[:, drop : drop + n]
-            cache[:, :n] = src.clone() if drop < n else src  # overlapping slices: copied out first
-        self.offsets[layer] = keep
-
-    def _storage(self, device: torch.device, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_kv_heads, slots, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=device), torch.empty(shape, dtype=self.dtype, device=device)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the first layer's K/V are (the masks of a forward are built there)."""
-        return self.devices[0]
+    def move(self, layer: int, device: torch.device, filled: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Layer's K/V to `device`, where its block now runs: every session's, as the pool holds them. `filled`: the
+        K/V another rank held for this session (first position, K, V [Hkv, n, D]), written here."""
+        self.pool.move(layer, device)
+        if filled is not None:
+            self.put(layer, *filled)
 
     @torch.inference_mode()
-    def move(self, layer: int, device: torch.device, filled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Carry one layer's K/V (the positions filled) to `device`, where its block now runs: a full-attention
-        layer's storage there for the positions reserved, a window layer's as it was. `filled`: the K/V another rank
-        held (the layer was on `meta` here); to `meta` nothing is copied (the other rank was sent them)."""
-        if self.devices[layer] == device and filled is None:
-            return
-        source = self.devices[layer]
-        self.devices[layer] = device
-        if layer < len(self.k):
-            slots = self.k[layer].shape[1] if self.windows[layer] is not None else self._allocated
-            k, v = self._storage(device, slots)
-            n = self.length - self.offsets[layer]
-            if filled is not None:
-                n = min(n, filled[0].shape[1])
-                k[:, :n] = filled[0][:, :n].to(device)
-                v[:, :n] = filled[1][:, :n].to(device)
-            elif device != META and source != META:
-                k[:, :n] = self.k[layer][:, :n]
-                v[:, :n] = self.v[layer][:, :n]
-            self.k[layer], self.v[layer] = k, v
+    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write layer's K/V of positions start .. start + n - 1 (k, v [Hkv, n, D], from another rank); positions
+        before this session's first held page are skipped."""
+        skip = max(0, self.start(layer) - start)
+        n = min(k.shape[1], self.length - start) - skip
+        if n > 0 and self.devices[layer] != META:
+            device = self.devices[layer]
+            self.write(layer, start + skip, k[:, skip : skip + n].transpose(0, 1).to(device), v[:, skip : skip + n].transpose(0, 1).to(device))
 
     def filled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K/V positions filled, [Hkv, n, D] each (empty before the first reservation)."""
-        if layer >= len(self.k):
-            empty = torch.empty((self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
-            return empty, empty
-        n = self.length - self.offsets[layer]
-        return self.k[layer][:, :n], self.v[layer][:, :n]
+        """One layer's K/V from its first held position (`start`) to the length, [Hkv, n, D] each."""
+        return self.read(layer, self.start(layer), self.length)
 
     def reusable(self, length: int) -> int:
-        """How much of a prefix of `length` positions the cache can go on from: all of it where every window layer
+        """How much of a prefix of `length` positions the cache can go on from: all of it where every window group
         still holds the keys a query at `length` sees, else none (a shorter prefix needs older keys still)."""
-        ok = all(w is None or off == 0 or length - w + 1 >= off for w, off in zip(self.windows, self.offsets))
+        ok = all(w is None or self.first[g] == 0 or length - w + 1 >= self.first[g] * PAGE for g, w in enumerate(self.pool.group_windows))
         return length if ok else 0
 
     def truncate(self, length: int) -> None:
-        """Forget positions from `length` on (prefix reuse, reset); a window layer must still hold what a query at
-        `length` sees (`reusable`)."""
+        """Forget positions from `length` on (prefix reuse, reset, a draft refused): the pages past it go back; a window
+        group must still hold what a query at `length` sees (`reusable`)."""
         length = max(0, min(self.length, length))
         assert self.reusable(length) == length, "a window layer dropped keys the truncated session needs"
+        keep = (length + PAGE - 1) // PAGE
+        for g, pages in enumerate(self.pages):
+            if len(pages) > keep:
+                self.pool.release(g, pages[keep:])
+                del pages[keep:]
+            if length == 0:
+                self.first[g] = 0
+        del self.prefix[length // PAGE :]
         self.length = length
-        if length == 0:
-            self.offsets = [0] * self.num_layers
 
     def reset(self) -> None:
         self.truncate(0)
 
     def forkable(self) -> bool:
-        """Whether copy_from can take this cache's positions: every window layer still holds them from position 0."""
-        return not any(self.offsets)
+        """Whether copy_from can take this cache's positions: every window group still holds them from position 0."""
+        return not any(self.first)
 
     @torch.inference_mode()
     def copy_from(self, src: SessionKV, length: int) -> None:
-        """Become a copy of `src`'s first `length` positions (a prompt run once for several rows); src.forkable()."""
-        assert src.forkable() and length <= src.length and src.num_layers == self.num_layers
+        """Become a copy of `src`'s first `length` positions (a prompt run once for several rows): its full pages
+        shared, the last partial one copied; src.forkable()."""
+        assert src.forkable() and length <= src.length and src.pool is self.pool
         self.reset()
-        self.reserve(length)
-        for i in range(self.num_layers):
-            if self.devices[i] != META:
-                self.k[i][:, :length] = src.k[i][:, :length]
-                self.v[i][:, :length] = src.v[i][:, :length]
-        self.length = length
+        self.map(src.pages, length, src.prefix)
         for remote in src.remotes:  # the layers other ranks hold are copied there
             remote.copy_kv(src, self, length)
 
-    def slot(self, layer: int, position: int) -> int:
-        """Where `position` is in layer's storage."""
-        return position - self.offsets[layer]
+    def map(self, pages: list[list[int]], length: int, prefix: list[Prefix]) -> None:
+        """From empty, hold `pages` (per group, as a table names them; -1: not needed) for `length` positions: full
+        pages shared, a partial last one copied."""
+        assert self.length == 0
+        pool, full = self.pool, length // PAGE
+        for g, src in enumerate(pages):
+            own, table = self.pages[g], self.tables[g]
+            for i in range(full):
+                if src[i] >= 0:
+                    pool.share(g, src[i])
+                own.append(src[i])
+                table[i] = src[i]
+            self.first[g] = next((i for i in range(full) if src[i] >= 0), full)
+            if length % PAGE:
+                page = pool.alloc(g)
+                pool.copy_page(g, src[full], page, length % PAGE)
+                own.append(page)
+                table[full] = page
+        self.prefix = list(prefix[:full])
+        self.length = length
+
+    # -- the prefix cache -------------------------------------------------------------------------
+
+    def publish(self, token_ids: list[int]) -> None:
+        """Enter this session's full pages not yet in the prefix cache (`token_ids`: the tokens its positions hold)."""
+        pool = self.pool
+        while (len(self.prefix) + 1) * PAGE <= self.length:
+            i = len(self.prefix)
+            parent = self.prefix[-1] if self.prefix else None
+            entry = pool.enter(parent, tuple(token_ids[i * PAGE : (i + 1) * PAGE]), [pages[i] for pages in self.pages])
+            self.prefix.append(entry)
+
+    def adopt(self, prompt_ids: list[int], own: int) -> int:
+        """Take the longest cached prefix of `prompt_ids` (but its last token) where it is longer than `own` (what this
+        session already holds of it): its pages, shared. -> the positions held of the prompt now."""
+        pool = self.pool
+        entries: list[Prefix] = []
+        parent = None
+        limit = (len(prompt_ids) - 1) // PAGE
+        while len(entries) < limit:
+            i = len(entries)
+            entry = pool.lookup(parent, tuple(prompt_ids[i * PAGE : (i + 1) * PAGE]))
+            if entry is None:
+                break
+            entries.append(entry)
+            parent = entry
+        # a window group needs the pages its last query sees: fewer entries where it let them go
+        while entries and not all(self._sees(g, w, entries) for g, w in enumerate(pool.group_windows) if w is not None):
+            entries.pop()
+        length = len(entries) * PAGE
+        pool.queries += len(prompt_ids)
+        if length <= own:
+            return own
+        pool.hits += length
+        self.reset()
+        self.map([[e.pages[g] for e in entries] for g in range(len(self.pages))], length, entries)
+        return length
+
+    @staticmethod
+    def _sees(g: int, window: int, entries: list[Prefix]) -> bool:
+        first = max(0, len(entries) * PAGE - window + 1) // PAGE
+        return all(e.pages[g] >= 0 for e in entries[first:])
 
 
 @dataclass

@@ -19,7 +19,7 @@ from .chat import ChatTemplate
 from .figures import Where
 from .grammar import Grammars
 from .jlm import JLMFile
-from .kv import SessionKV
+from .kv import META, PAGE, SessionKV
 from .layers.quant import short_feed
 from .memory.devices import compute_dtype, is_remote, spendable_bytes, trim_heap
 from .memory.pager import BlockReader, Pager
@@ -90,6 +90,13 @@ class LoadedModel:
             raise ValueError(f"max_seq must be >= 1, got {cap}")
         assert self.runner is not None  # a decoder's
         return self.runner.new_kv(min(cap, self.context_length))
+
+    def largest_session_file(self) -> int:
+        """The most bytes a session file of this model takes (engine/session_file.py): K/V of its whole context in
+        every layer, its tokens and conversation, and some."""
+        assert self.runner is not None  # a decoder's
+        pool = self.runner.kv_pool
+        return self.context_length * (len(pool.windows) * pool.page_bytes // PAGE + 64) + (1 << 20)
 
     def where(self) -> Where:
         """Its blocks on devices or the host now, and which devices."""
@@ -215,13 +222,13 @@ def load_model(
     else:
         if kv_dtype is not None:
             model.kv_dtype = kv_dtype
-        sizing = model.new_kv(context)  # storage only as it is reserved: its arithmetic, with the windows it keeps
+        sizing = SessionKV(model.kv_pool([META] * model.cfg.num_layers), context)  # no storage: its arithmetic, with the windows it keeps
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
         kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
         placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
         types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
-        runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()))
+        runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()), sessions=sessions, max_seq=cap)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
         name=name,

@@ -39,6 +39,7 @@ class Scheduler:
         self.prompt_chunk = prompt_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_cache = False  # a prompt may start from the model's cached pages of another session's (engine/pages.py)
 
     def add(self, req: Request) -> None:
         req.queue_depth_on_entry = len(self.waiting) + len(self.running)
@@ -76,7 +77,7 @@ class Scheduler:
             if req.t_first_step is None:
                 req.t_first_step = now
                 scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
-                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids)
+                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids, self.prefix_cache)
                 req.fed = req.cached
                 n = min(n, req.prompt_left)
             prompt = req.state is not RequestState.DECODE

@@ -64,14 +64,22 @@ class Session:
     def position(self) -> int:
         return self.kv.length
 
-    def reuse_prefix(self, prompt_ids: list[int]) -> int:
-        """Keep the longest cached prefix of `prompt_ids` (leaving at least one token to feed); return its length."""
+    def reuse_prefix(self, prompt_ids: list[int], cache: bool = False) -> int:
+        """Keep the longest prefix of `prompt_ids` this session holds, or with `cache` the longer one the model's prefix
+        cache holds (leaving at least one token to feed); return its length."""
         if len(prompt_ids) > self.kv.capacity:
             raise RoomError(f"prompt has {len(prompt_ids)} tokens; the session has room for {self.kv.capacity}")
         n = self.kv.reusable(common_prefix(self.token_ids, prompt_ids[:-1]))
         self.kv.truncate(n)
         del self.token_ids[n:]
+        if cache and (found := self.kv.adopt(prompt_ids, n)) > n:
+            self.token_ids[:] = prompt_ids[:found]
+            n = found
         return n
+
+    def publish(self) -> None:
+        """Enter the full pages of what this session holds in the model's prefix cache."""
+        self.kv.publish(self.token_ids)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -87,10 +95,12 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def create(self, model: str, kv: SessionKV) -> Session:
-        sid = new_session_id()
-        s = Session(sid, model, kv)
+    def create(self, model: str, kv: SessionKV, sid: str | None = None) -> Session:
+        """A new named session: id `sid` where no session has it, else a new one."""
         with self._lock:
+            if sid is None or sid in self._sessions:
+                sid = new_session_id()
+            s = Session(sid, model, kv)
             self._sessions[sid] = s
         return s
 

@@ -92,19 +92,20 @@ class RemoteModel:
         self.seam.crossed(time.perf_counter() - t0, float(answer.get("seconds", 0.0)), x.nbytes + positions.nbytes, out.nbytes)
         return out
 
-    def put_kv(self, kv: SessionKV, layer: int, filled: tuple[torch.Tensor, torch.Tensor], device: str) -> None:
-        """Send one layer's K/V (`filled`) of a session to the rank, where the layer's block now is."""
+    def put_kv(self, kv: SessionKV, layer: int, filled: tuple[int, torch.Tensor, torch.Tensor], device: str) -> None:
+        """Send one layer's K/V of a session (`filled`: its first position, K and V [Hkv, n, D]) to the rank, where the
+        layer's block now is."""
         self._note(kv)
-        doc = {"model": self.handle, "key": kv.key, "capacity": kv.capacity, "length": kv.length, "layer": layer,
-               "offset": kv.offsets[layer], "device": device}
-        self.link.call("kv_put", doc, list(filled))
+        start, k, v = filled
+        doc = {"model": self.handle, "key": kv.key, "capacity": kv.capacity, "length": kv.length, "layer": layer, "start": start, "device": device}
+        self.link.call("kv_put", doc, [k, v])
 
-    def take_kv(self, kv: SessionKV, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One layer's K/V of a session back from the rank (which lets them go); None where it never held them."""
+    def take_kv(self, kv: SessionKV, layer: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """One layer's K/V of a session back from the rank (its first position, K, V); None where it never held them."""
         if kv.key not in self._known:
             return None
         answer, tensors = self.link.call("kv_take", {"model": self.handle, "key": kv.key, "layer": layer, "length": kv.length})
-        return (tensors[0], tensors[1]) if answer.get("found") else None
+        return (int(answer["start"]), tensors[0], tensors[1]) if answer.get("found") else None
 
     def copy_kv(self, src: SessionKV, dst: SessionKV, length: int) -> None:
         """dst's layers there become a copy of src's first `length` positions (kv.copy_from: a prompt run once for

@@ -35,6 +35,7 @@ class _Model:
         self.reader = BlockReader(jlm)
         self.blocks: dict[int, tuple[Any, torch.device]] = {}  # layer -> (block, device)
         self.kvs: dict[int, SessionKV] = {}
+        self.pool = self.model.kv_pool(self.layer_devices())  # its layers' pages; those of layers held elsewhere on meta
 
     def layer_devices(self) -> list[torch.device]:
         return [self.blocks[i][1] if i in self.blocks else META for i in range(self.model.cfg.num_layers)]
@@ -42,7 +43,7 @@ class _Model:
     def kv(self, key: int, capacity: int) -> SessionKV:
         kv = self.kvs.get(key)
         if kv is None:
-            kv = self.kvs[key] = self.model.new_kv(capacity, self.layer_devices())
+            kv = self.kvs[key] = SessionKV(self.pool, capacity)
         return kv
 
     def close(self) -> None:
@@ -107,6 +108,7 @@ class Worker:
         if op == "drop":
             for name in doc["blocks"]:
                 m.blocks.pop(_layer(name), None)
+                m.pool.move(_layer(name), META)
             release_host_memory()
             return {}, []
         if op == "run":
@@ -116,21 +118,19 @@ class Worker:
         if op == "kv_put":
             kv = m.kv(doc["key"], doc["capacity"])
             length, layer = int(doc["length"]), int(doc["layer"])
-            if not kv.k:
-                kv.reserve(max(1, length))
+            if kv.length < length:
+                kv.reserve(length)
             kv.length = length
-            kv.offsets[layer] = int(doc["offset"])
-            kv.move(layer, torch.device(doc["device"]), (tensors[0], tensors[1]))
+            kv.move(layer, torch.device(doc["device"]), (int(doc["start"]), tensors[0], tensors[1]))
             return {}, []
         if op == "kv_take":
             held = m.kvs.get(doc["key"])
             layer = int(doc["layer"])
-            if held is None or layer >= len(held.k) or held.devices[layer] == META:
+            if held is None or held.devices[layer] == META:
                 return {"found": False}, []
-            held.length = min(held.length, int(doc["length"]))
+            held.truncate(min(held.length, int(doc["length"])))
             k, v = (t.clone() for t in held.filled(layer))
-            held.move(layer, META)
-            return {"found": True}, [k, v]
+            return {"found": True, "start": held.start(layer)}, [k, v]
         if op == "kv_copy":
             src = m.kvs.get(doc["src"])
             if src is not None:
@@ -171,11 +171,8 @@ class Worker:
             m.blocks.pop(layer, None)  # on another of this rank's devices before: let it go first
             parts = {part: t.to(device) for part, t in m.reader.read(name, m.model.layouts[name]).items()}
             m.blocks[layer] = (m.model.build(name, parts, device, False), device)
-        for kv in m.kvs.values():  # a cache made before these blocks came: their layers, none filled yet, go there too
-            for name in names:
-                layer = _layer(name)
-                if kv.devices[layer] == META and (layer >= len(kv.k) or kv.length == kv.offsets[layer]):
-                    kv.move(layer, device)
+        for name in names:  # their layers' pages come here too
+            m.pool.move(_layer(name), device)
         return {}
 
     def _run(self, m: _Model, doc: dict[str, Any], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -191,14 +188,10 @@ class Worker:
             if kv.length != length:
                 if length > kv.length:
                     raise ValueError(f"session KV {key} is at {kv.length} positions here, {length} on rank 0")
-                kv.length = length  # rank 0 rewound it (prefix reuse, a reset): what follows is written again
-                if length == 0:
-                    kv.offsets = [0] * kv.num_layers
+                kv.truncate(length)  # rank 0 rewound it (prefix reuse, a reset): what follows is written again
             for i in range(first, last + 1):
                 if kv.devices[i] != m.blocks[i][1]:
-                    if i < len(kv.k) and kv.length > kv.offsets[i]:
-                        raise ValueError(f"session KV {key} has no K/V of layer {i} here")
-                    kv.move(i, m.blocks[i][1])
+                    m.pool.move(i, m.blocks[i][1])
             rows.append(RowSpan(int(start), int(n), kv, bool(prompt), bool(short), bool(many)))
         for row in rows:
             row.kv.reserve(row.kv.length + row.num_tokens)

@@ -176,7 +176,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gated_rows.restype = None
     lib.rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rope_rows.restype = None
-    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.attend_chunk.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4, ctypes.c_void_p, *[ctypes.c_int64] * 3,
+                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attend_chunk.restype = ctypes.c_int
     lib.attend_chunk_bf16.argtypes = lib.attend_chunk.argtypes
     lib.attend_chunk_bf16.restype = ctypes.c_int

@@ -104,10 +104,11 @@ def panel_linear(
 KV_DTYPES = (torch.float32, torch.float16)  # the caches the attention kernels read
 
 
-def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]) -> list[int]:
-    """Single-token rows' caches as layer.c reads them: five int64 arrays [R] (keys' and values' addresses, lengths,
-    starts, strides), one after another. Every cache is [Hkv, stride, D] contiguous on the CPU."""
-    return [*(t.data_ptr() for t in keys), *(t.data_ptr() for t in values), *lengths, *starts, *(t.shape[1] for t in keys)]
+def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[int]) -> list[int]:
+    """Single-token rows' caches as layer.c reads them: five int64 arrays [R] (keys' and values' pages' addresses,
+    lengths, starts, page tables' addresses), one after another. Every cache is a layer's pages [pages, Hkv, PAGE, D]
+    contiguous on the CPU, read through the row's int32 page table (engine/pages.py)."""
+    return [*(t.data_ptr() for t in keys), *(t.data_ptr() for t in values), *lengths, *starts, *tables]
 
 
 def _kv16(caches: list[torch.Tensor]) -> int:
@@ -121,35 +122,38 @@ class _RowMeta:
     """Single-token rows' caches as attend_rows takes them (_row_meta) in one ctypes array (a few times cheaper than a
     tensor of it), and whether the caches are f16."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]):
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[int]):
         self.kv16 = _kv16([*keys, *values])
-        self.array = (ctypes.c_int64 * (5 * len(keys)))(*_row_meta(keys, values, lengths, starts))
+        self.array = (ctypes.c_int64 * (5 * len(keys)))(*_row_meta(keys, values, lengths, starts, tables))
         at, step = ctypes.addressof(self.array), 8 * len(keys)
         self.pointers = [at + i * step for i in range(5)]
 
 
 def attend_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int],
+    tables: list[int],
 ) -> torch.Tensor:
     """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] f32 go to position lengths[r] - 1
-    of keys[r], values[r] ([Hkv, stride, D] contiguous, f32 or f16 (rounded to nearest): its session's cache); then
-    q[r] [H, D] f32 attends to positions starts[r] .. lengths[r] - 1. -> [R, H * D] f32."""
+    of its session's cache: keys[r], values[r] (a layer's pages [pages, Hkv, PAGE, D] contiguous, f32 or f16 (rounded
+    to nearest)) through the int32 page table at address tables[r]; then q[r] [H, D] f32 attends to positions
+    starts[r] .. lengths[r] - 1. -> [R, H * D] f32."""
     lib = _lib()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_rows, num_heads, dim = q.shape
     out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
-    meta = _RowMeta(keys, values, lengths, starts)
-    if lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *meta.pointers, num_rows, num_heads, keys[0].shape[0], dim,
+    meta = _RowMeta(keys, values, lengths, starts, tables)
+    if lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *meta.pointers, num_rows, num_heads, keys[0].shape[1], dim,
                        dim**-0.5, meta.kv16, torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for its scores")
     return out
 
 
-def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, key_start: int, window: int | None,
+def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: int, start: int, key_start: int, window: int | None,
                  bf16: bool = False) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
-    start + n - 1, whose keys and values are already in keys, values ([Hkv, stride, D] contiguous, f32 or f16, D a
-    multiple of 4); query i sees positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32.
+    start + n - 1, whose keys and values are already in the cache: keys, values (a layer's pages [pages, Hkv, PAGE, D]
+    contiguous, f32 or f16, D a multiple of 4) through the int32 page table at address `table`; query i sees
+    positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32.
     With `bf16` (where `bf16_attention()`; D a multiple of 32): a bf16 model's rounding on AMX tiles (attend_bf16.c:
     q and the keys rounded for the scores, the softmax's weights and the values for their product, sums in f32)."""
     lib = _lib()
@@ -158,7 +162,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     n, heads, dim = q.shape
     out = torch.empty((n, heads * dim), dtype=torch.float32)
     failed = (lib.attend_chunk_bf16 if bf16 else lib.attend_chunk)(
-        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[0], dim, keys.shape[1],
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[1], dim, table,
         start, key_start, window or 0, dim**-0.5, int(keys.dtype == torch.float16), torch.get_num_threads(),
     )
     if failed == -2:
@@ -423,22 +427,23 @@ class QuantLayer:
 
 
 def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], keys: list[list[torch.Tensor]],
-                 values: list[list[torch.Tensor]], lengths: list[list[int]], starts: list[list[int]], many: list[bool] | None = None) -> torch.Tensor:
+                 values: list[list[torch.Tensor]], lengths: list[list[int]], starts: list[list[int]], tables: list[list[int]],
+                 many: list[bool] | None = None) -> torch.Tensor:
     """Each of `layers`' decode step in turn, in one call (layer.c's decode_stack over its decode_layer: a step returns
     to Python once, not once a layer). For R single-token rows x [R, hidden] f32 -> [R, hidden]: norm, qkv, the q/k
     norms (Gemma's), RoPE (rope[l]: cos, sin [R, 1, D] as rope_rows takes them), each row's attention against its cache
-    (keys[l][r], values[l][r] [Hkv, stride, D] f32 or f16, its new K/V written at lengths[l][r] - 1, keys from
-    starts[l][r]), o (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the
+    (keys[l][r], values[l][r]: layer l's pages, f32 or f16, through the page table at tables[l][r] (attend_rows), its
+    new K/V written at lengths[l][r] - 1, keys from starts[l][r]), o (normed, Gemma's) and the residual, norm, gate_up, the gate and down (normed) and the residual: the
     calls the Python path makes, with the same bits. `many`: per row, whether its products are a prompt chunk's
     (bf16_runs' where the CPU has bf16 units, else the int8 GEMM's: gemm_runs) rather than the few-row kernel's (a
     short feed past `rows_feed`); None: none are."""
     lib = _lib()
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layers[0].hidden
-    assert len(rope) == len(keys) == len(values) == len(lengths) == len(starts) == len(layers) and (many is None or len(many) == R)
+    assert len(rope) == len(keys) == len(values) == len(lengths) == len(starts) == len(tables) == len(layers) and (many is None or len(many) == R)
     kv16 = _kv16([t for ks, vs in zip(keys, values) for t in (*ks, *vs)])
     rope = [(c.contiguous(), s.contiguous()) for c, s in rope]
-    meta = (ctypes.c_int64 * (5 * R * len(layers)))(*(v for ks, vs, ls, ss in zip(keys, values, lengths, starts) for v in _row_meta(ks, vs, ls, ss)))
+    meta = (ctypes.c_int64 * (5 * R * len(layers)))(*(v for ks, vs, ls, ss, ts in zip(keys, values, lengths, starts, tables) for v in _row_meta(ks, vs, ls, ss, ts)))
     addresses = (ctypes.c_void_p * len(layers))(*(layer.address for layer in layers))
     cos = (ctypes.c_void_p * len(layers))(*(c.data_ptr() for c, _ in rope))
     sin = (ctypes.c_void_p * len(layers))(*(s.data_ptr() for _, s in rope))

@@ -88,7 +88,7 @@ ROWS_KERNEL(rows_bf16, dot_bf16, uint16_t)
 typedef struct {
     const float *q;
     float *out;
-    const int64_t *k_ptrs, *v_ptrs, *lengths, *starts, *strides;
+    const int64_t *k_ptrs, *v_ptrs, *lengths, *starts, *tables;
     int64_t H, group, D;
     float scale;
     _Atomic int failed; /* set by an item that found no memory for its scores */
@@ -111,19 +111,18 @@ static inline __m256 hsum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
 }
 
-#define KEYS_PER_BLOCK 64 /* keys whose K (or V) rows stay in L1 while every query head of their kv head reads them */
-
 /* One (row, kv head) of attend_rows: for each of the kv head's `group` query heads, softmax(q K^T * scale) V over the
  * row's keys, for an f16 or f32 cache and a head size DC known at compile time (64, 128) or 0 (a->D, any multiple of
- * 8). The heads take each block of keys in turn while it is in L1, so K and V come from memory once for all of them.
+ * 8). The heads take each block of keys (a page's, KV_PAGE at most) in turn while it is in L1, so K and V come from
+ * memory once for all of them.
  * Each score is hsum of its own lane-wise sums over D, eight keys reduced at once (hsum8); e^x is exp8_neg's (within
  * 2 ulp of libm's expf, eight keys at a time: libm's one key at a time was most of a decode step's attention); each
  * head's weighted values are summed key by key in order (in registers within a block where DC is known): the same
  * bits as one head and one key at a time. */
 static inline __attribute__((always_inline)) void attend_group(attend_job *a, int64_t item, const int f16, const int64_t DC) {
-    const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv, head = h * a->strides[r] * D;
-    const void *K = f16 ? (const void *)((const uint16_t *)a->k_ptrs[r] + head) : (const void *)((const float *)a->k_ptrs[r] + head);
-    const void *V = f16 ? (const void *)((const uint16_t *)a->v_ptrs[r] + head) : (const void *)((const float *)a->v_ptrs[r] + head);
+    const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv;
+    const int32_t *table = (const int32_t *)a->tables[r];
+    const void *K = (const void *)a->k_ptrs[r], *V = (const void *)a->v_ptrs[r];
     const float *q = a->q + (r * a->H + h * g) * D; /* the group's query heads, adjacent */
     float *out = a->out + (r * a->H + h * g) * D;
     const int64_t s = a->starts[r], L = a->lengths[r], n = L - s;
@@ -137,12 +136,13 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
     }
     float *best = (float *)__builtin_alloca((size_t)g * sizeof(float));
     /* an f16 cache's block of keys (then of values) widened once, exactly, for every head to read */
-    float *wide = f16 ? (float *)__builtin_alloca((size_t)(KEYS_PER_BLOCK * D) * sizeof(float)) : NULL;
+    float *wide = f16 ? (float *)__builtin_alloca((size_t)(KV_PAGE * D) * sizeof(float)) : NULL;
     for (int64_t jj = 0; jj < g; jj++) best[jj] = -INFINITY;
-    for (int64_t b0 = s; b0 < L; b0 += KEYS_PER_BLOCK) {
-        const int64_t b1 = b0 + KEYS_PER_BLOCK < L ? b0 + KEYS_PER_BLOCK : L;
-        const float *kb = f16 ? wide : (const float *)K + b0 * D; /* key i's row at kb + (i - b0) * D */
-        if (f16) widen_f16(wide, (const uint16_t *)K + b0 * D, (b1 - b0) * D);
+    for (int64_t b0 = s, b1; b0 < L; b0 = b1) {
+        b1 = kv_run(b0, L);
+        const int64_t at = kv_at(table, Hkv, h, b0, D);
+        const float *kb = f16 ? wide : (const float *)K + at; /* key i's row at kb + (i - b0) * D */
+        if (f16) widen_f16(wide, (const uint16_t *)K + at, (b1 - b0) * D);
         for (int64_t jj = 0; jj < g; jj++) {
             const float *qj = q + jj * D;
             float *pj = p + jj * n; /* key i's score at pj[i - s] */
@@ -193,10 +193,11 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
         inv[jj] = 1.0f / total;
     }
     for (int64_t i = 0; i < g * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-    for (int64_t b0 = s; b0 < L; b0 += KEYS_PER_BLOCK) {
-        const int64_t b1 = b0 + KEYS_PER_BLOCK < L ? b0 + KEYS_PER_BLOCK : L;
-        const float *vb = f16 ? wide : (const float *)V + b0 * D; /* value k's row at vb + (k - b0) * D */
-        if (f16) widen_f16(wide, (const uint16_t *)V + b0 * D, (b1 - b0) * D);
+    for (int64_t b0 = s, b1; b0 < L; b0 = b1) {
+        b1 = kv_run(b0, L);
+        const int64_t at = kv_at(table, Hkv, h, b0, D);
+        const float *vb = f16 ? wide : (const float *)V + at; /* value k's row at vb + (k - b0) * D */
+        if (f16) widen_f16(wide, (const uint16_t *)V + at, (b1 - b0) * D);
         for (int64_t jj = 0; jj < g; jj++) {
             const float *pj = p + jj * n; /* key k's weight at pj[k - s] */
             float *o = out + jj * D;
@@ -239,16 +240,17 @@ static inline void to_f16(uint16_t *dst, const float *src, int64_t n) {
 }
 
 /* Decode attention for a step's single-token rows in one call. Row r's new key and value (k_new[r], v_new[r]:
- * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: [Hkv, stride,
- * D], f32, or f16 where kv16); then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each
+ * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: the layer's pages
+ * [pages, Hkv, KV_PAGE, D], f32, or f16 where kv16; tables[r]: the address of its int32 page table, simd.h kv_at);
+ * then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each
  * row and kv head one item on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention
  * repeats them. D is a multiple of 8. Returns 0, or -1 without memory for the scores. */
 int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs,
-                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *strides, int64_t R,
+                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *tables, int64_t R,
                  int64_t H, int64_t Hkv, int64_t D, float scale, int kv16, int threads) {
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = (h * strides[r] + lengths[r] - 1) * D;
+            const int64_t at = kv_at((const int32_t *)tables[r], Hkv, h, lengths[r] - 1, D);
             if (kv16) {
                 to_f16((uint16_t *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, D);
                 to_f16((uint16_t *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, D);
@@ -258,7 +260,7 @@ int attend_rows(const float *q, const float *k_new, const float *v_new, float *o
             }
         }
     }
-    attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, strides, H, H / Hkv, D, scale, 0};
+    attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, tables, H, H / Hkv, D, scale, 0};
     static void (*const items[2][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
                                                          {attend_item_1_0, attend_item_1_64, attend_item_1_128}};
     pool_for(R * Hkv, threads, items[kv16 != 0][D == 64 ? 1 : D == 128 ? 2 : 0], &job);
@@ -365,20 +367,22 @@ void gated_rows(const float *gu, float *out, int64_t T, int64_t I, int input, in
 
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
- * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache K, V ([Hkv, stride, D],
- * f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys already written); q's rows
+ * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache: the layer's pages K, V
+ * ([pages, Hkv, KV_PAGE, D], f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys
+ * already written) through its page table (simd.h kv_at); q's rows
  * are q_stride floats apart (q may be a view into qkv's rows). Query head j reads kv head j / (H / Hkv). D is a
  * multiple of 4.
  *
  * Work items, run on pool.c's threads each with its own scratch, are (kv head, block of QB queries): the item's
- * R = group * QB query rows (query-major: the group's heads of one query are adjacent) share each block of KB keys.
+ * R = group * QB query rows (query-major: the group's heads of one query are adjacent) share each block of keys: the
+ * keys one page holds, so the blocks fall at fixed positions and a query's result does not depend on its chunk.
  * Everything runs across rows, eight to a vector, so no step needs a horizontal sum or a per-row loop:
  *   scores   S[c][r] = K[c] . (q_r * scale)              a register tile of 4 keys (broadcast) x 24 rows, over D
  *   softmax  the rows' running maximum m and sum l, P[c][r] = e^(S[c][r] - m_r), masked keys 0
  *   output   O[d][r] = O[d][r] * corr_r + sum_c V[c][d] P[c][r]   4 dims (broadcast) x 24 rows, over the keys
  * and O / l goes out transposed once per item. */
 #define QB 16
-#define KB 64
+#define KB KV_PAGE /* keys per block: a page's */
 
 /* S[j][v] = sum_d k_j[d] * qt[d][v] for nj (1..4) keys k_j = k + j * D and nv (1..3) vectors of 8 rows. */
 static inline __attribute__((always_inline)) void score_tile(const float *k, int64_t D, const float *qt, int64_t RP, float *s, const int nj, const int nv) {
@@ -426,9 +430,10 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
 
 typedef struct {
     const float *q;
-    const void *K, *V; /* f32, or f16 where kv16 */
+    const void *K, *V; /* the layer's pages [pages, Hkv, KV_PAGE, D], f32 or f16 where kv16 */
+    const int32_t *table; /* the session's page table (simd.h kv_at) */
     float *out;
-    int64_t q_stride, n, H, D, stride, p, key_start, window, group, blocks, RP, kv16;
+    int64_t q_stride, n, H, Hkv, D, p, key_start, window, group, blocks, RP, kv16;
     float scale;
     _Atomic int failed; /* set by an item that found no memory for its scratch */
 } chunk_job;
@@ -438,7 +443,7 @@ static void chunk_item(void *arg, int64_t item) {
     chunk_job *job = arg;
     const float *q = job->q;
     float *out = job->out;
-    const int64_t q_stride = job->q_stride, n = job->n, H = job->H, D = job->D, stride = job->stride, p = job->p;
+    const int64_t q_stride = job->q_stride, n = job->n, H = job->H, Hkv = job->Hkv, D = job->D, p = job->p;
     const int64_t key_start = job->key_start, window = job->window, group = job->group, blocks = job->blocks, RP = job->RP;
     const float scale = job->scale;
     /* qt, ot [D][RP], st [KB][RP], then m, l, corr, last, first [RP]: each a multiple of 8 floats, so all 32-byte
@@ -455,7 +460,6 @@ static void chunk_item(void *arg, int64_t item) {
      * together */
     const int64_t h = item / blocks, i0 = (blocks - 1 - item % blocks) * QB, i1 = i0 + QB < n ? i0 + QB : n;
     const int64_t R = (i1 - i0) * group, rp = (R + 7) / 8 * 8, nvec = rp / 8;
-    const int64_t head = h * stride * D;
     /* rows r = (i - i0) * group + j: q * scale transposed to qt[d][r], each row's visible keys [first, last] */
     for (int64_t r = 0; r < rp; r++) {
         const int64_t i = i0 + (r < R ? r : R - 1) / group, j = (r < R ? r : R - 1) % group;
@@ -468,17 +472,18 @@ static void chunk_item(void *arg, int64_t item) {
     }
     memset(ot, 0, sizeof(float) * (size_t)(D * rp));
     const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
-    for (int64_t k0 = lo; k0 < hi; k0 += KB) {
-        const int64_t kn = hi - k0 < KB ? hi - k0 : KB;
+    for (int64_t k0 = lo, kn; k0 < hi; k0 += kn) {
+        kn = kv_run(k0, hi) - k0; /* a block of keys is what one page holds of them */
+        const int64_t at = kv_at(job->table, Hkv, h, k0, D);
         const float *kb, *vb; /* this block's keys and values, f32 */
         if (job->kv16) {
-            widen_f16(kf, (const uint16_t *)job->K + head + k0 * D, kn * D);
-            widen_f16(vf, (const uint16_t *)job->V + head + k0 * D, kn * D);
+            widen_f16(kf, (const uint16_t *)job->K + at, kn * D);
+            widen_f16(vf, (const uint16_t *)job->V + at, kn * D);
             kb = kf;
             vb = vf;
         } else {
-            kb = (const float *)job->K + head + k0 * D;
-            vb = (const float *)job->V + head + k0 * D;
+            kb = (const float *)job->K + at;
+            vb = (const float *)job->V + at;
         }
         /* every row sees every key of this block: no mask */
         const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
@@ -540,9 +545,9 @@ static void chunk_item(void *arg, int64_t item) {
 }
 
 int attend_chunk(const float *q, int64_t q_stride, const void *K, const void *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                 int64_t stride, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
+                 const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
     const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB;
-    chunk_job job = {.q = q, .K = K, .V = V, .out = out, .q_stride = q_stride, .n = n, .H = H, .D = D, .stride = stride, .p = p,
+    chunk_job job = {.q = q, .K = K, .V = V, .table = table, .out = out, .q_stride = q_stride, .n = n, .H = H, .Hkv = Hkv, .D = D, .p = p,
                      .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .kv16 = kv16, .scale = scale};
     pool_for(Hkv * blocks, threads, chunk_item, &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;

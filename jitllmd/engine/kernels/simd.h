@@ -5,6 +5,22 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Session K/V in pages (engine/pages.py): a layer's cache is [pages][Hkv][KV_PAGE][D], and a session's page table
+ * (int32, one entry per KV_PAGE positions) names the page each run of KV_PAGE positions is in. The attention kernels
+ * take keys a page at a time: within one, a kv head's keys are adjacent rows of D. */
+#define KV_PAGE 64
+
+/* The element where position pos of kv head h starts. */
+static inline int64_t kv_at(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t D) {
+    return (((int64_t)table[pos / KV_PAGE] * Hkv + h) * KV_PAGE + pos % KV_PAGE) * D;
+}
+
+/* The end of the run of positions from pos that one page holds, at most end. */
+static inline int64_t kv_run(int64_t pos, int64_t end) {
+    const int64_t stop = (pos / KV_PAGE + 1) * KV_PAGE;
+    return stop < end ? stop : end;
+}
+
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     __m128 s = _mm_add_ps(lo, hi);

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ..kernels import rows_kernel
 from ..kernels.ops import KV_DTYPES, attend_chunk, attend_rows, bf16_attention
-from ..kv import RowSpan
+from ..kv import RowSpan, SessionKV
 
 __all__ = ["Attention"]
 
@@ -45,8 +45,9 @@ class Attention:
             ])
         if T == len(rows) and self.decode_kernel and rows[0].kv.dtype in KV_DTYPES:  # every row feeds one token: one call writes and attends them all
             i = self.layer
-            return attend_rows(q, k, v, [r.kv.k[i] for r in rows], [r.kv.v[i] for r in rows], [r.kv.slot(i, r.kv.length) + 1 for r in rows],
-                               [r.kv.slot(i, r.key_start(self.window)) for r in rows])
+            K, V = rows[0].kv.storage(i)  # every row's pages are the model's
+            return attend_rows(q, k, v, [K] * T, [V] * T, [r.kv.length + 1 for r in rows], [r.key_start(self.window) for r in rows],
+                               [r.kv.table(i) for r in rows])
         if len(rows) == 1:
             return self.attend(q, k, v, rows[0])
         out = torch.empty((T, self.num_heads * self.head_dim), dtype=self.dtype, device=q.device)
@@ -57,43 +58,46 @@ class Attention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
-        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]. Positions here are slots of
-        the layer's storage (a window layer's slot 0 holds a later position): attention only compares them."""
-        kv = row.kv
-        n, p = row.num_tokens, kv.slot(self.layer, kv.length)
+        `only` (ascending indices into the chunk) just those queries' [len(only), H*D]. The kernels read the session's
+        pages through its page table; torch's attention reads them gathered."""
+        kv, layer = row.kv, self.layer
+        n, p = row.num_tokens, kv.length
         H, Hkv, D, g = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [Hkv, slots, D], on this block's place
-        kc[:, p : p + n] = k.transpose(0, 1)
-        vc[:, p : p + n] = v.transpose(0, 1)
-        ks = kv.slot(self.layer, row.key_start(self.window))
+        kv.write(layer, p, k, v)
+        ks = row.key_start(self.window)
         bf16 = self.bf16 and (n > 1 or row.prompt)
+        kernel = self.chunk_kernel and kv.devices[layer].type == "cpu" and kv.dtype in KV_DTYPES  # flash-style in C: no mask, no score matrix
         if self.softcap is not None:
-            out = self.capped(q, kc[:, ks : p + n], vc[:, ks : p + n], row.mask_on(kc.device, 1, self.window))
+            kc, vc = kv.read(layer, ks, p + n)
+            out = self.capped(q, kc, vc, row.mask_on(kc.device, 1, self.window))
             return out if only is None else out[only]
         if only is not None:
-            return torch.cat([self.attend_one(q[i], kc, vc, p + i, ks, bf16) for i in only]) if only else q.new_empty((0, H * D))
-        if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:  # flash-style in C: no mask, no score matrix
-            return attend_chunk(q, kc, vc, p, ks, self.window, bf16)
-        if kc.dtype != q.dtype:  # a cache kept narrower than the rows (f16 beside f32): SDPA takes one dtype
-            kc, vc = kc[:, : p + n].to(q.dtype), vc[:, : p + n].to(q.dtype)
+            return torch.cat([self.attend_one(q[i], kv, p + i, ks, bf16, kernel) for i in only]) if only else q.new_empty((0, H * D))
+        K, V = kv.storage(layer)
+        if kernel:
+            return attend_chunk(q, K, V, kv.table(layer), p, ks, self.window, bf16)
+        kc, vc = kv.read(layer, ks, p + n)  # [Hkv, keys, D]
+        kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a cast where the cache is narrower (f16 beside f32): SDPA takes one dtype
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):
             # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :n], vc[None, :, :n], is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True, enable_gqa=True)
             return out[0].transpose(0, 1).reshape(n, H * D)
         # GQA without copying K/V: the g query heads of one kv head become g*n query rows.
         qg = q.view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(1, Hkv, g * n, D)
         # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the math path.
         mask = row.mask_on(kc.device, g, self.window)
-        out = F.scaled_dot_product_attention(qg, kc[None, :, ks : p + n], vc[None, :, ks : p + n], attn_mask=mask)
+        out = F.scaled_dot_product_attention(qg, kc[None], vc[None], attn_mask=mask)
         return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
 
-    def attend_one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, key_start: int, bf16: bool = False) -> torch.Tensor:
-        """One query q [H, D] at `pos`, its K/V already in the cache, over the keys it sees (a prompt row's in bf16
-        where `bf16`: the bits the whole chunk gives it). -> [1, H*D]"""
-        if self.chunk_kernel and kc.device.type == "cpu" and kc.dtype in KV_DTYPES:
-            return attend_chunk(q[None], kc, vc, pos, key_start, self.window, bf16)
+    def attend_one(self, q: torch.Tensor, kv: SessionKV, pos: int, key_start: int, bf16: bool, kernel: bool) -> torch.Tensor:
+        """One query q [H, D] at `pos`, its K/V already in the session's pages, over the keys it sees (a prompt row's in
+        bf16 where `bf16`: the bits the whole chunk gives it). -> [1, H*D]"""
+        if kernel:
+            K, V = kv.storage(self.layer)
+            return attend_chunk(q[None], K, V, kv.table(self.layer), pos, key_start, self.window, bf16)
         lo = max(key_start, pos - self.window + 1) if self.window else key_start
-        keys, values = kc[:, lo : pos + 1].to(q.dtype), vc[:, lo : pos + 1].to(q.dtype)  # a cast where the cache is narrower
+        keys, values = kv.read(self.layer, lo, pos + 1)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cast where the cache is narrower
         out = F.scaled_dot_product_attention(q[:, None, :][None], keys[None], values[None], enable_gqa=True)
         return out.reshape(1, -1)
 

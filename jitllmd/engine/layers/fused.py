@@ -30,17 +30,20 @@ def run(blocks: Sequence[FusedBlock], x: torch.Tensor, rope: tuple[RopeTables, .
     the bits of the blocks called one by one."""
     tokens = [(r.kv, pos) for r in rows for pos in range(r.kv.length, r.kv.length + r.num_tokens)]
     many = [r.many for r in rows for _ in range(r.num_tokens)] if any(r.many for r in rows) else None
-    layers, keys, values, lengths, starts = [], [], [], [], []
+    layers, keys, values, lengths, starts, tables = [], [], [], [], [], []
+    lengths_all = [pos + 1 for _, pos in tokens]  # its own K/V goes last
     for b in blocks:
         assert b.fused is not None  # callers check fuses() first
         layers.append(b.fused)
         i, window = b.attn.layer, b.attn.window
-        keys.append([kv.k[i] for kv, _ in tokens])
-        values.append([kv.v[i] for kv, _ in tokens])
-        lengths.append([kv.slot(i, pos) + 1 for kv, pos in tokens])  # its own K/V goes last
-        starts.append([kv.slot(i, max(0, pos - window + 1) if window else 0) for kv, pos in tokens])
+        K, V = tokens[0][0].storage(i)  # every row's pages are the model's
+        keys.append([K] * len(tokens))
+        values.append([V] * len(tokens))
+        lengths.append(lengths_all)
+        starts.append([max(0, pos - window + 1) for _, pos in tokens] if window else [0] * len(tokens))
+        tables.append([kv.table(i) for kv, _ in tokens])
     y = decode_stack(layers, x.contiguous(), [rope[b.rope_index].on(x.device) for b in blocks], keys, values, lengths, starts,
-                     many)
+                     tables, many)
     return y if keep is None else y[keep]
 
 

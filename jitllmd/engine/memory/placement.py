@@ -11,6 +11,7 @@ import torch
 
 from ..cluster.remote import RemoteModel, RemoteRun
 from ..kv import META, SessionKV
+from ..pages import PagePool
 from .devices import is_remote, split_place, synchronize
 from .pager import ROW_BLOCKS, Pager
 
@@ -132,6 +133,7 @@ class Placement:
         self.costs = BlockCosts()
         self._open_remote = remote
         self.remotes: dict[int, RemoteModel] = {}  # rank -> the model there
+        self.kv_pool: PagePool | None = None  # the sessions' K/V pages (the runner's), each layer's where its block is
 
     # -- what is where --------------------------------------------------------------------------
 
@@ -328,8 +330,7 @@ class Placement:
         for i, name in enumerate(self.names):
             layer = layer_of(name)
             if layer is not None:
-                for kv in kvs:
-                    self._carry(kv, layer, old[i], places[i])
+                self._carry(kvs, layer, old[i], places[i])
         for rank, names in drops.items():  # their KV came back first
             self.remotes[rank].drop(names)
 
@@ -356,20 +357,28 @@ class Placement:
             self.remotes[rank] = self._open_remote(rank)
         return self.remotes[rank]
 
-    def _carry(self, kv: SessionKV, layer: int, src: str, dst: str) -> None:
-        """One layer's K/V of a session from its block's old place to its new one, across ranks where it must be."""
+    def _carry(self, kvs: list[SessionKV], layer: int, src: str, dst: str) -> None:
+        """One layer's K/V of every session from its block's old place to its new one, across ranks where it must be."""
+        pool = self.kv_pool
         if not is_remote(src) and not is_remote(dst):
-            kv.move(layer, self.torch_device(dst))
+            if pool is not None:
+                pool.move(layer, self.torch_device(dst))
             return
         if src == dst:
             return
-        filled = self.remotes[split_place(src)[0]].take_kv(kv, layer) if is_remote(src) else None
+        taken = [self.remotes[split_place(src)[0]].take_kv(kv, layer) if is_remote(src) else None for kv in kvs]
         if is_remote(dst):
             rank, device = split_place(dst)
-            self._remote(rank).put_kv(kv, layer, filled if filled is not None else kv.filled(layer), device)
-            kv.move(layer, META)
+            for kv, filled in zip(kvs, taken):
+                self._remote(rank).put_kv(kv, layer, filled if filled is not None else (kv.start(layer), *kv.filled(layer)), device)
+            if pool is not None:
+                pool.move(layer, META)
         else:
-            kv.move(layer, self.torch_device(dst), filled)
+            if pool is not None:
+                pool.move(layer, self.torch_device(dst))
+            for kv, filled in zip(kvs, taken):
+                if filled is not None:
+                    kv.put(layer, *filled)
 
     def move(self, first: int, last: int, to: str, kvs: list[SessionKV]) -> None:
         """Blocks first..last (inclusive; 0 is embed) to `to`: host or one of the model's devices."""

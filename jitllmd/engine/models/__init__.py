@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from ..jlm import JLMFile
-from ..kv import SessionKV
+from ..pages import PagePool
 from . import bert, gemma3, llama
 from .family import Family
 
@@ -28,7 +28,7 @@ class DecoderModel(Protocol):
 
     def begin(self, positions: torch.Tensor) -> Any: ...
 
-    def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV: ...
+    def kv_pool(self, devices: list[torch.device] | None = None, pages: list[int] | None = None) -> PagePool: ...
 
 
 class EncoderModel(Protocol):

@@ -10,7 +10,7 @@ import torch
 
 from ..jlm import JLMFile
 from ..kernels.ops import GATES, QuantLayer, bf16_round
-from ..kv import RowSpan, SessionKV
+from ..kv import RowSpan
 from ..layers import fused
 from ..layers.activation import GatedAct
 from ..layers.attention import Attention
@@ -19,6 +19,7 @@ from ..layers.norm import RMSNorm
 from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, segments_for
 from ..layers.rope import Rope, RopeCache, RopeTables, rope_inv_freq
 from ..memory.devices import bf16_matmul_native
+from ..pages import PagePool
 from .family import Family, GGUFMeta, GGUFSource, HFSource, TensorFix, config_from_dict
 
 __all__ = ["ARCHS", "FAMILY", "STREAM", "DecoderBlock", "Embed", "Head", "LlamaConfig", "LlamaModel", "layouts"]
@@ -335,12 +336,12 @@ class LlamaModel:
         """What every block of a forward over `positions` [T] reads: the RoPE tables, one per `rope_freqs`."""
         return tuple(cache.tables(positions) for cache in self.rope_caches)
 
-    def new_kv(self, capacity: int, devices: list[torch.device] | None = None) -> SessionKV:
-        """A session's KV, each layer's on its block's place (`devices`, one per layer; default the CPU); a sliding
-        window layer's holds about its window."""
+    def kv_pool(self, devices: list[torch.device] | None = None, pages: list[int] | None = None) -> PagePool:
+        """The pages sessions' K/V live in, each layer's on its block's place (`devices`, one per layer; default the
+        CPU), `pages` per group of layers to start with (engine/pages.py)."""
         c = self.cfg
-        return SessionKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers,
-                         [c.window(i) for i in range(c.num_layers)])
+        return PagePool(c.num_kv_heads, c.head_dim, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers,
+                        [c.window(i) for i in range(c.num_layers)], pages)
 
 
 # -- sources: Hugging Face and GGUF --

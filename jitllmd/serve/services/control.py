@@ -6,12 +6,14 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
+from ...engine import session_file
 from ...engine.catalog import Catalog, ModelLoading, ServedModel
 from ...engine.chat import ChatTemplateError
 from ...engine.cluster.link import RankError
@@ -36,6 +38,7 @@ __all__ = ["Devices", "ErrorMapper", "Models", "Sessions", "model_of", "session_
 
 log = logging.getLogger("jitllmd.serve")
 
+_CHUNK = 1 << 20  # bytes of a session file per message
 _STATE = {RequestState.WAITING: ses.REQUEST_STATE_WAITING, RequestState.PREFILL: ses.REQUEST_STATE_PREFILL, RequestState.DECODE: ses.REQUEST_STATE_DECODE}
 
 
@@ -53,6 +56,12 @@ class ErrorMapper:
         return err if message == err.message else ConnectError(err.code, message)
 
     async def intercept_unary(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return await call_next(request, ctx)
+        except Exception as exc:
+            raise self._error(exc, ctx) from None
+
+    async def intercept_client_stream(self, call_next, request, ctx):  # type: ignore[no-untyped-def]
         try:
             return await call_next(request, ctx)
         except Exception as exc:
@@ -383,6 +392,39 @@ class Sessions(SessionService):
             raise ConnectError(Code.FAILED_PRECONDITION, f"session {session.id} is running a request: cancel it or let it finish first")
         session.reset()
         return ses.ResetSessionResponse(session=_session_message(served, session))
+
+    async def save_session(self, request: ses.SaveSessionRequest, ctx: Any) -> AsyncIterator[ses.SessionChunk]:
+        served, session = session_of(self.catalog, request.session_id)
+        data = await asyncio.wrap_future(served.engine.save_session(session))
+        for at in range(0, len(data), _CHUNK):
+            yield ses.SessionChunk(data=data[at : at + _CHUNK])
+
+    async def restore_session(self, request: AsyncIterator[ses.SessionChunk], ctx: Any) -> ses.RestoreSessionResponse:
+        parts: list[bytes] = []
+        model, size = "", 0
+        largest = max((m.engine.loaded.largest_session_file() for m in self.catalog.loaded() if m.engine.loaded.runner is not None), default=0)
+        async for chunk in request:
+            model = model or chunk.model
+            size += len(chunk.data)
+            if size > largest:  # no loaded model holds a session this big
+                raise ConnectError(Code.INVALID_ARGUMENT, f"a session file of more than {largest} bytes: larger than any loaded model's longest session")
+            parts.append(chunk.data)
+        saved = await off_loop(session_file.load, b"".join(parts), size=size)
+        served = model_of(self.catalog, model) if model else self._saved_from(saved)
+        sid = str(saved.meta.get("id") or "")
+        free = bool(sid) and not any(s.id == sid for m in self.catalog.loaded() for s in m.engine.sessions.list())
+        session = await asyncio.wrap_future(served.engine.restore_session(saved, sid if free else None))
+        return ses.RestoreSessionResponse(session=_session_message(served, session), positions=saved.length)
+
+    def _saved_from(self, saved: session_file.SavedSession) -> ServedModel:
+        """The loaded model a session file was saved from: by its name, else by its weights."""
+        wanted = saved.model
+        models = [m for m in self.catalog.loaded() if m.engine.loaded.runner is not None]
+        for m in models:
+            if m.id == wanted.get("name") or m.engine.identity()["fingerprint"] == wanted.get("fingerprint"):
+                return m
+        raise ConnectError(Code.NOT_FOUND, f"the session was saved from model {wanted.get('name')!r} ({wanted.get('file')}), which is not loaded here: "
+                                           "load it, or name a model")
 
     async def get_device_queue(self, request: ses.GetDeviceQueueRequest, ctx: Any) -> ses.GetDeviceQueueResponse:
         models = [model_of(self.catalog, request.model)] if request.model else self.catalog.loaded()

@@ -68,6 +68,7 @@ class Telemetry(TelemetryService):
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
             kv = engine.kv_bytes()
+            pages = engine.kv_pages()
             relocation = self.catalog.relocation
             moved = relocation.counts(m.id)
             out.append(tel.ModelStats(
@@ -82,6 +83,8 @@ class Telemetry(TelemetryService):
                 speculative=engine.speculator.describe() if engine.speculator is not None else "off",
                 drafted_tokens=engine.speculator.drafted if engine.speculator is not None else 0,
                 accepted_tokens=engine.speculator.accepted if engine.speculator is not None else 0,
+                prefix_cache=engine.prefix_cache, prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
+                kv_pages_held=pages.held, kv_pages_cached=pages.cached, kv_pages_free=pages.free,
             ))
         return tel.GetStatsResponse(
             uptime_s=time.time() - self.info.started,

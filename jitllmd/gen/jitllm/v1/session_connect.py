@@ -21,10 +21,10 @@ from connectrpc.protocol import ProtocolType
 from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, DEFAULT_READ_MAX_BYTES, Endpoint, EndpointSync
 from pyqwest import Client, SyncClient
 
-from .session_pb2 import CloseSessionRequest, CloseSessionResponse, CreateSessionRequest, CreateSessionResponse, GetDeviceQueueRequest, GetDeviceQueueResponse, GetSessionRequest, GetSessionResponse, ListSessionsRequest, ListSessionsResponse, ResetSessionRequest, ResetSessionResponse
+from .session_pb2 import CloseSessionRequest, CloseSessionResponse, CreateSessionRequest, CreateSessionResponse, GetDeviceQueueRequest, GetDeviceQueueResponse, GetSessionRequest, GetSessionResponse, ListSessionsRequest, ListSessionsResponse, ResetSessionRequest, ResetSessionResponse, RestoreSessionResponse, SaveSessionRequest, SessionChunk
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Iterable, Mapping
+    from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
 
     from connectrpc.codec import Codec
     from connectrpc.compression import Compression
@@ -62,6 +62,20 @@ class SessionService(Protocol):
     async def get_device_queue(self, request: GetDeviceQueueRequest, ctx: RequestContext[GetDeviceQueueRequest, GetDeviceQueueResponse], /) -> GetDeviceQueueResponse:
         """
         What runs and what waits on a model's engine.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def save_session(self, request: SaveSessionRequest, ctx: RequestContext[SaveSessionRequest, SessionChunk], /) -> AsyncIterator[SessionChunk]:
+        """
+        The session as a session file (docs/format.md), in chunks: its K/V, tokens and conversation. Waits for its
+        current generation to end.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    async def restore_session(self, request: AsyncIterator[SessionChunk], ctx: RequestContext[SessionChunk, RestoreSessionResponse], /) -> RestoreSessionResponse:
+        """
+        A session file sent in chunks becomes a named session of the model it was saved from (model identity checked),
+        with the saved id where no session has it; it goes on with the same tokens as the saved one would.
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -144,6 +158,28 @@ class SessionServiceASGIApplication(ConnectASGIApplication[SessionService]):
                         stream_type=StreamType.UNARY,
                     ),
                     function=svc.get_device_queue,
+                ),
+                "/jitllm.v1.SessionService/SaveSession": Endpoint.server_stream(
+                    method=MethodInfo(
+                        name="SaveSession",
+                        service_name="jitllm.v1.SessionService",
+                        input=SaveSessionRequest,
+                        output=SessionChunk,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.SERVER_STREAM,
+                    ),
+                    function=svc.save_session,
+                ),
+                "/jitllm.v1.SessionService/RestoreSession": Endpoint.client_stream(
+                    method=MethodInfo(
+                        name="RestoreSession",
+                        service_name="jitllm.v1.SessionService",
+                        input=SessionChunk,
+                        output=RestoreSessionResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.CLIENT_STREAM,
+                    ),
+                    function=svc.restore_session,
                 ),
             },
             interceptors=interceptors,
@@ -312,6 +348,54 @@ class SessionServiceClient(ConnectClient):
             headers=headers,
             timeout_ms=timeout_ms,
         )
+    def save_session(
+        self,
+        request: SaveSessionRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> AsyncIterator[SessionChunk]:
+        """
+        The session as a session file (docs/format.md), in chunks: its K/V, tokens and conversation. Waits for its
+        current generation to end.
+        """
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="SaveSession",
+                service_name="jitllm.v1.SessionService",
+                input=SaveSessionRequest,
+                output=SessionChunk,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.SERVER_STREAM,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    async def restore_session(
+        self,
+        request: AsyncIterator[SessionChunk],
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> RestoreSessionResponse:
+        """
+        A session file sent in chunks becomes a named session of the model it was saved from (model identity checked),
+        with the saved id where no session has it; it goes on with the same tokens as the saved one would.
+        """
+        return await self.execute_client_stream(
+            request=request,
+            method=MethodInfo(
+                name="RestoreSession",
+                service_name="jitllm.v1.SessionService",
+                input=SessionChunk,
+                output=RestoreSessionResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.CLIENT_STREAM,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
 
 class SessionServiceSync(Protocol):
     def create_session(self, request: CreateSessionRequest, ctx: RequestContext[CreateSessionRequest, CreateSessionResponse], /) -> CreateSessionResponse:
@@ -338,6 +422,20 @@ class SessionServiceSync(Protocol):
     def get_device_queue(self, request: GetDeviceQueueRequest, ctx: RequestContext[GetDeviceQueueRequest, GetDeviceQueueResponse], /) -> GetDeviceQueueResponse:
         """
         What runs and what waits on a model's engine.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def save_session(self, request: SaveSessionRequest, ctx: RequestContext[SaveSessionRequest, SessionChunk], /) -> Iterator[SessionChunk]:
+        """
+        The session as a session file (docs/format.md), in chunks: its K/V, tokens and conversation. Waits for its
+        current generation to end.
+        """
+        raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
+
+    def restore_session(self, request: Iterator[SessionChunk], ctx: RequestContext[SessionChunk, RestoreSessionResponse], /) -> RestoreSessionResponse:
+        """
+        A session file sent in chunks becomes a named session of the model it was saved from (model identity checked),
+        with the saved id where no session has it; it goes on with the same tokens as the saved one would.
         """
         raise ConnectError(Code.UNIMPLEMENTED, 'Not implemented')
 
@@ -418,6 +516,28 @@ class SessionServiceWSGIApplication(ConnectWSGIApplication):
                         stream_type=StreamType.UNARY,
                     ),
                     function=service.get_device_queue,
+                ),
+                "/jitllm.v1.SessionService/SaveSession": EndpointSync.server_stream(
+                    method=MethodInfo(
+                        name="SaveSession",
+                        service_name="jitllm.v1.SessionService",
+                        input=SaveSessionRequest,
+                        output=SessionChunk,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.SERVER_STREAM,
+                    ),
+                    function=service.save_session,
+                ),
+                "/jitllm.v1.SessionService/RestoreSession": EndpointSync.client_stream(
+                    method=MethodInfo(
+                        name="RestoreSession",
+                        service_name="jitllm.v1.SessionService",
+                        input=SessionChunk,
+                        output=RestoreSessionResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                        stream_type=StreamType.CLIENT_STREAM,
+                    ),
+                    function=service.restore_session,
                 ),
             },
             interceptors=interceptors,
@@ -582,6 +702,54 @@ class SessionServiceClientSync(ConnectClientSync):
                 output=GetDeviceQueueResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
                 stream_type=StreamType.UNARY,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def save_session(
+        self,
+        request: SaveSessionRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> Iterator[SessionChunk]:
+        """
+        The session as a session file (docs/format.md), in chunks: its K/V, tokens and conversation. Waits for its
+        current generation to end.
+        """
+        return self.execute_server_stream(
+            request=request,
+            method=MethodInfo(
+                name="SaveSession",
+                service_name="jitllm.v1.SessionService",
+                input=SaveSessionRequest,
+                output=SessionChunk,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.SERVER_STREAM,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+    def restore_session(
+        self,
+        request: Iterator[SessionChunk],
+        *,
+        headers: Headers | Mapping[str, str] | None = None, 
+        timeout_ms: int | None = None,
+    ) -> RestoreSessionResponse:
+        """
+        A session file sent in chunks becomes a named session of the model it was saved from (model identity checked),
+        with the saved id where no session has it; it goes on with the same tokens as the saved one would.
+        """
+        return self.execute_client_stream(
+            request=request,
+            method=MethodInfo(
+                name="RestoreSession",
+                service_name="jitllm.v1.SessionService",
+                input=SessionChunk,
+                output=RestoreSessionResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+                stream_type=StreamType.CLIENT_STREAM,
             ),
             headers=headers,
             timeout_ms=timeout_ms,

@@ -24,45 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17jitllm/v1/session.proto\x12\tjitllm.v1\"\xa7\x01\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x0f\n\x07max_seq\x18\x04 \x01(\r\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x08\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x04\x12\x14\n\x0cnum_messages\x18\t \x01(\r\"X\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\t\x12\x14\n\x07max_seq\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_max_seq\"<\n\x15\x43reateSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"9\n\x12GetSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"$\n\x13ListSessionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.jitllm.v1.Session\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\")\n\x13ResetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x14ResetSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"\x9d\x01\n\nQueueEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.jitllm.v1.RequestState\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x01\"&\n\x15GetDeviceQueueRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x91\x01\n\nModelQueue\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x10\n\x08max_rows\x18\x03 \x01(\r\x12&\n\x07running\x18\x04 \x03(\x0b\x32\x15.jitllm.v1.QueueEntry\x12&\n\x07waiting\x18\x05 \x03(\x0b\x32\x15.jitllm.v1.QueueEntry\"?\n\x16GetDeviceQueueResponse\x12%\n\x06queues\x18\x01 \x03(\x0b\x32\x15.jitllm.v1.ModelQueue*}\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_PREFILL\x10\x02\x12\x18\n\x14REQUEST_STATE_DECODE\x10\x03\x32\xf9\x03\n\x0eSessionService\x12R\n\rCreateSession\x12\x1f.jitllm.v1.CreateSessionRequest\x1a .jitllm.v1.CreateSessionResponse\x12I\n\nGetSession\x12\x1c.jitllm.v1.GetSessionRequest\x1a\x1d.jitllm.v1.GetSessionResponse\x12O\n\x0cListSessions\x12\x1e.jitllm.v1.ListSessionsRequest\x1a\x1f.jitllm.v1.ListSessionsResponse\x12O\n\x0c\x43loseSession\x12\x1e.jitllm.v1.CloseSessionRequest\x1a\x1f.jitllm.v1.CloseSessionResponse\x12O\n\x0cResetSession\x12\x1e.jitllm.v1.ResetSessionRequest\x1a\x1f.jitllm.v1.ResetSessionResponse\x12U\n\x0eGetDeviceQueue\x12 .jitllm.v1.GetDeviceQueueRequest\x1a!.jitllm.v1.GetDeviceQueueResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17jitllm/v1/session.proto\x12\tjitllm.v1\"(\n\x12SaveSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x0cSessionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\"P\n\x16RestoreSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\x12\x11\n\tpositions\x18\x02 \x01(\r\"\xa7\x01\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x0f\n\x07max_seq\x18\x04 \x01(\r\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x08\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x04\x12\x14\n\x0cnum_messages\x18\t \x01(\r\"X\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\t\x12\x14\n\x07max_seq\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_max_seq\"<\n\x15\x43reateSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"9\n\x12GetSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"$\n\x13ListSessionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.jitllm.v1.Session\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\")\n\x13ResetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x14ResetSessionResponse\x12#\n\x07session\x18\x01 \x01(\x0b\x32\x12.jitllm.v1.Session\"\x9d\x01\n\nQueueEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.jitllm.v1.RequestState\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x01\"&\n\x15GetDeviceQueueRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x91\x01\n\nModelQueue\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x10\n\x08max_rows\x18\x03 \x01(\r\x12&\n\x07running\x18\x04 \x03(\x0b\x32\x15.jitllm.v1.QueueEntry\x12&\n\x07waiting\x18\x05 \x03(\x0b\x32\x15.jitllm.v1.QueueEntry\"?\n\x16GetDeviceQueueResponse\x12%\n\x06queues\x18\x01 \x03(\x0b\x32\x15.jitllm.v1.ModelQueue*}\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_PREFILL\x10\x02\x12\x18\n\x14REQUEST_STATE_DECODE\x10\x03\x32\x92\x05\n\x0eSessionService\x12R\n\rCreateSession\x12\x1f.jitllm.v1.CreateSessionRequest\x1a .jitllm.v1.CreateSessionResponse\x12I\n\nGetSession\x12\x1c.jitllm.v1.GetSessionRequest\x1a\x1d.jitllm.v1.GetSessionResponse\x12O\n\x0cListSessions\x12\x1e.jitllm.v1.ListSessionsRequest\x1a\x1f.jitllm.v1.ListSessionsResponse\x12O\n\x0c\x43loseSession\x12\x1e.jitllm.v1.CloseSessionRequest\x1a\x1f.jitllm.v1.CloseSessionResponse\x12O\n\x0cResetSession\x12\x1e.jitllm.v1.ResetSessionRequest\x1a\x1f.jitllm.v1.ResetSessionResponse\x12U\n\x0eGetDeviceQueue\x12 .jitllm.v1.GetDeviceQueueRequest\x1a!.jitllm.v1.GetDeviceQueueResponse\x12G\n\x0bSaveSession\x12\x1d.jitllm.v1.SaveSessionRequest\x1a\x17.jitllm.v1.SessionChunk0\x01\x12N\n\x0eRestoreSession\x12\x17.jitllm.v1.SessionChunk\x1a!.jitllm.v1.RestoreSessionResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitllm.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTSTATE']._serialized_start=1144
-  _globals['_REQUESTSTATE']._serialized_end=1269
-  _globals['_SESSION']._serialized_start=39
-  _globals['_SESSION']._serialized_end=206
-  _globals['_CREATESESSIONREQUEST']._serialized_start=208
-  _globals['_CREATESESSIONREQUEST']._serialized_end=296
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=298
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=358
-  _globals['_GETSESSIONREQUEST']._serialized_start=360
-  _globals['_GETSESSIONREQUEST']._serialized_end=399
-  _globals['_GETSESSIONRESPONSE']._serialized_start=401
-  _globals['_GETSESSIONRESPONSE']._serialized_end=458
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=460
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=496
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=498
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=558
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=560
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=601
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=603
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=625
-  _globals['_RESETSESSIONREQUEST']._serialized_start=627
-  _globals['_RESETSESSIONREQUEST']._serialized_end=668
-  _globals['_RESETSESSIONRESPONSE']._serialized_start=670
-  _globals['_RESETSESSIONRESPONSE']._serialized_end=729
-  _globals['_QUEUEENTRY']._serialized_start=732
-  _globals['_QUEUEENTRY']._serialized_end=889
-  _globals['_GETDEVICEQUEUEREQUEST']._serialized_start=891
-  _globals['_GETDEVICEQUEUEREQUEST']._serialized_end=929
-  _globals['_MODELQUEUE']._serialized_start=932
-  _globals['_MODELQUEUE']._serialized_end=1077
-  _globals['_GETDEVICEQUEUERESPONSE']._serialized_start=1079
-  _globals['_GETDEVICEQUEUERESPONSE']._serialized_end=1142
-  _globals['_SESSIONSERVICE']._serialized_start=1272
-  _globals['_SESSIONSERVICE']._serialized_end=1777
+  _globals['_REQUESTSTATE']._serialized_start=1313
+  _globals['_REQUESTSTATE']._serialized_end=1438
+  _globals['_SAVESESSIONREQUEST']._serialized_start=38
+  _globals['_SAVESESSIONREQUEST']._serialized_end=78
+  _globals['_SESSIONCHUNK']._serialized_start=80
+  _globals['_SESSIONCHUNK']._serialized_end=123
+  _globals['_RESTORESESSIONRESPONSE']._serialized_start=125
+  _globals['_RESTORESESSIONRESPONSE']._serialized_end=205
+  _globals['_SESSION']._serialized_start=208
+  _globals['_SESSION']._serialized_end=375
+  _globals['_CREATESESSIONREQUEST']._serialized_start=377
+  _globals['_CREATESESSIONREQUEST']._serialized_end=465
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=467
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=527
+  _globals['_GETSESSIONREQUEST']._serialized_start=529
+  _globals['_GETSESSIONREQUEST']._serialized_end=568
+  _globals['_GETSESSIONRESPONSE']._serialized_start=570
+  _globals['_GETSESSIONRESPONSE']._serialized_end=627
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=629
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=665
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=667
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=727
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=729
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=770
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=772
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=794
+  _globals['_RESETSESSIONREQUEST']._serialized_start=796
+  _globals['_RESETSESSIONREQUEST']._serialized_end=837
+  _globals['_RESETSESSIONRESPONSE']._serialized_start=839
+  _globals['_RESETSESSIONRESPONSE']._serialized_end=898
+  _globals['_QUEUEENTRY']._serialized_start=901
+  _globals['_QUEUEENTRY']._serialized_end=1058
+  _globals['_GETDEVICEQUEUEREQUEST']._serialized_start=1060
+  _globals['_GETDEVICEQUEUEREQUEST']._serialized_end=1098
+  _globals['_MODELQUEUE']._serialized_start=1101
+  _globals['_MODELQUEUE']._serialized_end=1246
+  _globals['_GETDEVICEQUEUERESPONSE']._serialized_start=1248
+  _globals['_GETDEVICEQUEUERESPONSE']._serialized_end=1311
+  _globals['_SESSIONSERVICE']._serialized_start=1441
+  _globals['_SESSIONSERVICE']._serialized_end=2099
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,28 @@ REQUEST_STATE_WAITING: RequestState
 REQUEST_STATE_PREFILL: RequestState
 REQUEST_STATE_DECODE: RequestState
 
+class SaveSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionChunk(_message.Message):
+    __slots__ = ("data", "model")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    model: str
+    def __init__(self, data: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RestoreSessionResponse(_message.Message):
+    __slots__ = ("session", "positions")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    positions: int
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., positions: _Optional[int] = ...) -> None: ...
+
 class Session(_message.Message):
     __slots__ = ("id", "model", "position", "max_seq", "device_ids", "busy", "created_unix", "kv_bytes", "num_messages")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,221 @@
+"""One model's K/V pages: a pool of fixed-size pages per group of layers that keep the same positions, their reference
+counts, and the prefix cache (full pages found again by the tokens up to their end)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["META", "PAGE", "KVPages", "PagePool", "Prefix"]
+
+PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
+META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
+_IDS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """A model's pages now (every group's): held by sessions' tables (a shared page once), kept by the prefix cache
+    alone, free in storage; and the prompt tokens the cache found, of those looked up, over its life."""
+
+    held: int
+    cached: int
+    free: int
+    hit_tokens: int
+    query_tokens: int
+
+
+@dataclass(eq=False)
+class Prefix:
+    """An entry of the prefix cache: one full page of positions, found by its parent entry and its tokens, holding the
+    page of each group (-1 where a window group had already let it go)."""
+
+    key: tuple[int, tuple[int, ...]]  # (the parent entry's id, 0 at the start; this page's tokens)
+    pages: list[int]
+    parent: Prefix | None
+    id: int = field(default_factory=lambda: next(_IDS))
+    children: int = 0
+
+
+class PagePool:
+    """K/V pages of every attention layer of one model. Layers that drop positions alike (every full-attention layer;
+    the layers of one sliding window) form a group and number their pages together: page p of a group is positions'
+    K/V in each of its layers, `k[layer][p]` [Hkv, PAGE, D]. A page is held by the sessions whose page tables name it
+    (`refs`); full pages of a prompt are entered in the prefix cache, where a later prompt with the same tokens up to
+    their end finds them; a page no table names stays cached until a page is wanted and none is free (least recently
+    used first). Storage per layer is on its block's place; it grows by doubling (the pages in use copied) when every
+    page is held. Thread-safe: sessions let their pages go from whatever thread drops them."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, devices: list[torch.device], windows: list[int | None],
+                 pages: list[int] | None = None):
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.windows = list(windows)
+        self.devices = list(devices)
+        kinds = list(dict.fromkeys(self.windows))  # full attention first where a model has both: the order layers name them
+        self.group = [kinds.index(w) for w in self.windows]  # each layer's group
+        self.group_windows = kinds
+        self.capacity = list(pages) if pages is not None else [PAGE] * len(kinds)  # pages per group's storage
+        self.refs = [[0] * c for c in self.capacity]
+        self._free = [list(range(c)) for c in self.capacity]  # heaps: the lowest page first, so what is touched stays compact
+        self._entry: list[dict[int, Prefix]] = [{} for _ in kinds]  # page -> the cache entry holding it
+        self.prefixes: dict[tuple[int, tuple[int, ...]], Prefix] = {}
+        self._lru: OrderedDict[int, Prefix] = OrderedDict()  # entries by last use, oldest first
+        self.page_bytes = 2 * num_kv_heads * PAGE * head_dim * torch.empty((), dtype=dtype).element_size()  # one layer's K and V
+        self.k = [self._storage(d, self.capacity[g]) for d, g in zip(self.devices, self.group)]
+        self.v = [self._storage(d, self.capacity[g]) for d, g in zip(self.devices, self.group)]
+        self.hits = 0  # prompt tokens found in the cache, and looked for
+        self.queries = 0
+        self._lock = threading.RLock()
+
+    def _storage(self, device: torch.device, pages: int) -> torch.Tensor:
+        return torch.empty((pages, self.num_kv_heads, PAGE, self.head_dim), dtype=self.dtype, device=device)
+
+    def layers(self, group: int) -> list[int]:
+        return [i for i, g in enumerate(self.group) if g == group]
+
+    # -- pages ------------------------------------------------------------------------------------
+
+    def alloc(self, group: int) -> int:
+        """A page of `group` for one table: a free one, else the least recently used cached one, else storage doubles."""
+        with self._lock:
+            free = self._free[group]
+            if not free and not self._evict(group):
+                self._grow(group)
+            page = heapq.heappop(free)
+            self.refs[group][page] = 1
+            return page
+
+    def share(self, group: int, page: int) -> None:
+        with self._lock:
+            self.refs[group][page] += 1
+
+    def release(self, group: int, pages: list[int]) -> None:
+        """Tables no longer name these pages (-1s skipped): each is free once none does, unless it is cached."""
+        with self._lock:
+            refs, entries = self.refs[group], self._entry[group]
+            for page in pages:
+                if page < 0:
+                    continue
+                refs[page] -= 1
+                assert refs[page] >= 0, f"page {page} of group {group} released twice"
+                if refs[page] == 0 and page not in entries:
+                    heapq.heappush(self._free[group], page)
+
+    def shared(self, group: int, page: int) -> bool:
+        """Whether writing into this page would change what another table or the cache holds."""
+        return self.refs[group][page] > 1 or page in self._entry[group]
+
+    @torch.inference_mode()
+    def copy_page(self, group: int, src: int, dst: int, positions: int = PAGE) -> None:
+        for layer in self.layers(group):
+            if self.devices[layer] != META:
+                self.k[layer][dst, :, :positions] = self.k[layer][src, :, :positions]
+                self.v[layer][dst, :, :positions] = self.v[layer][src, :, :positions]
+
+    @torch.inference_mode()
+    def _grow(self, group: int) -> None:
+        """Double a group's storage: the pages held or cached are copied, the rest are new (on the CPU never touched)."""
+        old = self.capacity[group]
+        new = old * 2
+        used = torch.tensor([p for p in range(old) if self.refs[group][p] or p in self._entry[group]], dtype=torch.long)
+        for layer in self.layers(group):
+            for store in (self.k, self.v):
+                grown = self._storage(self.devices[layer], new)
+                if self.devices[layer] != META and len(used):
+                    grown[used.to(grown.device)] = store[layer][used.to(grown.device)]
+                store[layer] = grown
+        self.capacity[group] = new
+        self.refs[group].extend([0] * (new - old))
+        for page in range(old, new):
+            heapq.heappush(self._free[group], page)
+
+    @torch.inference_mode()
+    def move(self, layer: int, device: torch.device) -> None:
+        """Carry one layer's pages to `device` (its block's new place); to or from `meta` nothing is copied."""
+        if self.devices[layer] == device:
+            return
+        source, self.devices[layer] = self.devices[layer], device
+        for store in (self.k, self.v):
+            grown = self._storage(device, store[layer].shape[0])
+            if source != META and device != META:
+                grown.copy_(store[layer])
+            store[layer] = grown
+        if device == META or source == META:  # what the cache held of this layer is not here
+            self.clear_cache()
+
+    # -- the prefix cache -------------------------------------------------------------------------
+
+    def lookup(self, parent: Prefix | None, tokens: tuple[int, ...]) -> Prefix | None:
+        """The cache entry for the page of `tokens` after `parent` (None: the first page), marked used."""
+        with self._lock:
+            entry = self.prefixes.get((parent.id if parent is not None else 0, tokens))
+            if entry is not None:
+                self._lru.move_to_end(entry.id)
+            return entry
+
+    def enter(self, parent: Prefix | None, tokens: tuple[int, ...], pages: list[int]) -> Prefix:
+        """Cache a full page (each group's, -1 where dropped) under its tokens after `parent`; an entry already there
+        for them is returned instead (another session made the same page: its own stays its)."""
+        with self._lock:
+            key = (parent.id if parent is not None else 0, tokens)
+            entry = self.prefixes.get(key)
+            if entry is not None:
+                self._lru.move_to_end(entry.id)
+                return entry
+            entry = Prefix(key, list(pages), parent)
+            self.prefixes[key] = entry
+            self._lru[entry.id] = entry
+            if parent is not None:
+                parent.children += 1
+            for g, page in enumerate(pages):
+                if page >= 0:
+                    self._entry[g][page] = entry
+            return entry
+
+    def _evict(self, group: int) -> bool:
+        """Drop the least recently used cache entry no table holds that frees a page of `group`, and with it its
+        pages no table holds. -> whether a page of the group came free."""
+        for entry in self._lru.values():
+            if entry.children == 0 and entry.pages[group] >= 0 and not any(p >= 0 and self.refs[g][p] for g, p in enumerate(entry.pages)):
+                self._drop(entry)
+                return True
+        return False
+
+    def _drop(self, entry: Prefix) -> None:
+        del self.prefixes[entry.key]
+        del self._lru[entry.id]
+        if entry.parent is not None:
+            entry.parent.children -= 1
+        for g, page in enumerate(entry.pages):
+            if page >= 0 and self._entry[g].get(page) is entry:
+                del self._entry[g][page]
+                if self.refs[g][page] == 0:
+                    heapq.heappush(self._free[g], page)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            for entry in list(self._lru.values())[::-1]:  # children were entered after their parents
+                self._drop(entry)
+
+    # -- figures ----------------------------------------------------------------------------------
+
+    def used(self, group: int) -> int:
+        """Pages of a group that tables hold or the cache keeps."""
+        return sum(1 for r in self.refs[group] if r) + sum(1 for p in self._entry[group] if not self.refs[group][p])
+
+    def counts(self) -> tuple[int, int, int]:
+        """Pages (every group's) held by tables, cached but held by none, and free within storage."""
+        with self._lock:
+            held = sum(1 for refs in self.refs for r in refs if r)
+            used = sum(self.used(g) for g in range(len(self.capacity)))
+            return held, used - held, sum(self.capacity) - used
+
+    def nbytes(self) -> int:
+        """Bytes of the pages held or cached, in every layer here (storage never touched on the CPU costs nothing)."""
+        with self._lock:
+            return sum(self.used(g) * sum(self.devices[i] != META for i in self.layers(g)) * self.page_bytes for g in range(len(self.capacity)))

@@ -1,0 +1,208 @@
+"""The prefix cache: a prompt starts from the pages another request left for the same tokens, shared, not fed again;
+the tokens are those it would have made feeding them, and the K/V of the pages found are the same bits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from jitllmd.engine import kernels
+from jitllmd.engine.engine import Engine
+from jitllmd.engine.kv import PAGE
+from jitllmd.engine.request import Generation
+from jitllmd.engine.sampler import SamplingParams
+from tests.test_engine import collect
+
+GREEDY = SamplingParams(temperature=0.0)
+SHARED = [(7 * i + 3) % 90 + 3 for i in range(3 * PAGE + 20)]  # a long system prompt: three full pages and some
+
+
+def _question(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 90, (9,), generator=g).tolist()
+
+
+@pytest.fixture(params=kernels.variants() or [None])
+def variant(request):
+    kernels.use_variant(request.param)
+    yield request.param
+    kernels.use_variant(None)
+
+
+def _engine(path, prefix_cache: bool = True) -> Engine:
+    return Engine.load(path, max_batch=4, sessions=4, max_seq=1024, prefix_cache=prefix_cache)
+
+
+def _ask(engine: Engine, prompt: list[int], session=None, n: int = 12):
+    return collect(engine.generate(Generation(prompt, GREEDY, max_tokens=n, ignore_eos=True, session=session)))
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm", "tiny_serve_jlm"])
+def test_a_shared_prefix_is_found_and_its_tokens_are_those_fed(request, variant, model: str) -> None:
+    """Each kernel variant, llama and Gemma (a window of 8: its sliding layer's pages of the prefix kept by the cache)
+    quantized, and the f32 llama: after one request, others with the same long start feed only what follows its last
+    full page; their tokens are an engine's without the cache, and the pages they found hold the bits it made."""
+    path = request.getfixturevalue(model)
+    cached, plain = _engine(path), _engine(path, prefix_cache=False)
+    try:
+        first = cached.new_session()
+        _ask(cached, SHARED + _question(0), first)
+        pages = list(first.kv.pages[0][:3])
+        for seed in (1, 2):
+            session, alone = cached.new_session(), plain.new_session()
+            got, want = _ask(cached, SHARED + _question(seed), session), _ask(plain, SHARED + _question(seed), alone)
+            assert got.done.fed_tokens == len(SHARED) + 9 - 3 * PAGE and want.done.fed_tokens == len(SHARED) + 9
+            assert got.ids == want.ids
+            assert session.kv.pages[0][:3] == pages  # the very pages: shared, not copied
+            for layer in range(cached.loaded.model.cfg.num_layers):
+                for x, y in zip(session.kv.read(layer, session.kv.start(layer), 3 * PAGE), alone.kv.read(layer, alone.kv.start(layer), 3 * PAGE)):
+                    assert torch.equal(x, y), layer
+        pages = cached.kv_pages()
+        assert pages.hit_tokens == 2 * 3 * PAGE and pages.held > 0
+    finally:
+        cached.stop()
+        plain.stop()
+
+
+def test_rows_at_once_share_the_pages_and_leave_them_cached(tiny_serve_jlm) -> None:
+    """Four requests at once after a first: each starts from its pages (or its slot's own), their tokens each one's
+    alone; once all are done the pages are the cache's, and a prompt that differs in its first page finds nothing. (The
+    f32 model: a quantized one's short feed of a prompt's last tokens takes decode rows' products, a near tie apart.)"""
+    cached, plain = _engine(tiny_serve_jlm), _engine(tiny_serve_jlm, prefix_cache=False)
+    try:
+        _ask(cached, SHARED + _question(0))
+        out: dict[int, object] = {}
+
+        def go(seed: int) -> None:
+            out[seed] = _ask(cached, SHARED + _question(seed))
+
+        threads = [threading.Thread(target=go, args=(s,)) for s in range(1, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for seed in range(1, 5):
+            assert out[seed].ids == _ask(plain, SHARED + _question(seed), plain.new_session()).ids
+            assert out[seed].done.fed_tokens <= len(SHARED) + 9 - 3 * PAGE  # its own slot's, or the cache's
+        assert cached.kv_pages().cached + cached.kv_pages().held >= 3
+        other = _ask(cached, [5] + SHARED[1:] + _question(9))
+        assert other.done.fed_tokens == len(SHARED) + 9
+    finally:
+        cached.stop()
+        plain.stop()
+
+
+def test_a_reply_continued_in_a_new_session_starts_from_its_pages(tiny_serve_jlm) -> None:
+    """A conversation's next turn, sent without its session (the whole history again, as OpenAI clients do) to a
+    fresh one: the pages of the first turn's prompt and reply are found."""
+    engine = _engine(tiny_serve_jlm)
+    try:
+        first = engine.new_session()
+        turn = _ask(engine, SHARED, first, n=2 * PAGE)
+        history = SHARED + turn.ids + [11, 12]
+        assert len(first.kv.prefix) == len(first.token_ids) // PAGE  # every full page entered
+        again = _ask(engine, history, engine.new_session())
+        assert again.done.fed_tokens == len(history) - len(history) // PAGE * PAGE
+    finally:
+        engine.stop()
+
+
+def test_n_choices_fork_the_prompts_pages(tiny_serve_q8_jlm) -> None:
+    """n > 1: the choices share the prompt's full pages (its last partial one copied), and each goes on alone."""
+    engine = _engine(tiny_serve_q8_jlm)
+    try:
+        session = engine.new_session()
+        _ask(engine, SHARED, session)
+        held = engine.kv_pages().held
+        fork = engine.new_session()
+        fork.kv.copy_from(session.kv, len(SHARED))
+        assert engine.kv_pages().held == held + 1 and fork.kv.pages[0][:3] == session.kv.pages[0][:3]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def served_models(tmp_path_factory, tiny_serve_jlm):
+    d = tmp_path_factory.mktemp("prefix_models")
+    (d / "tiny.jlm").symlink_to(tiny_serve_jlm)
+    return d
+
+
+def _chat(url: str, system: str, question: str, session: str | None = None) -> dict:
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 8,
+            "temperature": 0}
+    if session is not None:
+        body["jitllm_session"] = session
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_served_a_new_session_starts_from_the_prefix_another_request_left(serve, served_models) -> None:
+    """serve: after one request, a fresh session (sessions -new) asking with the same long system prompt feeds only
+    what follows its last full page: usage's cached_tokens, the same reply as with -prefix-cache off (where it feeds
+    everything), and stats, GetStats and /metrics count what the cache found."""
+    import httpx
+
+    from tests.serving import jitllmd
+
+    system = "You answer in the voice of a careful engineer who checks every figure twice. " * 6
+    replies = {}
+    for mode in ("on", "off"):
+        server = serve("-models", str(served_models), "-load", "tiny.jlm", "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-prefix-cache", mode)
+        _chat(server.url, system, "What is a page?")
+        sid = httpx.post(server.url + "/jitllm.v1.SessionService/CreateSession", json={"model": "tiny"}, timeout=60).json()["session"]["id"]
+        replies[mode] = _chat(server.url, system, "And a table?", session=sid)
+        stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"][0]
+        shown = jitllmd("stats", "-addr", server.url.removeprefix("http://"))
+        if mode == "on":
+            assert stats["prefixCache"] and int(stats["prefixHitTokens"]) >= PAGE and int(stats["kvPagesHeld"]) > 0, stats
+            assert "prefix cache: " in shown.stdout and "prompt tokens found" in shown.stdout, shown.stdout
+            metrics = httpx.get(server.url + "/metrics", timeout=60).text
+            assert "jitllmd:prefix_cache_hits_total" in metrics and 'jitllmd:kv_pages{model_name="tiny",state="held"}' in metrics
+        else:
+            assert not stats.get("prefixCache") and "prefixHitTokens" not in stats
+            assert "prefix cache off" in shown.stdout, shown.stdout
+    on, off = replies["on"], replies["off"]
+    assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+    found = on["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert found >= PAGE and found % PAGE == 0 and off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    r = jitllmd("serve", "-models", str(served_models), "-load", "tiny.jlm", "-prefix-cache", "maybe")
+    assert r.returncode != 0 and "-prefix-cache 'maybe': give on or off" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- sessions saved and restored ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm"])
+def test_a_saved_session_restored_in_another_engine_goes_on_with_the_same_tokens(request, model: str) -> None:
+    """Save a session after a turn, restore it in a new engine of the same model: the next turn's tokens are those
+    the session itself makes, and its K/V the same bits; a session file of another model is refused."""
+    from jitllmd.engine import session_file
+
+    path = request.getfixturevalue(model)
+    first, second = _engine(path), _engine(path)
+    try:
+        session = first.new_session()
+        _ask(first, SHARED + _question(0), session, n=40)
+        session.messages.append({"role": "user", "content": "hi"})
+        data = first.save_session(session).result(timeout=60)
+        saved = session_file.load(data)
+        restored = second.restore_session(saved, session.id).result(timeout=60)
+        assert restored.id == session.id and restored.token_ids == session.token_ids and restored.messages == session.messages
+        for layer in range(first.loaded.model.cfg.num_layers):
+            start = max(session.kv.start(layer), restored.kv.start(layer))
+            for x, y in zip(session.kv.read(layer, start, session.kv.length), restored.kv.read(layer, start, restored.kv.length)):
+                assert torch.equal(x, y), layer
+        more = session.token_ids + _question(5)
+        assert _ask(second, more, restored, n=20).ids == _ask(first, more, session, n=20).ids
+    finally:
+        first.stop()
+        second.stop()
+    for damaged, says in ((b"nonsense", "not a jitllmd session file"), (data[:-100], "damaged")):
+        with pytest.raises(ValueError, match=says):
+            session_file.load(damaged)
