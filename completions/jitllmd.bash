@@ -20,19 +20,19 @@ _jitllmd() {
   esac
   case "$verb" in
     serve)
-      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -prefix-cache -spec -draft -draft-max -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -max-choices -max-constrained -responses-store -responses-store-mem -responses-dir -cluster -world -cluster-timeout -join-timeout -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -kv-dtype -prefix-cache -spec -draft -draft-max -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -max-choices -max-constrained -responses-store -responses-store-mem -session-dir -responses-dir -cluster -world -cluster-timeout -join-timeout -h" -- "$cur")) ;;
     models)
-      COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -draft -spec -draft-max -unload -addr -api-key -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -draft -spec -draft-max -kv-dtype -unload -addr -api-key -json -h" -- "$cur")) ;;
     devices)
       COMPREPLY=($(compgen -W "-addr -api-key -json -h" -- "$cur")) ;;
     stats)
       COMPREPLY=($(compgen -W "-watch -interval -addr -api-key -json -h" -- "$cur")) ;;
     sessions)
-      COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -addr -api-key -json -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-new -model -devices -max-seq -reset -close -queue -save -restore -addr -api-key -json -h" -- "$cur")) ;;
     place)
       COMPREPLY=($(compgen -W "-session -model -devices -gpu-layers -move -to -maxmem -tune -relocate -addr -api-key -json -h" -- "$cur")) ;;
     run)
-      COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -tokenize -rerank -spec -draft -draft-max -api-key -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-model -chat -n -temp -top-p -top-k -min-p -seed -max-seq -system -json -addr -session -continue -tokenize -rerank -spec -draft -draft-max -kv-dtype -api-key -h" -- "$cur")) ;;
     convert)
       COMPREPLY=($(compgen -W "-o -dtype -force -json -h" -- "$cur")) ;;
     worker)

@@ -28,7 +28,7 @@ from jitllmd.engine.kernels.ops import (
     rope_rows,
     rows_linear,
 )
-from jitllmd.engine.pages import PAGE
+from jitllmd.engine.pages import PAGE, dequantize_q8, quantize_q8
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA here: the engine runs torch's ops")
 
@@ -44,7 +44,7 @@ class _Paged:
         self.table = (ctypes.c_int32 * max(1, num))(*order)
         self.pages = []
         for cache in (keys, values):
-            store = torch.full((num + 2, Hkv, PAGE, D), float("nan"), dtype=cache.dtype)
+            store = torch.full((num + 2, Hkv, PAGE, D), float("nan") if cache.is_floating_point() else 0, dtype=cache.dtype)
             for i, page in enumerate(order):
                 run = cache[:, i * PAGE : (i + 1) * PAGE]
                 store[page, :, : run.shape[1]] = run
@@ -101,6 +101,40 @@ def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str) -> None:
         odd16 = torch.randn(1, 40, 12, generator=g).half()  # a head size that is no multiple of 8: the widening's tail
         qo = torch.randn(9, 2, 12, generator=g)
         assert torch.equal(_chunk(qo, odd16, odd16, 3, 0, None), _chunk(qo, odd16.float(), odd16.float(), 3, 0, None))
+    finally:
+        use_variant(None)
+
+
+@pytest.mark.parametrize("variant", variants())
+@pytest.mark.parametrize("dim", [64, 128, 96, 32])
+def test_a_q8_0_cache_is_an_f32_cache_of_its_values(variant: str, dim: int) -> None:
+    """A q8_0 KV cache (-kv-dtype q8_0): attend_rows quantizes the new K/V as the torch reference does (bit for bit)
+    and reads each block widened to its values, so its output is the f32 kernel's over the dequantized cache; the
+    chunk kernels likewise (in bf16 too, where AMX runs)."""
+    use_variant(variant)
+    try:
+        g = torch.Generator().manual_seed(5)
+        H, Hkv, cap = 6, 2, 300
+        keys32 = [torch.randn(Hkv, cap, dim, generator=g) for _ in range(3)]
+        values32 = [torch.randn(Hkv, cap, dim, generator=g) * 3 for _ in range(3)]
+        keys8, values8 = [quantize_q8(t) for t in keys32], [quantize_q8(t) for t in values32]
+        keysd, valuesd = [dequantize_q8(t, dim) for t in keys8], [dequantize_q8(t, dim) for t in values8]
+        lengths, starts = [12, 300, 1], [0, 150, 0]
+        q, k, v = torch.randn(3, H, dim, generator=g), torch.randn(3, Hkv, dim, generator=g), torch.randn(3, Hkv, dim, generator=g)
+        k[0, 0, :32] = 0.0  # a block of zeros: scale 0, every integer 0
+        out8 = _rows(q, k, v, keys8, values8, lengths, starts)
+        outd = _rows(q, dequantize_q8(quantize_q8(k), dim), dequantize_q8(quantize_q8(v), dim), keysd, valuesd, lengths, starts)
+        assert torch.equal(out8, outd)
+        for r in range(3):
+            assert torch.equal(keys8[r][:, lengths[r] - 1], quantize_q8(k[r])) and torch.equal(values8[r][:, lengths[r] - 1], quantize_q8(v[r]))
+        assert (dequantize_q8(quantize_q8(k), dim) - k).abs().max() <= k.abs().max() / 127  # half a step of the largest block, at most
+        n, start = 70, 100
+        qc = torch.randn(n, H, dim, generator=g)
+        for window in (None, 50):
+            assert torch.equal(_chunk(qc, keys8[1], values8[1], start, 0, window), _chunk(qc, keysd[1], valuesd[1], start, 0, window))
+            if bf16_attention(dim):
+                assert torch.equal(_chunk(qc, keys8[1], values8[1], start, 0, window, bf16=True),
+                                   _chunk(qc, keysd[1], valuesd[1], start, 0, window, bf16=True))
     finally:
         use_variant(None)
 

@@ -39,14 +39,14 @@ def test_pages_come_as_positions_do_and_hold_them() -> None:
     _fill(kv, 10, 300)
     assert len(kv.pages[0]) == 5 and kv.pages[0] == sorted(kv.pages[0])  # the lowest free pages first
     assert _keys(kv, 1) == [1000.0 + p for p in range(310)] and kv.read(0, 5, 9)[1][1, :, 3].tolist() == [-5.0, -6.0, -7.0, -8.0]
-    assert pool.capacity == [8] and pool.counts() == (5, 0, 3)  # it doubled once, keeping what it held
+    assert pool.capacity == [8] and pool.counts() == (5, 0, 0, 3)  # it doubled once, keeping what it held
     with pytest.raises(RoomError):
         kv.reserve(1001)
     kv.truncate(100)
-    assert len(kv.pages[0]) == 2 and pool.counts() == (2, 0, 6)
+    assert len(kv.pages[0]) == 2 and pool.counts() == (2, 0, 0, 6)
     del kv
     gc.collect()
-    assert pool.counts() == (0, 0, 8)  # a session dropped gives its pages back
+    assert pool.counts() == (0, 0, 0, 8)  # a session dropped gives its pages back
 
 
 def test_a_fork_shares_full_pages_and_a_write_copies_a_shared_one() -> None:
@@ -56,6 +56,7 @@ def test_a_fork_shares_full_pages_and_a_write_copies_a_shared_one() -> None:
     fork = SessionKV(pool, 1000)
     fork.copy_from(src, 140)
     assert fork.pages[0][:2] == src.pages[0][:2] and fork.pages[0][2] != src.pages[0][2]  # the partial third page copied
+    assert pool.counts()[:2] == (4, 2)  # src's three and the fork's own third; two of them shared
     assert _keys(fork, 0) == _keys(src, 0, 0, 140)
     _fill(fork, 140, 10, base=0.5)  # into its own page
     assert _keys(src, 0, 140) == [float(p) for p in range(140, 150)]
@@ -92,7 +93,7 @@ def test_cached_pages_outlive_their_session_until_wanted() -> None:
     a.publish(list(range(256)))
     del a
     gc.collect()
-    assert pool.counts() == (0, 4, 0)  # no table holds them; the cache does
+    assert pool.counts() == (0, 0, 4, 0)  # no table holds them; the cache does
     b = SessionKV(pool, 1000)
     assert b.adopt(list(range(300)), 0) == 256
     b.reset()

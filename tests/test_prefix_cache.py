@@ -206,3 +206,63 @@ def test_a_saved_session_restored_in_another_engine_goes_on_with_the_same_tokens
     for damaged, says in ((b"nonsense", "not a jitllmd session file"), (data[:-100], "damaged")):
         with pytest.raises(ValueError, match=says):
             session_file.load(damaged)
+
+
+def test_served_sessions_save_to_a_file_and_restore_on_another_server(serve, served_models, tmp_path) -> None:
+    """sessions -save S FILE on one server, -restore FILE on another of the same model: the same id, and the next
+    turn is the same reply, starting from the restored K/V; damaged files and unknown sessions are clear errors."""
+    import httpx
+
+    from tests.serving import InProcessServer, jitllmd
+
+    a = serve("-models", str(served_models), "-load", "tiny.jlm", "-id", "tiny", "-devices", "cpu")
+    b = InProcessServer("-models", str(served_models), "-load", "tiny.jlm", "-id", "tiny", "-devices", "cpu")
+    try:
+        addr = lambda s: s.url.removeprefix("http://")
+        sid = jitllmd("sessions", "-new", "-model", "tiny", "-addr", addr(a)).stdout.strip()
+        system = "Answer in one careful sentence, and check it twice before you send it. " * 4
+        _chat(a.url, system, "What is a page?", session=sid)
+        file = tmp_path / "convo.kv"
+        saved = jitllmd("sessions", "-save", sid, str(file), "-addr", addr(a))
+        assert saved.returncode == 0 and file.stat().st_size > 0 and "saved" in saved.stdout, saved.stderr
+        restored = jitllmd("sessions", "-restore", str(file), "-addr", addr(b))
+        assert restored.returncode == 0 and restored.stdout.strip() == sid, restored.stderr
+        there = httpx.post(b.url + "/jitllm.v1.SessionService/GetSession", json={"sessionId": sid}, timeout=60).json()["session"]
+        here = httpx.post(a.url + "/jitllm.v1.SessionService/GetSession", json={"sessionId": sid}, timeout=60).json()["session"]
+        assert there["position"] == here["position"] > 0 and there.get("numMessages") == here.get("numMessages")
+        on_a, on_b = _chat(a.url, system, "And a table?", session=sid), _chat(b.url, system, "And a table?", session=sid)
+        assert on_b["choices"][0]["message"]["content"] == on_a["choices"][0]["message"]["content"]
+        assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == on_a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        (tmp_path / "bad.kv").write_bytes(b"\0" * 64)
+        for args, says in ((("-restore", str(tmp_path / "bad.kv")), "not a jitllmd session file"), (("-save", "s-1-1", str(file)), "no session"),
+                           (("-restore", str(tmp_path / "none.kv")), "no such file"), (("-save", sid), "take a FILE")):
+            r = jitllmd("sessions", *args, "-addr", addr(b))
+            assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    finally:
+        b.stop()
+
+
+def test_a_session_dir_keeps_named_sessions_across_restarts(served_models, tmp_path) -> None:
+    """-session-dir: a server that stops keeps its named sessions there; the next one starts with them (same ids, same
+    positions), and a session closed there loses its file."""
+    import httpx
+
+    from tests.serving import InProcessServer
+
+    flags = ("-models", str(served_models), "-load", "tiny.jlm", "-id", "tiny", "-devices", "cpu", "-session-dir", str(tmp_path / "kept"))
+    first = InProcessServer(*flags)
+    try:
+        sid = httpx.post(first.url + "/jitllm.v1.SessionService/CreateSession", json={"model": "tiny"}, timeout=60).json()["session"]["id"]
+        _chat(first.url, "Be brief.", "Hello there, how are you?", session=sid)
+        position = httpx.post(first.url + "/jitllm.v1.SessionService/GetSession", json={"sessionId": sid}, timeout=60).json()["session"]["position"]
+    finally:
+        first.stop()
+    assert (tmp_path / "kept" / f"{sid}.kv").is_file()
+    second = InProcessServer(*flags)
+    try:
+        listed = httpx.post(second.url + "/jitllm.v1.SessionService/ListSessions", json={}, timeout=60).json()["sessions"]
+        assert [(s["id"], s["position"]) for s in listed] == [(sid, position)]
+        httpx.post(second.url + "/jitllm.v1.SessionService/CloseSession", json={"sessionId": sid}, timeout=60).raise_for_status()
+        assert not (tmp_path / "kept" / f"{sid}.kv").exists()
+    finally:
+        second.stop()

@@ -26,6 +26,7 @@ def models(
     draft: Annotated[str | None, typer.Option("-draft", "--draft", metavar="FILE", help="With -load: a draft model of the model directory (same tokenizer) for speculative decoding.", show_default=False)] = None,
     spec: Annotated[str | None, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="With -load: its speculative decoding (see serve -spec). Default: the server's -spec.", show_default=False)] = None,
     draft_max: Annotated[int | None, typer.Option("-draft-max", "--draft-max", metavar="N", help="With -load: the most tokens a row guesses a step. Default: the server's -draft-max.", show_default=False)] = None,
+    kv_dtype: Annotated[str | None, typer.Option("-kv-dtype", "--kv-dtype", metavar="auto|f32|f16|bf16|q8_0", help="With -load: its sessions' K/V (see serve -kv-dtype). Default: the server's -kv-dtype.", show_default=False)] = None,
     unload: Annotated[str | None, typer.Option("-unload", "--unload", help="Unload this model: its requests end as cancelled, its sessions close.", show_default=False)] = None,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,
     api_key: ApiKey = None,
@@ -34,8 +35,8 @@ def models(
     """List a running server's models (loaded ones first, then the model directory's other .jlm files), or load or unload one."""
     if load is not None and unload is not None:
         raise fail("-load and -unload do not go together", 2)
-    if load is None and any(v is not None for v in (model_id, devices, gpu_layers, max_seq, draft, spec, draft_max)):
-        raise fail("-id, -devices, -gpu-layers, -max-seq, -draft, -spec and -draft-max go with -load", 2)
+    if load is None and any(v is not None for v in (model_id, devices, gpu_layers, max_seq, draft, spec, draft_max, kv_dtype)):
+        raise fail("-id, -devices, -gpu-layers, -max-seq, -draft, -spec, -draft-max and -kv-dtype go with -load", 2)
     if max_seq is not None and max_seq <= 0:
         raise fail("-max-seq must be positive", 2)
     if draft_max is not None and draft_max < 0:
@@ -53,7 +54,7 @@ def models(
                 req.gpu_layers = gpu_layers
             if max_seq is not None:
                 req.max_seq = max_seq
-            req.draft, req.spec = draft or "", spec or ""
+            req.draft, req.spec, req.kv_dtype = draft or "", spec or "", kv_dtype or ""
             if draft_max is not None:
                 req.draft_max = draft_max
             model = client.models.load_model(req).model

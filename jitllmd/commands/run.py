@@ -42,6 +42,7 @@ def run(
     spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding (as serve's -spec): guessed tokens checked in the step, the same tokens greedy, the same distribution sampled. auto: draft with -draft, else ngram (prompt lookup). On a server, off turns it off for this run.")] = "auto",
     draft: Annotated[Path | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model (.jlm or .gguf) with the -model's tokenizer, guessing for it.")] = None,
     draft_max: Annotated[int, typer.Option("-draft-max", "--draft-max", metavar="N", help="The most tokens guessed a step (0: no speculative decoding).")] = 8,
+    kv_dtype: Annotated[str, typer.Option("-kv-dtype", "--kv-dtype", metavar="auto|f32|f16|bf16|q8_0", help="The session's K/V, in this process (as serve's -kv-dtype).")] = "auto",
     api_key: ApiKey = None,
 ) -> None:
     """Run a model: in this process from a .jlm or .gguf file, or on a running server by model name or session.
@@ -60,7 +61,7 @@ def run(
             raise fail("a server run needs -model NAME or -session ID", 2)
         if max_seq is not None:
             raise fail("-max-seq sizes a local session; on a server, make one with `jitllmd sessions -new -max-seq N`", 2)
-    from ..engine.config import SPEC_MODES
+    from ..engine.config import KV_DTYPE_NAMES, SPEC_MODES
 
     if spec not in SPEC_MODES:
         raise fail(f"-spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}", 2)
@@ -68,6 +69,10 @@ def run(
         raise fail(f"-draft-max must be between 0 and 64, got {draft_max}", 2)
     if spec == "draft" and draft is None:
         raise fail("-spec draft needs a draft model: give -draft FILE", 2)
+    if kv_dtype not in KV_DTYPE_NAMES:
+        raise fail(f"-kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {kv_dtype!r}", 2)
+    if remote and kv_dtype != "auto":
+        raise fail("a server's model keeps K/V as it was loaded (`jitllmd models -load FILE -kv-dtype q8_0`)", 2)
     if remote and (draft is not None or spec in ("ngram", "draft")):
         raise fail("a server's model drafts as it was loaded (`jitllmd models -load FILE -draft DRAFT`); here -spec off or -draft-max N tune a run", 2)
     if prompt is None and (tokenize or rerank):
@@ -110,7 +115,7 @@ def run(
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     except ValueError as exc:
         raise fail(str(exc).replace("top_p", "-top-p").replace("top_k", "-top-k").replace("min_p", "-min-p").replace("temperature", "-temp")) from None
-    engine = _load(model, max_seq, quiet=as_json, speculation=(spec, draft, draft_max))
+    engine = _load(model, max_seq, quiet=as_json, speculation=(spec, draft, draft_max), kv_dtype=kv_dtype)
     loaded = engine.loaded
     try:
         if chat and prompt is None:
@@ -196,7 +201,8 @@ def _print_ranked(order: list[tuple[int, float]], documents: list[str], num_toke
     err_console.print(f"{num_tokens} tokens scored", style="dim")
 
 
-def _load(model: str | None, max_seq: int | None, quiet: bool, speculation: tuple[str, Path | None, int] = ("off", None, 0)) -> Engine:
+def _load(model: str | None, max_seq: int | None, quiet: bool, speculation: tuple[str, Path | None, int] = ("off", None, 0),
+          kv_dtype: str = "auto") -> Engine:
     from ..embedded import DEFAULT_NAME, INSTALL_HINT, cache_dir, default_gguf
     from ..engine import kernels
     from ..engine.convert import ConvertError
@@ -229,7 +235,7 @@ def _load(model: str | None, max_seq: int | None, quiet: bool, speculation: tupl
 
         spec = SpecConfig(mode, str(draft) if draft is not None else None, most)
         with progress_bar(f"loading {path.name}" + (f" and {draft.name}" if draft is not None else ""), enabled=not quiet) as update:
-            return Engine.load(path, name=name, max_seq=max_seq, on_progress=update, spec=spec)
+            return Engine.load(path, name=name, max_seq=max_seq, on_progress=update, spec=spec, kv_dtype=kv_dtype)
     except (ConvertError, JLMError, ValueError) as exc:
         raise fail(str(exc)) from None
 

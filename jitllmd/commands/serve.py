@@ -36,6 +36,7 @@ def serve(
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 is the widest step, one row per session (-sessions); 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is one device prefill chunk: 512 on the CPU, 2048 on an accelerator, at most the session room.")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
+    kv_dtype: Annotated[str, typer.Option("-kv-dtype", "--kv-dtype", metavar="auto|f32|f16|bf16|q8_0", help="The sessions' K/V: auto is f16 for a kept-quantized model (llama.cpp's default), else the model's activations' dtype; q8_0 keeps blocks of 32 int8 with an f16 scale (llama.cpp's -ctk/-ctv q8_0: half of f16's bytes to hold and to read a step; a head size that is a multiple of 32); bf16 reads through torch's attention, no kernel.")] = "auto",
     prefix_cache: Annotated[str, typer.Option("-prefix-cache", "--prefix-cache", metavar="on|off", help="Automatic prefix caching: the K/V of every full page of 64 prompt (and reply) positions stays cached under the tokens up to its end, and a later prompt that starts with the same tokens starts from those pages (shared, not copied) instead of feeding them again; usage's cached_tokens counts them. Cached pages no session holds are let go, least recently used first, when a page is wanted.")] = "on",
     spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding: a decode row also feeds tokens guessed for it and keeps those the sampler takes (the same tokens greedy, the same distribution sampled). ngram guesses from the prompt and output (prompt lookup), draft with -draft's model; each row drafts only while its acceptance rate pays. auto: draft where a model has -draft, else ngram.")] = "auto",
     draft: Annotated[list[str] | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model for speculative decoding: a small .jlm (or .gguf) with the same tokenizer as the -load model it goes with, found as -load finds files. With several -load, one -draft each in the same order ('' for none).")] = None,
@@ -51,6 +52,7 @@ def serve(
     max_constrained: Annotated[int, typer.Option("-max-constrained", "--max-constrained", metavar="N", help="Choices of one request that run under a grammar (response_format, a forced tool call): each holds a matcher and its token masks, megabytes for a large vocabulary; more is a 400 that names this flag.")] = 16,
     responses_store: Annotated[int, typer.Option("-responses-store", "--responses-store", metavar="N", help="Responses /v1/responses keeps for previous_response_id, GET, input_items (store: true, as OpenAI's default); past N, or past -responses-store-mem, the oldest go. 0 keeps none.")] = 1000,
     responses_store_mem: Annotated[str, typer.Option("-responses-store-mem", "--responses-store-mem", metavar="SIZE", help="At most SIZE (e.g. 256M) of kept responses, their input and output counted as JSON.")] = "256M",
+    session_dir: Annotated[Path | None, typer.Option("-session-dir", "--session-dir", metavar="DIR", show_default=False, help="Keep named sessions (sessions -new) in DIR, a session file each: written when their model is unloaded or the server stops, restored with their ids into the models they were saved from when it starts; a closed session's file goes. Default: sessions live as long as the server.")] = None,
     responses_dir: Annotated[Path | None, typer.Option("-responses-dir", "--responses-dir", metavar="DIR", show_default=False, help="Keep finished responses in DIR (a JSON file each) and read them back at start-up, so previous_response_id outlives a restart. Default: in memory only.")] = None,
     cluster: Annotated[str | None, typer.Option("-cluster", "--cluster", metavar="URL", show_default=False, help="Be rank 0 of a cluster: tcp://HOST:PORT, the address this server listens on for its workers (`jitllmd worker`), or env:// (torch's MASTER_ADDR and MASTER_PORT). Other ranks' devices are named with their rank first (1:cpu, 1:cuda:0). Default: env:// under torchrun (RANK and WORLD_SIZE set), else none.")] = None,
     world: Annotated[int | None, typer.Option("-world", "--world", metavar="N", show_default=False, help="Ranks in the cluster, this server included; it waits for ranks 1..N-1 to join at start-up. Default: WORLD_SIZE under torchrun.")] = None,
@@ -76,9 +78,9 @@ def serve(
     plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
-                      prefix_cache=prefix_cache, spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
+                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
                       max_choices=max_choices, max_constrained=max_constrained, responses_store=responses_store,
-                      responses_store_mem=responses_store_mem, responses_dir=responses_dir)
+                      responses_store_mem=responses_store_mem, responses_dir=responses_dir, session_dir=session_dir)
     try:
         sock = bind(plan.host, plan.port)
     except OSError as exc:
@@ -186,8 +188,8 @@ class ServePlan:
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int, prefix_cache: str = "on", spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
-               responses_dir: Path | None = None) -> ServePlan:
+               relocate_horizon: int, prefix_cache: str = "on", kv_dtype: str = "auto", spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
+               responses_dir: Path | None = None, session_dir: Path | None = None) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
     from ..embedded import INSTALL_HINT, default_gguf
@@ -223,6 +225,8 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             spec=spec,
             draft_max=draft_max,
             prefix_cache=prefix_cache == "on",
+            kv_dtype=kv_dtype,
+            session_dir=session_dir.resolve() if session_dir is not None else None,
         )
     except ValueError as exc:
         raise fail(_flag_names(str(exc))) from None
@@ -243,8 +247,9 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             find_model_file(file, models)
     except FileNotFoundError as exc:
         raise fail(str(exc)) from None
-    if responses_dir is not None and responses_dir.exists() and not responses_dir.is_dir():
-        raise fail(f"-responses-dir {responses_dir}: not a directory")
+    for flag, folder in (("-responses-dir", responses_dir), ("-session-dir", session_dir)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise fail(f"{flag} {folder}: not a directory")
     return ServePlan(host, port, models, config, list(loads), list(ids), gguf, key, _allowed_hosts(host, allow_host, keyed=key is not None),
                      max_choices, max_constrained, responses_store, store_mem, responses_dir, tuple(drafts))
 
@@ -287,6 +292,9 @@ def start_models(catalog, plan: ServePlan, health=None, *, progress: bool = Fals
                 catalog.load(jlm, id=ids[i] if i < len(ids) else None, aliases=(Path(file).stem,), on_load=update, draft=plan.draft(i), spec=plan.config.spec)
     except (ConvertError, JLMError, ValueError, OSError, RankError) as exc:
         raise fail(_flag_names(str(exc))) from None
+    back = catalog.bring_back_sessions()
+    if back and progress:
+        err_console.print(f"  restored {len(back)} session{'s' if len(back) > 1 else ''} from {plan.config.session_dir}", style="dim")
 
 
 def _cluster_flags(cluster: str | None, world: int | None) -> tuple[str | None, int, int]:
@@ -404,6 +412,7 @@ def _flag_names(message: str) -> str:
         ("relocate_idle", "-relocate-idle"),
         ("relocate_horizon", "-relocate-horizon"),
         ("spec", "-spec"),
+        ("kv_dtype", "-kv-dtype"),
         ("draft_max", "-draft-max"),
     ):
         if message.startswith(field):

@@ -107,7 +107,7 @@ def _table(resp: GetStatsResponse) -> RenderableType:
 
 def _pages(m: Any) -> str:
     """One model's KV pages and prefix cache, in a line."""
-    line = f"{m.model}: KV pages {m.kv_pages_held} held, {m.kv_pages_cached} cached, {m.kv_pages_free} free"
+    line = f"{m.model}: KV pages {m.kv_pages_held} held ({m.kv_pages_shared} shared), {m.kv_pages_cached} cached, {m.kv_pages_free} free"
     if not m.prefix_cache:
         return line + "; prefix cache off"
     share = f" ({m.prefix_hit_tokens / m.prefix_query_tokens:.0%})" if m.prefix_query_tokens else ""

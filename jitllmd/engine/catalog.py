@@ -21,6 +21,7 @@ from .loader import cached_conversion
 from .memory.devices import available_devices, parse_devices, release_host_memory, trim_heap
 from .memory.placement import HOST
 from .memory.relocation import Relocation, block_held
+from .session_dir import SessionDir
 from .sessions import Session
 from .speculative import SpecConfig
 
@@ -78,6 +79,7 @@ class Catalog:
         self._models: dict[str, ServedModel] = {}
         self._loading: dict[str, tuple[str, ...]] = {}  # id -> the names of a model being loaded
         self._lock = threading.Lock()
+        self.session_dir = SessionDir(config.session_dir) if config.session_dir is not None else None
 
     def parse_devices(self, spec: str) -> list[str]:
         """The device grammar, other ranks' devices included where the server is in a cluster."""
@@ -194,9 +196,10 @@ class Catalog:
         draft: str | Path | None = None,
         spec: str | None = None,
         draft_max: int | None = None,
+        kv_dtype: str | None = None,
     ) -> ServedModel:
         """Load a model file under `id` (default: m-<hash of its path>; see check_id), also answering to `aliases` and
-        its file name without .jlm where no other loaded model does. devices, gpu_layers, max_seq, spec and draft_max
+        its file name without .jlm where no other loaded model does. devices, gpu_layers, max_seq, spec, draft_max and kv_dtype
         override the server's flags for this model; `draft`: its draft model's file, found as a model file is (for
         speculative decoding: spec draft unless spec says otherwise). Raises ValueError/OSError with one-line messages."""
         config = dataclasses.replace(  # validates
@@ -206,6 +209,7 @@ class Catalog:
             max_seq=self.config.max_seq if max_seq is None else max_seq,
             spec=spec or ("draft" if draft else self.config.spec),  # a draft named for this model is its drafter
             draft_max=self.config.draft_max if draft_max is None else draft_max,
+            kv_dtype=kv_dtype or self.config.kv_dtype,
         )
         speculative = SpecConfig(config.spec, str(self.prepare(draft, inside_only=inside_only)) if draft else None, config.draft_max)
         placed_on = self.devices if devices is None else self.parse_devices(devices)
@@ -253,6 +257,7 @@ class Catalog:
             joint_steps=config.joint_steps,
             spec=spec,
             prefix_cache=config.prefix_cache,
+            kv_dtype=config.kv_dtype,
             on_progress=on_load,
             room=self.relocation,
             cluster=self.cluster,
@@ -297,6 +302,8 @@ class Catalog:
     def unload(self, name: str, timeout: float | None = None) -> None:
         """Stop a model's engine (its requests end as cancelled) and forget it. `timeout`: see Engine.stop."""
         served = self.get(name)
+        if self.session_dir is not None:  # its named sessions outlive it
+            self.session_dir.keep(served.engine)
         with self._lock:
             self._models.pop(served.id, None)
             self.relocation.unregister(served.id)
@@ -305,6 +312,10 @@ class Catalog:
         weakref.finalize(served.engine, trim_heap)  # requests still streaming hold it a moment longer
         del served
         release_host_memory()
+
+    def bring_back_sessions(self) -> list[str]:
+        """The named sessions -session-dir kept, restored into the loaded models they were saved from."""
+        return self.session_dir.bring_back([m.engine for m in self.loaded()]) if self.session_dir is not None else []
 
     def cancel_all(self) -> None:
         """Cancel every request of every model (a server that must stop now)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 __all__ = ["JOINT_STEPS", "SPEC_MODES", "EngineConfig", "find_model_file", "parse_size"]
 
 JOINT_STEPS = ("auto", "always", "never")
+KV_DTYPE_NAMES = ("auto", "f32", "f16", "bf16", "q8_0")  # -kv-dtype's (engine/pages.py KV_DTYPES; auto: the model's own choice)
 SPEC_MODES = ("auto", "ngram", "draft", "off")  # engine/speculative.py's (that module imports torch's users; this one is read first)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -42,7 +43,9 @@ class EngineConfig:
     relocate_horizon: int = 256  # tokens within which a promotion must repay its copy
     spec: str = "auto"  # speculative decoding: auto (a draft model where a model has one, else ngram), ngram, draft, off
     draft_max: int = 8  # the most tokens a row guesses a step
+    kv_dtype: str = "auto"  # the sessions' K/V: auto (f16 for a kept-quantized model, else its activations'), f32, f16, bf16, q8_0
     prefix_cache: bool = True  # a prompt starts from the K/V pages another request left for the same tokens
+    session_dir: Path | None = None  # named sessions kept here across restarts (engine/session_dir.py)
 
     def __post_init__(self) -> None:
         if self.maxmem is not None and self.maxmem < 1:
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
         if not 0 <= self.draft_max <= 64:
             raise ValueError(f"draft_max must be between 0 and 64, got {self.draft_max}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype!r}")
         if self.joint_steps not in JOINT_STEPS:
             raise ValueError(f"joint_steps must be one of {', '.join(JOINT_STEPS)}, got {self.joint_steps!r}")
 

@@ -529,10 +529,10 @@ class Engine:
         """The model's KV pages and prefix cache now, as figures."""
         runner = self.loaded.runner
         if runner is None:
-            return KVPages(0, 0, 0, 0, 0)
+            return KVPages(0, 0, 0, 0, 0, 0)
         pool = runner.kv_pool
-        held, cached, free = pool.counts()
-        return KVPages(held, cached, free, pool.hits, pool.queries)
+        held, shared, cached, free = pool.counts()
+        return KVPages(held, shared, cached, free, pool.hits, pool.queries)
 
     def _placed(self) -> None:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""

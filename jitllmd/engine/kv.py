@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .pages import META, PAGE, PagePool, Prefix
+from .pages import META, PAGE, Q8_0, PagePool, Prefix, dequantize_q8, quantize_q8
 
 __all__ = ["META", "PAGE", "RoomError", "RowSpan", "SessionKV"]
 
@@ -56,7 +56,7 @@ class SessionKV:
         self._full = self.windows.count(None)  # bytes_at's terms, once: it runs for every decode row of every step
         self._sliding = [w for w in self.windows if w is not None]
         self.length = 0  # positions filled
-        self._layer_bytes = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()  # one position of one layer
+        self._layer_bytes = pool.page_bytes // PAGE  # one position of one layer
         groups = len(pool.group_windows)
         self.pages: list[list[int]] = [[] for _ in range(groups)]  # per group, the page of each PAGE positions (-1: let go)
         self.first = [0] * groups  # per group, the first page index still held
@@ -147,8 +147,11 @@ class SessionKV:
         return self.pool.k[layer], self.pool.v[layer]
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put k, v [n, Hkv, D] at positions pos .. pos + n - 1 (reserved) of layer."""
+        """Put k, v [n, Hkv, D] at positions pos .. pos + n - 1 (reserved) of layer (a q8_0 cache quantizes them; rows
+        of its own already are)."""
         K, V = self.storage(layer)
+        if self.dtype == Q8_0 and k.dtype != Q8_0:
+            k, v = quantize_q8(k), quantize_q8(v)
         pages, n, i = self.pages[self._group[layer]], k.shape[0], 0
         while i < n:
             at = pos + i
@@ -158,19 +161,20 @@ class SessionKV:
             V[page, :, off : off + m] = v[i : i + m].transpose(0, 1)
             i += m
 
-    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's K/V of positions lo .. hi - 1 (held), contiguous: [Hkv, hi - lo, D] each."""
+    def read(self, layer: int, lo: int, hi: int, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's K/V of positions lo .. hi - 1 (held), contiguous: [Hkv, hi - lo, D] each (a q8_0 cache's in f32, or
+        with `raw` its rows as stored)."""
         K, V = self.storage(layer)
         if hi <= lo:
-            empty = K.new_empty((self.num_kv_heads, 0, self.head_dim))
+            empty = K.new_empty((self.num_kv_heads, 0, K.shape[-1] if raw else self.head_dim), dtype=K.dtype if raw or self.dtype != Q8_0 else torch.float32)
             return empty, empty
         a, b = lo // PAGE, (hi + PAGE - 1) // PAGE
         index = torch.tensor(self.pages[self._group[layer]][a:b], device=K.device)
         off = lo - a * PAGE
 
-        def gather(store: torch.Tensor) -> torch.Tensor:  # [m, Hkv, PAGE, D] -> [Hkv, m * PAGE, D]
-            run = store.index_select(0, index).transpose(0, 1).reshape(self.num_kv_heads, (b - a) * PAGE, self.head_dim)
-            return run[:, off : off + hi - lo]
+        def gather(store: torch.Tensor) -> torch.Tensor:  # [m, Hkv, PAGE, row] -> [Hkv, m * PAGE, row]
+            run = store.index_select(0, index).transpose(0, 1).reshape(self.num_kv_heads, (b - a) * PAGE, store.shape[-1])[:, off : off + hi - lo]
+            return dequantize_q8(run, self.head_dim) if self.dtype == Q8_0 and not raw else run
 
         return gather(K), gather(V)
 
@@ -192,9 +196,9 @@ class SessionKV:
             device = self.devices[layer]
             self.write(layer, start + skip, k[:, skip : skip + n].transpose(0, 1).to(device), v[:, skip : skip + n].transpose(0, 1).to(device))
 
-    def filled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K/V from its first held position (`start`) to the length, [Hkv, n, D] each."""
-        return self.read(layer, self.start(layer), self.length)
+    def filled(self, layer: int, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V from its first held position (`start`) to the length, [Hkv, n, D] each (`raw`: see read)."""
+        return self.read(layer, self.start(layer), self.length, raw)
 
     def reusable(self, length: int) -> int:
         """How much of a prefix of `length` positions the cache can go on from: all of it where every window group

@@ -25,6 +25,7 @@ from .memory.devices import compute_dtype, is_remote, spendable_bytes, trim_heap
 from .memory.pager import BlockReader, Pager
 from .memory.placement import Placement, Room
 from .models import DecoderModel, EncoderModel, build_model, family_for
+from .pages import KV_DTYPES
 from .runner import ModelRunner
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
@@ -174,7 +175,7 @@ def load_model(
     page_budget: int | None = None,
     read_ahead: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
-    kv_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | str | None = None,
     room: Room | None = None,
     cluster: Cluster | None = None,
     shared: tuple[str, str | None] | None = None,
@@ -220,7 +221,11 @@ def load_model(
     if family_for(jlm.arch).embeds:  # an encoder keeps no KV: its room is the longest input it takes
         cap = int(jlm.config.get("max_seq_length", context))
     else:
-        if kv_dtype is not None:
+        if isinstance(kv_dtype, str) and kv_dtype != "auto":  # -kv-dtype's name
+            if kv_dtype not in KV_DTYPES:
+                raise ValueError(f"kv_dtype must be one of auto, {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+            kv_dtype = KV_DTYPES[kv_dtype]
+        if isinstance(kv_dtype, torch.dtype):
             model.kv_dtype = kv_dtype
         sizing = SessionKV(model.kv_pool([META] * model.cfg.num_layers), context)  # no storage: its arithmetic, with the windows it keeps
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)

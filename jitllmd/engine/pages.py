@@ -11,19 +11,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["META", "PAGE", "KVPages", "PagePool", "Prefix"]
+__all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "Prefix", "dequantize_q8", "quantize_q8"]
 
 PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
 META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
 _IDS = itertools.count(1)
+Q8_0 = torch.uint8  # a q8_0 cache's storage: rows of D int8 then D / 32 f16 scales (kernels/simd.h)
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8_0}  # -kv-dtype's names
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """Rows of D values (D a multiple of 32) as q8_0 rows [..., D + D / 16] uint8, as kernels/rows.c's to_q8 makes
+    them: per block of 32, scale = amax / 127, q = value * (1 / scale) rounded to nearest even, the scale kept as f16."""
+    D = x.shape[-1]
+    blocks = x.float().reshape(*x.shape[:-1], D // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv).to(torch.int8).reshape(*x.shape[:-1], D)
+    return torch.cat([q.view(torch.uint8), d.squeeze(-1).half().view(torch.uint8).reshape(*x.shape[:-1], D // 16)], dim=-1)
+
+
+def dequantize_q8(rows: torch.Tensor, D: int) -> torch.Tensor:
+    """q8_0 rows back to f32 [..., D]: each value its block's scale times its integer."""
+    q = rows[..., :D].contiguous().view(torch.int8).float().reshape(*rows.shape[:-1], D // 32, 32)
+    d = rows[..., D:].contiguous().view(torch.float16).float()[..., None]
+    return (d * q).reshape(*rows.shape[:-1], D)
 
 
 @dataclass(frozen=True)
 class KVPages:
-    """A model's pages now (every group's): held by sessions' tables (a shared page once), kept by the prefix cache
-    alone, free in storage; and the prompt tokens the cache found, of those looked up, over its life."""
+    """A model's pages now (every group's): held by sessions' tables (a shared page once), those held by more than one,
+    kept by the prefix cache alone, free in storage; and the prompt tokens the cache found, of those looked up, over its
+    life."""
 
     held: int
+    shared: int
     cached: int
     free: int
     hit_tokens: int
@@ -65,7 +87,10 @@ class PagePool:
         self._entry: list[dict[int, Prefix]] = [{} for _ in kinds]  # page -> the cache entry holding it
         self.prefixes: dict[tuple[int, tuple[int, ...]], Prefix] = {}
         self._lru: OrderedDict[int, Prefix] = OrderedDict()  # entries by last use, oldest first
-        self.page_bytes = 2 * num_kv_heads * PAGE * head_dim * torch.empty((), dtype=dtype).element_size()  # one layer's K and V
+        if dtype == Q8_0 and head_dim % 32:
+            raise ValueError(f"a q8_0 KV cache takes blocks of 32 values: this model's head size is {head_dim}")
+        self.row = head_dim + head_dim // 16 if dtype == Q8_0 else head_dim  # one position of one kv head, in dtype's elements
+        self.page_bytes = 2 * num_kv_heads * PAGE * self.row * torch.empty((), dtype=dtype).element_size()  # one layer's K and V
         self.k = [self._storage(d, self.capacity[g]) for d, g in zip(self.devices, self.group)]
         self.v = [self._storage(d, self.capacity[g]) for d, g in zip(self.devices, self.group)]
         self.hits = 0  # prompt tokens found in the cache, and looked for
@@ -73,7 +98,7 @@ class PagePool:
         self._lock = threading.RLock()
 
     def _storage(self, device: torch.device, pages: int) -> torch.Tensor:
-        return torch.empty((pages, self.num_kv_heads, PAGE, self.head_dim), dtype=self.dtype, device=device)
+        return torch.empty((pages, self.num_kv_heads, PAGE, self.row), dtype=self.dtype, device=device)
 
     def layers(self, group: int) -> list[int]:
         return [i for i, g in enumerate(self.group) if g == group]
@@ -208,12 +233,13 @@ class PagePool:
         """Pages of a group that tables hold or the cache keeps."""
         return sum(1 for r in self.refs[group] if r) + sum(1 for p in self._entry[group] if not self.refs[group][p])
 
-    def counts(self) -> tuple[int, int, int]:
-        """Pages (every group's) held by tables, cached but held by none, and free within storage."""
+    def counts(self) -> tuple[int, int, int, int]:
+        """Pages (every group's) held by tables, held by more than one, cached but held by none, and free in storage."""
         with self._lock:
             held = sum(1 for refs in self.refs for r in refs if r)
+            shared = sum(1 for refs in self.refs for r in refs if r > 1)
             used = sum(self.used(g) for g in range(len(self.capacity)))
-            return held, used - held, sum(self.capacity) - used
+            return held, shared, used - held, sum(self.capacity) - used
 
     def nbytes(self) -> int:
         """Bytes of the pages held or cached, in every layer here (storage never touched on the CPU costs nothing)."""

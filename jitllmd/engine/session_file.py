@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .kv import META
+from .pages import Q8_0, dequantize_q8
 from .sessions import Session
 
 __all__ = ["FORMAT", "VERSION", "SavedSession", "dump", "load", "restore_into"]
@@ -44,10 +45,10 @@ def dump(session: Session, model: dict[str, Any]) -> bytes:
     for layer in range(kv.num_layers):
         if kv.devices[layer] == META:
             raise ValueError(f"session {session.id}: layer {layer} is held by another rank; only a session whose layers are all here can be saved")
-        k, v = kv.filled(layer)
+        k, v = kv.filled(layer, raw=True)
         tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k.contiguous().cpu(), v.contiguous().cpu()
     doc = {
-        "format": FORMAT, "version": VERSION, "id": session.id, "model": model, "dtype": str(kv.dtype).removeprefix("torch."),
+        "format": FORMAT, "version": VERSION, "id": session.id, "model": model, "dtype": _dtype_name(kv.dtype),
         "length": kv.length, "capacity": kv.capacity, "starts": [kv.start(i) for i in range(kv.num_layers)],
         "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "token_ids": list(session.token_ids), "messages": list(session.messages),
     }
@@ -82,13 +83,26 @@ def load(data: bytes) -> SavedSession:
         raise ValueError(f"a damaged session file: {exc}") from None
     if len(token_ids) != length or not 0 <= length <= int(doc["capacity"]):
         raise ValueError(f"a damaged session file: {len(token_ids)} tokens for {length} positions")
+    row = dim + dim // 16 if doc.get("dtype") == "q8_0" else dim
     for layer, start in enumerate(starts):
         for name in (f"k.{layer}", f"v.{layer}"):
             t = tensors.get(name)
-            if t is None or tuple(t.shape) != (heads, length - start, dim) or not 0 <= start <= length:
-                raise ValueError(f"a damaged session file: {name} is not [{heads}, {length - start}, {dim}]")
+            if t is None or tuple(t.shape) != (heads, length - start, row) or not 0 <= start <= length:
+                raise ValueError(f"a damaged session file: {name} is not [{heads}, {length - start}, {row}]")
     doc["token_ids"] = token_ids
     return SavedSession(doc, tensors)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return "q8_0" if dtype == Q8_0 else str(dtype).removeprefix("torch.")
+
+
+def _as(t: torch.Tensor, saved: str, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """Saved K/V for a cache of `dtype`: as they are where the dtypes agree, else through f32."""
+    if saved == _dtype_name(dtype):
+        return t
+    t = dequantize_q8(t, dim) if saved == "q8_0" else t.float()
+    return t if dtype == Q8_0 else t.to(dtype)  # a q8_0 cache quantizes floats as it writes them
 
 
 @torch.inference_mode()
@@ -104,7 +118,7 @@ def restore_into(session: Session, saved: SavedSession) -> None:
     kv.length = saved.length
     for layer, start in enumerate(doc["starts"]):
         if kv.devices[layer] != META:  # a layer on another rank: its K/V are that rank's (not saved from there)
-            kv.put(layer, start, saved.tensors[f"k.{layer}"].to(kv.dtype), saved.tensors[f"v.{layer}"].to(kv.dtype))
+            kv.put(layer, start, *(_as(saved.tensors[f"{kind}.{layer}"], doc["dtype"], kv.dtype, kv.head_dim) for kind in "kv"))
     kv.trim()
     session.token_ids[:] = doc["token_ids"]
     session.messages[:] = doc["messages"]

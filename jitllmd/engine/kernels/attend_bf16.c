@@ -42,22 +42,26 @@ static inline __m512 exp16_neg(__m512 x) {
 
 typedef struct {
     const float *q;
-    const void *K, *V; /* [pages, Hkv, KV_PAGE, D] f32, or f16 where kv16 */
+    const void *K, *V; /* [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16, q8_0) */
     const int32_t *table; /* the session's pages (simd.h kv_at) */
     float *out;
     uint16_t *kt, *vt; /* packed: [Hkv][nb][AB * D] each */
     int64_t q_stride, n, H, Hkv, D, p, key_start, window, group, qblocks, b0, nb, klo, khi;
     float scale;
-    int kv16;
+    int kind;
     _Atomic int failed;
 } abf_job;
 
 /* 16 values of a cache row from element d as f32 (zeros for a key outside [klo, khi)) */
 static inline __m512 cache16(const abf_job *j, const void *base, int64_t h, int64_t key, int64_t d) {
     if (key < j->klo || key >= j->khi) return _mm512_setzero_ps();
-    const int64_t at = kv_at(j->table, j->Hkv, h, key, j->D) + d;
-    if (j->kv16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
-    return _mm512_loadu_ps((const float *)base + at);
+    const char *row = (const char *)base + kv_byte(j->table, j->Hkv, h, key, kv_row_bytes(j->kind, j->D));
+    if (j->kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+    if (j->kind == KV_Q8) { /* 16 values of one block of 32: its scale times each integer */
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+        return _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(((const uint16_t *)(row + j->D))[d / 32])), v);
+    }
+    return _mm512_loadu_ps((const float *)row + d);
 }
 
 /* Keys and values of kv head item / nb, block b0 + item % nb, rounded and packed */
@@ -189,13 +193,13 @@ static void query_item(void *arg, int64_t item) {
 /* attend_chunk's arguments and result (rows.c), in bf16 on AMX tiles. Returns 0, -1 without memory, -2 where it
  * cannot run (no AMX granted, or D not a multiple of 32). */
 int attend_chunk_bf16(const float *q, int64_t q_stride, const void *K, const void *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                      const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
+                      const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kind, int threads) {
     if (bf16_rows_kind() != 2 || D % 32 || n < 1) return -2;
     const int64_t first = window > 0 && p - window + 1 > key_start ? p - window + 1 : key_start; /* the chunk's first query's first key */
     const int64_t b0 = first / AB, nb = (p + n - 1) / AB - b0 + 1;
     abf_job job = {.q = q, .K = K, .V = V, .out = out, .q_stride = q_stride, .n = n, .H = H, .Hkv = Hkv, .D = D, .table = table, .p = p,
                    .key_start = key_start, .window = window, .group = H / Hkv, .qblocks = (n + AQ - 1) / AQ, .b0 = b0, .nb = nb, .klo = first,
-                   .khi = p + n, .scale = scale, .kv16 = kv16};
+                   .khi = p + n, .scale = scale, .kind = kind};
     job.kt = aligned_alloc(64, (size_t)(2 * Hkv * nb * AB * D) * sizeof(uint16_t));
     if (job.kt == NULL) return -1;
     job.vt = job.kt + Hkv * nb * AB * D;
@@ -207,9 +211,9 @@ int attend_chunk_bf16(const float *q, int64_t q_stride, const void *K, const voi
 
 #else
 int attend_chunk_bf16(const float *q, int64_t q_stride, const void *K, const void *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                      const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
+                      const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kind, int threads) {
     (void)q, (void)q_stride, (void)K, (void)V, (void)out, (void)n, (void)H, (void)Hkv, (void)D, (void)table, (void)p, (void)key_start;
-    (void)window, (void)scale, (void)kv16, (void)threads;
+    (void)window, (void)scale, (void)kind, (void)threads;
     return -2;
 }
 #endif

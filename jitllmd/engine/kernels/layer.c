@@ -41,7 +41,7 @@ void rms_norm_add_rows(const float *x, const float *w, const float *r, float *y,
 void rms_norm_heads(float *x, int64_t stride, const float *w, int64_t T, int64_t heads, int64_t D, float eps, int threads);
 int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs, const int64_t *v_ptrs,
                  const int64_t *lengths, const int64_t *starts, const int64_t *tables, int64_t R, int64_t H, int64_t Hkv, int64_t D, float scale,
-                 int kv16, int threads);
+                 int kind, int threads);
 
 /* A projection: `runs` runs of rows of `k` inputs, run i `rows[i]` rows of ggml type `type[i]` at w[i]. */
 typedef struct {
@@ -101,12 +101,12 @@ static int project(const qproj *p, const float *x, float *y, int64_t T, int64_t 
 }
 
 /* Layer L over R single-token rows: x [R, hidden] -> y [R, hidden] (y may not be x). cos, sin [R, D]: the rows'
- * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] (the layer's pages, f32, or f16 where kv16) through its page
+ * RoPE tables (rope_rows's); row r's cache k_ptrs[r], v_ptrs[r] (the layer's pages, rows of kind `kv`: simd.h) through its page
  * table at tables[r] (rows.c attend_rows), its new token at
  * position lengths[r] - 1, attending from starts[r]; many: NULL, or R flags (MANY_*), which product each row takes.
  * Returns 0, or -1 without memory. */
 int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const float *cos, const float *sin, const int64_t *k_ptrs,
-                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *tables, int kv16, const uint8_t *many,
+                 const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *tables, int kv, const uint8_t *many,
                  int threads) {
     const int64_t H = L->H, Hkv = L->Hkv, D = L->D, W = (H + 2 * Hkv) * D, hidden = L->hidden, I = L->inter;
     const float eps = (float)L->eps;
@@ -134,7 +134,7 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
         }
         int64_t keys = 0; /* attention's multiply-adds, about: a short history is quicker on one thread */
         for (int64_t r = 0; r < R; r++) keys += lengths[r] - starts[r];
-        rc = attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, tables, R, H, Hkv, D, (float)L->scale, kv16, keys * H * D >= (1 << 15) ? threads : 1);
+        rc = attend_rows(q, k, v, attn, k_ptrs, v_ptrs, lengths, starts, tables, R, H, Hkv, D, (float)L->scale, kv, keys * H * D >= (1 << 15) ? threads : 1);
         if (!rc && L->attn_out_norm) {
             rc = project(&L->o, attn, out, R, hidden, PLAIN, NULL, 0.0f, NULL, 0, many, threads);
             if (!rc) rms_norm_add_rows(out, L->attn_out_norm, x, y, R, hidden, eps, threads);
@@ -158,7 +158,7 @@ int decode_layer(const qlayer *L, const float *x, float *y, int64_t R, const flo
  * meta: per layer its five int64 arrays [R] (k_ptrs, v_ptrs, lengths, starts, tables), [n][5][R]; cos, sin: per
  * layer its RoPE rows. The same calls as n decode_layer calls: the same bits. */
 int decode_stack(const qlayer *const *layers, int64_t n, const float *x, float *y, int64_t R, const float *const *cos, const float *const *sin,
-                 const int64_t *meta, int kv16, const uint8_t *many, int threads) {
+                 const int64_t *meta, int kv, const uint8_t *many, int threads) {
     if (n <= 0) return 0;
     const int64_t hidden = layers[0]->hidden;
     float *buf = n > 1 ? malloc((size_t)(2 * R * hidden) * sizeof(float)) : NULL;
@@ -168,7 +168,7 @@ int decode_stack(const qlayer *const *layers, int64_t n, const float *x, float *
     for (int64_t l = 0; l < n && !rc; l++) {
         float *out = l == n - 1 ? y : buf + (l % 2) * R * hidden;
         const int64_t *m = meta + l * 5 * R;
-        rc = decode_layer(layers[l], in, out, R, cos[l], sin[l], m, m + R, m + 2 * R, m + 3 * R, m + 4 * R, kv16, many, threads);
+        rc = decode_layer(layers[l], in, out, R, cos[l], sin[l], m, m + R, m + 2 * R, m + 3 * R, m + 4 * R, kv, many, threads);
         in = out;
     }
     free(buf);

@@ -101,7 +101,8 @@ def panel_linear(
     return y
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # the caches the attention kernels read
+KV_DTYPES = (torch.float32, torch.float16, torch.uint8)  # the caches the attention kernels read (uint8: q8_0 rows, engine/pages.py)
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}  # kernels/simd.h KV_F32, KV_F16, KV_Q8
 
 
 def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[int]) -> list[int]:
@@ -111,19 +112,19 @@ def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: lis
     return [*(t.data_ptr() for t in keys), *(t.data_ptr() for t in values), *lengths, *starts, *tables]
 
 
-def _kv16(caches: list[torch.Tensor]) -> int:
-    """Whether the caches (all of one dtype in KV_DTYPES) are f16."""
+def _kv_kind(caches: list[torch.Tensor]) -> int:
+    """The caches' kind (all of one dtype in KV_DTYPES): f32, f16 or q8_0 rows (kernels/simd.h)."""
     dtype = caches[0].dtype
     assert dtype in KV_DTYPES and all(t.dtype == dtype for t in caches)
-    return int(dtype == torch.float16)
+    return _KV_KINDS[dtype]
 
 
 class _RowMeta:
     """Single-token rows' caches as attend_rows takes them (_row_meta) in one ctypes array (a few times cheaper than a
-    tensor of it), and whether the caches are f16."""
+    tensor of it), and the caches' kind."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[int]):
-        self.kv16 = _kv16([*keys, *values])
+        self.kind = _kv_kind([*keys, *values])
         self.array = (ctypes.c_int64 * (5 * len(keys)))(*_row_meta(keys, values, lengths, starts, tables))
         at, step = ctypes.addressof(self.array), 8 * len(keys)
         self.pointers = [at + i * step for i in range(5)]
@@ -134,8 +135,9 @@ def attend_rows(
     tables: list[int],
 ) -> torch.Tensor:
     """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] f32 go to position lengths[r] - 1
-    of its session's cache: keys[r], values[r] (a layer's pages [pages, Hkv, PAGE, D] contiguous, f32 or f16 (rounded
-    to nearest)) through the int32 page table at address tables[r]; then q[r] [H, D] f32 attends to positions
+    of its session's cache: keys[r], values[r] (a layer's pages [pages, Hkv, PAGE, row] contiguous: f32 or f16 rows of
+    D (rounded to nearest), or uint8 q8_0 rows of D + D / 16 bytes (kernels/simd.h)) through the int32 page table at
+    address tables[r]; then q[r] [H, D] f32 attends to positions
     starts[r] .. lengths[r] - 1. -> [R, H * D] f32."""
     lib = _lib()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -143,7 +145,7 @@ def attend_rows(
     out = torch.empty((num_rows, num_heads * dim), dtype=torch.float32)
     meta = _RowMeta(keys, values, lengths, starts, tables)
     if lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *meta.pointers, num_rows, num_heads, keys[0].shape[1], dim,
-                       dim**-0.5, meta.kv16, torch.get_num_threads()):
+                       dim**-0.5, meta.kind, torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for its scores")
     return out
 
@@ -151,8 +153,8 @@ def attend_rows(
 def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: int, start: int, key_start: int, window: int | None,
                  bf16: bool = False) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
-    start + n - 1, whose keys and values are already in the cache: keys, values (a layer's pages [pages, Hkv, PAGE, D]
-    contiguous, f32 or f16, D a multiple of 4) through the int32 page table at address `table`; query i sees
+    start + n - 1, whose keys and values are already in the cache: keys, values (a layer's pages [pages, Hkv, PAGE, row]
+    contiguous, f32 or f16 rows (D a multiple of 4) or q8_0 ones (attend_rows)) through the int32 page table at address `table`; query i sees
     positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32.
     With `bf16` (where `bf16_attention()`; D a multiple of 32): a bf16 model's rounding on AMX tiles (attend_bf16.c:
     q and the keys rounded for the scores, the softmax's weights and the values for their product, sums in f32)."""
@@ -163,7 +165,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     out = torch.empty((n, heads * dim), dtype=torch.float32)
     failed = (lib.attend_chunk_bf16 if bf16 else lib.attend_chunk)(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, heads, keys.shape[1], dim, table,
-        start, key_start, window or 0, dim**-0.5, int(keys.dtype == torch.float16), torch.get_num_threads(),
+        start, key_start, window or 0, dim**-0.5, _kv_kind([keys, values]), torch.get_num_threads(),
     )
     if failed == -2:
         raise ValueError(f"attend_chunk: bf16 attention needs AMX tiles and a head size a multiple of 32 (here {dim}; units: {bf16_units()})")
@@ -441,7 +443,7 @@ def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[tor
     R = x.shape[0]
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == layers[0].hidden
     assert len(rope) == len(keys) == len(values) == len(lengths) == len(starts) == len(tables) == len(layers) and (many is None or len(many) == R)
-    kv16 = _kv16([t for ks, vs in zip(keys, values) for t in (*ks, *vs)])
+    kv_kind = _kv_kind([t for ks, vs in zip(keys, values) for t in (*ks, *vs)])
     rope = [(c.contiguous(), s.contiguous()) for c, s in rope]
     meta = (ctypes.c_int64 * (5 * R * len(layers)))(*(v for ks, vs, ls, ss, ts in zip(keys, values, lengths, starts, tables) for v in _row_meta(ks, vs, ls, ss, ts)))
     addresses = (ctypes.c_void_p * len(layers))(*(layer.address for layer in layers))
@@ -450,7 +452,7 @@ def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[tor
     kind = _MANY_BF16 if many is not None and any(many) and bf16_units() is not None else _MANY_GEMM
     flags = None if many is None or not any(many) else (ctypes.c_uint8 * R)(*(kind if m else 0 for m in many))
     y = torch.empty_like(x)
-    if lib.decode_stack(addresses, len(layers), x.data_ptr(), y.data_ptr(), R, cos, sin, meta, kv16, flags,
+    if lib.decode_stack(addresses, len(layers), x.data_ptr(), y.data_ptr(), R, cos, sin, meta, kv_kind, flags,
                         torch.get_num_threads()):
         raise MemoryError("decode_stack: no memory for its buffers")
     return y

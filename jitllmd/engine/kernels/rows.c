@@ -101,6 +101,31 @@ static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
     for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
 }
 
+/* n rows of a q8_0 cache (simd.h: D int8, then D / 32 f16 scales) widened to f32 rows of D: each value its block's
+ * scale times its integer, one f32 product (exactly what the torch reference computes). D a multiple of 32. */
+static inline void widen_q8(float *dst, const uint8_t *src, int64_t n, int64_t D) {
+    const int64_t rb = D + D / 16;
+    for (int64_t r = 0; r < n; r++, src += rb, dst += D) {
+        const int8_t *q = (const int8_t *)src;
+        const uint16_t *scale = (const uint16_t *)(src + D);
+        for (int64_t b = 0; b < D / 32; b++) {
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(scale[b]));
+            for (int k = 0; k < 4; k++) {
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * b + 8 * k))));
+                _mm256_storeu_ps(dst + 32 * b + 8 * k, _mm256_mul_ps(d, v));
+            }
+        }
+    }
+}
+
+/* n rows of a narrower cache (f16, q8_0) from `src` widened to f32. */
+static inline void widen_rows(float *dst, const void *src, int64_t n, int64_t D, int kind) {
+    if (kind == KV_F16)
+        widen_f16(dst, (const uint16_t *)src, n * D);
+    else
+        widen_q8(dst, (const uint8_t *)src, n, D);
+}
+
 /* hsum of each of 8 vectors at once, lane j of the result hsum(v[j]) bit for bit: the same additions in the same
  * tree ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), done for eight keys across lanes. */
 static inline __m256 hsum8(const __m256 v[8]) {
@@ -119,10 +144,11 @@ static inline __m256 hsum8(const __m256 v[8]) {
  * 2 ulp of libm's expf, eight keys at a time: libm's one key at a time was most of a decode step's attention); each
  * head's weighted values are summed key by key in order (in registers within a block where DC is known): the same
  * bits as one head and one key at a time. */
-static inline __attribute__((always_inline)) void attend_group(attend_job *a, int64_t item, const int f16, const int64_t DC) {
-    const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv;
+static inline __attribute__((always_inline)) void attend_group(attend_job *a, int64_t item, const int kind, const int64_t DC) {
+    const int64_t Hkv = a->H / a->group, g = a->group, D = DC ? DC : a->D, r = item / Hkv, h = item % Hkv, rb = kv_row_bytes(kind, D);
     const int32_t *table = (const int32_t *)a->tables[r];
-    const void *K = (const void *)a->k_ptrs[r], *V = (const void *)a->v_ptrs[r];
+    const char *K = (const char *)a->k_ptrs[r], *V = (const char *)a->v_ptrs[r];
+    const int wide_rows = kind != KV_F32;
     const float *q = a->q + (r * a->H + h * g) * D; /* the group's query heads, adjacent */
     float *out = a->out + (r * a->H + h * g) * D;
     const int64_t s = a->starts[r], L = a->lengths[r], n = L - s;
@@ -135,14 +161,14 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
         return;
     }
     float *best = (float *)__builtin_alloca((size_t)g * sizeof(float));
-    /* an f16 cache's block of keys (then of values) widened once, exactly, for every head to read */
-    float *wide = f16 ? (float *)__builtin_alloca((size_t)(KV_PAGE * D) * sizeof(float)) : NULL;
+    /* a narrower cache's block of keys (then of values) widened once, exactly, for every head to read */
+    float *wide = wide_rows ? (float *)__builtin_alloca((size_t)(KV_PAGE * D) * sizeof(float)) : NULL;
     for (int64_t jj = 0; jj < g; jj++) best[jj] = -INFINITY;
     for (int64_t b0 = s, b1; b0 < L; b0 = b1) {
         b1 = kv_run(b0, L);
-        const int64_t at = kv_at(table, Hkv, h, b0, D);
-        const float *kb = f16 ? wide : (const float *)K + at; /* key i's row at kb + (i - b0) * D */
-        if (f16) widen_f16(wide, (const uint16_t *)K + at, (b1 - b0) * D);
+        const int64_t at = kv_byte(table, Hkv, h, b0, rb);
+        const float *kb = wide_rows ? wide : (const float *)(K + at); /* key i's row at kb + (i - b0) * D */
+        if (wide_rows) widen_rows(wide, K + at, b1 - b0, D, kind);
         for (int64_t jj = 0; jj < g; jj++) {
             const float *qj = q + jj * D;
             float *pj = p + jj * n; /* key i's score at pj[i - s] */
@@ -195,9 +221,9 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
     for (int64_t i = 0; i < g * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
     for (int64_t b0 = s, b1; b0 < L; b0 = b1) {
         b1 = kv_run(b0, L);
-        const int64_t at = kv_at(table, Hkv, h, b0, D);
-        const float *vb = f16 ? wide : (const float *)V + at; /* value k's row at vb + (k - b0) * D */
-        if (f16) widen_f16(wide, (const uint16_t *)V + at, (b1 - b0) * D);
+        const int64_t at = kv_byte(table, Hkv, h, b0, rb);
+        const float *vb = wide_rows ? wide : (const float *)(V + at); /* value k's row at vb + (k - b0) * D */
+        if (wide_rows) widen_rows(wide, V + at, b1 - b0, D, kind);
         for (int64_t jj = 0; jj < g; jj++) {
             const float *pj = p + jj * n; /* key k's weight at pj[k - s] */
             float *o = out + jj * D;
@@ -224,14 +250,17 @@ static inline __attribute__((always_inline)) void attend_group(attend_job *a, in
     free(heap);
 }
 
-#define ATTEND_ITEM(F16, DC) \
-    static void attend_item_##F16##_##DC(void *arg, int64_t item) { attend_group(arg, item, F16, DC); }
+#define ATTEND_ITEM(KIND, DC) \
+    static void attend_item_##KIND##_##DC(void *arg, int64_t item) { attend_group(arg, item, KIND, DC); }
 ATTEND_ITEM(0, 0)
 ATTEND_ITEM(0, 64)
 ATTEND_ITEM(0, 128)
 ATTEND_ITEM(1, 0)
 ATTEND_ITEM(1, 64)
 ATTEND_ITEM(1, 128)
+ATTEND_ITEM(2, 0)
+ATTEND_ITEM(2, 64)
+ATTEND_ITEM(2, 128)
 
 /* n f32 values to f16, rounded to nearest even as torch's .half() rounds them. n is a multiple of 8. */
 static inline void to_f16(uint16_t *dst, const float *src, int64_t n) {
@@ -239,31 +268,62 @@ static inline void to_f16(uint16_t *dst, const float *src, int64_t n) {
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* A row of D f32 values to a q8_0 row (simd.h): per block of 32, scale = amax / 127, each q = value * (1 / scale)
+ * rounded to nearest even (0 where the block is all 0), the scale stored as f16 (nearest even). D a multiple of 32. */
+static inline void to_q8(uint8_t *dst, const float *src, int64_t D) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < D / 32; b++) {
+        const float *x = src + 32 * b;
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 0x55)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = (int8_t *)dst + 32 * b;
+        for (int k = 0; k < 4; k++) {
+            const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i i32 = _mm256_cvtps_epi32(v);
+            const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+            _mm_storel_epi64((__m128i *)(q + 8 * k), _mm_packs_epi16(i16, i16));
+        }
+        ((uint16_t *)(dst + D))[b] = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
 /* Decode attention for a step's single-token rows in one call. Row r's new key and value (k_new[r], v_new[r]:
  * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: the layer's pages
- * [pages, Hkv, KV_PAGE, D], f32, or f16 where kv16; tables[r]: the address of its int32 page table, simd.h kv_at);
+ * [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16 rounded to nearest, q8_0); tables[r]: the address of its int32
+ * page table, simd.h kv_byte);
  * then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each
  * row and kv head one item on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention
  * repeats them. D is a multiple of 8. Returns 0, or -1 without memory for the scores. */
 int attend_rows(const float *q, const float *k_new, const float *v_new, float *out, const int64_t *k_ptrs,
                  const int64_t *v_ptrs, const int64_t *lengths, const int64_t *starts, const int64_t *tables, int64_t R,
-                 int64_t H, int64_t Hkv, int64_t D, float scale, int kv16, int threads) {
+                 int64_t H, int64_t Hkv, int64_t D, float scale, int kind, int threads) {
+    const int64_t rb = kv_row_bytes(kind, D);
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = kv_at((const int32_t *)tables[r], Hkv, h, lengths[r] - 1, D);
-            if (kv16) {
-                to_f16((uint16_t *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, D);
-                to_f16((uint16_t *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, D);
+            const int64_t at = kv_byte((const int32_t *)tables[r], Hkv, h, lengths[r] - 1, rb);
+            uint8_t *kd = (uint8_t *)k_ptrs[r] + at, *vd = (uint8_t *)v_ptrs[r] + at;
+            const float *ks = k_new + (r * Hkv + h) * D, *vs = v_new + (r * Hkv + h) * D;
+            if (kind == KV_F16) {
+                to_f16((uint16_t *)kd, ks, D);
+                to_f16((uint16_t *)vd, vs, D);
+            } else if (kind == KV_Q8) {
+                to_q8(kd, ks, D);
+                to_q8(vd, vs, D);
             } else {
-                memcpy((float *)k_ptrs[r] + at, k_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
-                memcpy((float *)v_ptrs[r] + at, v_new + (r * Hkv + h) * D, (size_t)D * sizeof(float));
+                memcpy(kd, ks, (size_t)D * sizeof(float));
+                memcpy(vd, vs, (size_t)D * sizeof(float));
             }
         }
     }
     attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, tables, H, H / Hkv, D, scale, 0};
-    static void (*const items[2][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
-                                                         {attend_item_1_0, attend_item_1_64, attend_item_1_128}};
-    pool_for(R * Hkv, threads, items[kv16 != 0][D == 64 ? 1 : D == 128 ? 2 : 0], &job);
+    static void (*const items[3][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
+                                                         {attend_item_1_0, attend_item_1_64, attend_item_1_128},
+                                                         {attend_item_2_0, attend_item_2_64, attend_item_2_128}};
+    pool_for(R * Hkv, threads, items[kind][D == 64 ? 1 : D == 128 ? 2 : 0], &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }
 
@@ -368,7 +428,7 @@ void gated_rows(const float *gu, float *out, int64_t T, int64_t I, int input, in
 /* Attention for a chunk of one session's tokens (a prompt, or a prompt's later chunk), flash-style: no score matrix
  * is ever whole. Query i of the chunk (q[i]: [H, D]) is at position p + i and sees the keys at positions
  * max(key_start, p + i - window + 1) .. p + i (window 0: no window) of its session's cache: the layer's pages K, V
- * ([pages, Hkv, KV_PAGE, D], f32, or f16 where kv16, each block of keys widened once per item; the chunk's own keys
+ * ([pages, Hkv, KV_PAGE] rows of `kind`: f32, f16 or q8_0, each block of keys widened once per item; the chunk's own keys
  * already written) through its page table (simd.h kv_at); q's rows
  * are q_stride floats apart (q may be a view into qkv's rows). Query head j reads kv head j / (H / Hkv). D is a
  * multiple of 4.
@@ -430,10 +490,10 @@ static inline __attribute__((always_inline)) void pv_tile(const float *vr, int64
 
 typedef struct {
     const float *q;
-    const void *K, *V; /* the layer's pages [pages, Hkv, KV_PAGE, D], f32 or f16 where kv16 */
+    const void *K, *V; /* the layer's pages [pages, Hkv, KV_PAGE] rows of `kind` (simd.h) */
     const int32_t *table; /* the session's page table (simd.h kv_at) */
     float *out;
-    int64_t q_stride, n, H, Hkv, D, p, key_start, window, group, blocks, RP, kv16;
+    int64_t q_stride, n, H, Hkv, D, p, key_start, window, group, blocks, RP, kind;
     float scale;
     _Atomic int failed; /* set by an item that found no memory for its scratch */
 } chunk_job;
@@ -447,8 +507,8 @@ static void chunk_item(void *arg, int64_t item) {
     const int64_t key_start = job->key_start, window = job->window, group = job->group, blocks = job->blocks, RP = job->RP;
     const float scale = job->scale;
     /* qt, ot [D][RP], st [KB][RP], then m, l, corr, last, first [RP]: each a multiple of 8 floats, so all 32-byte
-     * aligned; then, for an f16 cache, a block of keys and one of values widened to f32 [KB][D] */
-    float *qt = aligned_alloc(32, sizeof(float) * (size_t)((2 * D + KB + 5) * RP + (job->kv16 ? 2 * KB * D : 0)));
+     * aligned; then, for a narrower cache, a block of keys and one of values widened to f32 [KB][D] */
+    float *qt = aligned_alloc(32, sizeof(float) * (size_t)((2 * D + KB + 5) * RP + (job->kind != KV_F32 ? 2 * KB * D : 0)));
     if (qt == NULL) {
         atomic_store_explicit(&job->failed, 1, memory_order_relaxed);
         return;
@@ -474,16 +534,16 @@ static void chunk_item(void *arg, int64_t item) {
     const int64_t lo = first[0], hi = p + i1; /* the item's keys [lo, hi) */
     for (int64_t k0 = lo, kn; k0 < hi; k0 += kn) {
         kn = kv_run(k0, hi) - k0; /* a block of keys is what one page holds of them */
-        const int64_t at = kv_at(job->table, Hkv, h, k0, D);
+        const int64_t at = kv_byte(job->table, Hkv, h, k0, kv_row_bytes((int)job->kind, D));
         const float *kb, *vb; /* this block's keys and values, f32 */
-        if (job->kv16) {
-            widen_f16(kf, (const uint16_t *)job->K + at, kn * D);
-            widen_f16(vf, (const uint16_t *)job->V + at, kn * D);
+        if (job->kind != KV_F32) {
+            widen_rows(kf, (const char *)job->K + at, kn, D, (int)job->kind);
+            widen_rows(vf, (const char *)job->V + at, kn, D, (int)job->kind);
             kb = kf;
             vb = vf;
         } else {
-            kb = (const float *)job->K + at;
-            vb = (const float *)job->V + at;
+            kb = (const float *)((const char *)job->K + at);
+            vb = (const float *)((const char *)job->V + at);
         }
         /* every row sees every key of this block: no mask */
         const int full = k0 + kn - 1 <= p + i0 && k0 >= first[R - 1];
@@ -545,10 +605,10 @@ static void chunk_item(void *arg, int64_t item) {
 }
 
 int attend_chunk(const float *q, int64_t q_stride, const void *K, const void *V, float *out, int64_t n, int64_t H, int64_t Hkv, int64_t D,
-                 const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kv16, int threads) {
+                 const int32_t *table, int64_t p, int64_t key_start, int64_t window, float scale, int kind, int threads) {
     const int64_t group = H / Hkv, blocks = (n + QB - 1) / QB;
     chunk_job job = {.q = q, .K = K, .V = V, .table = table, .out = out, .q_stride = q_stride, .n = n, .H = H, .Hkv = Hkv, .D = D, .p = p,
-                     .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .kv16 = kv16, .scale = scale};
+                     .key_start = key_start, .window = window, .group = group, .blocks = blocks, .RP = (group * QB + 7) / 8 * 8, .kind = kind, .scale = scale};
     pool_for(Hkv * blocks, threads, chunk_item, &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }

@@ -5,15 +5,24 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Session K/V in pages (engine/pages.py): a layer's cache is [pages][Hkv][KV_PAGE][D], and a session's page table
+/* Session K/V in pages (engine/pages.py): a layer's cache is [pages][Hkv][KV_PAGE] rows, and a session's page table
  * (int32, one entry per KV_PAGE positions) names the page each run of KV_PAGE positions is in. The attention kernels
- * take keys a page at a time: within one, a kv head's keys are adjacent rows of D. */
+ * take keys a page at a time: within one, a kv head's keys are adjacent rows. A row is one position's D values of one
+ * kv head: f32, f16, or q8_0 (KV_Q8: D int8 then D / 32 f16 scales, value i = scale[i / 32] * q[i], llama.cpp's
+ * block rule: scale amax / 127, q the value / scale rounded to nearest even). */
 #define KV_PAGE 64
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 }; /* a cache's kind */
 
-/* The element where position pos of kv head h starts. */
-static inline int64_t kv_at(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t D) {
-    return (((int64_t)table[pos / KV_PAGE] * Hkv + h) * KV_PAGE + pos % KV_PAGE) * D;
+/* Bytes of one row of a cache of `kind`. */
+static inline int64_t kv_row_bytes(int kind, int64_t D) { return kind == KV_F32 ? 4 * D : kind == KV_F16 ? 2 * D : D + D / 16; }
+
+/* The byte where position pos of kv head h starts, rows of row_bytes. */
+static inline int64_t kv_byte(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t row_bytes) {
+    return (((int64_t)table[pos / KV_PAGE] * Hkv + h) * KV_PAGE + pos % KV_PAGE) * row_bytes;
 }
+
+/* The element where position pos of kv head h starts in an f32 or f16 cache. */
+static inline int64_t kv_at(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t D) { return kv_byte(table, Hkv, h, pos, D); }
 
 /* The end of the run of positions from pos that one page holds, at most end. */
 static inline int64_t kv_run(int64_t pos, int64_t end) {

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..jlm import JLMFile
-from ..kernels.ops import GATES, QuantLayer, bf16_round
+from ..kernels.ops import GATES, KV_DTYPES, QuantLayer, bf16_round
 from ..kv import RowSpan
 from ..layers import fused
 from ..layers.activation import GatedAct
@@ -193,8 +193,8 @@ class DecoderBlock:
 
     def fuses(self, rows: list[RowSpan]) -> bool:
         """Whether these rows take the layer's one kernel call (layers/fused.py: decode rows and short feeds; not prompt
-        chunks, nor AMX's bf16 prompt attention)."""
-        return self.fused is not None and not any(r.exact or (r.prompt and self.attn.bf16) for r in rows)
+        chunks, nor AMX's bf16 prompt attention; and a cache the kernels read)."""
+        return self.fused is not None and rows[0].kv.dtype in KV_DTYPES and not any(r.exact or (r.prompt and self.attn.bf16) for r in rows)
 
     def mlp_columns(self, x: torch.Tensor) -> torch.Tensor:
         """x + the MLP of a prompt chunk's rows [T, hidden] f32 in bf16, MLP_COLUMNS of the intermediate at a time: gate

@@ -222,6 +222,8 @@ class Models(ModelService):
             kw["spec"] = request.spec
         if request.HasField("draft_max"):
             kw["draft_max"] = request.draft_max
+        if request.kv_dtype:
+            kw["kv_dtype"] = request.kv_dtype
         served = await asyncio.to_thread(self.catalog.load, request.file, **kw)
         log.info("loaded %s as %s", request.file, served.id)
         return mdl.LoadModelResponse(model=_model_message(self.catalog, served))
@@ -384,6 +386,8 @@ class Sessions(SessionService):
             raise ConnectError(Code.FAILED_PRECONDITION, f"session {session.id} is running a request: cancel it or let it finish first")
         served.engine.sessions.close(session.id)
         session.reset()
+        if self.catalog.session_dir is not None:
+            self.catalog.session_dir.forget(session.id)
         return ses.CloseSessionResponse()
 
     async def reset_session(self, request: ses.ResetSessionRequest, ctx: Any) -> ses.ResetSessionResponse:

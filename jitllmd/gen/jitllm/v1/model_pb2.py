@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from jitllmd.gen.jitllm.v1 import common_pb2 as jitllm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jitllm/v1/model.proto\x12\tjitllm.v1\x1a\x16jitllm/v1/common.proto\"\xc2\x02\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x0f\n\x07max_seq\x18\t \x01(\r\x12\x12\n\ndevice_ids\x18\n \x03(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x03\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x10\n\x08sessions\x18\x0f \x01(\r\x12\x14\n\x0cweight_types\x18\x10 \x03(\t\x12\r\n\x05\x65rror\x18\x11 \x01(\t\"\x13\n\x11ListModelsRequest\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.jitllm.v1.Model\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"3\n\x10GetModelResponse\x12\x1f\n\x05model\x18\x01 \x01(\x0b\x32\x10.jitllm.v1.Model\"\xca\x01\n\x10LoadModelRequest\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\t\x12\x17\n\ngpu_layers\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07max_seq\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\r\n\x05\x64raft\x18\x06 \x01(\t\x12\x0c\n\x04spec\x18\x07 \x01(\t\x12\x16\n\tdraft_max\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_gpu_layersB\n\n\x08_max_seqB\x0c\n\n_draft_max\"4\n\x11LoadModelResponse\x12\x1f\n\x05model\x18\x01 \x01(\x0b\x32\x10.jitllm.v1.Model\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"J\n\x13UnloadModelResponse\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x63losed_sessions\x18\x02 \x01(\r\"N\n\x0e\x43onvertRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"x\n\x0f\x43onvertResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"r\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.jitllm.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\"<\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r2\xe6\x04\n\x0cModelService\x12I\n\nListModels\x12\x1c.jitllm.v1.ListModelsRequest\x1a\x1d.jitllm.v1.ListModelsResponse\x12\x43\n\x08GetModel\x12\x1a.jitllm.v1.GetModelRequest\x1a\x1b.jitllm.v1.GetModelResponse\x12\x46\n\tLoadModel\x12\x1b.jitllm.v1.LoadModelRequest\x1a\x1c.jitllm.v1.LoadModelResponse\x12L\n\x0bUnloadModel\x12\x1d.jitllm.v1.UnloadModelRequest\x1a\x1e.jitllm.v1.UnloadModelResponse\x12@\n\x07\x43onvert\x12\x19.jitllm.v1.ConvertRequest\x1a\x1a.jitllm.v1.ConvertResponse\x12\x43\n\x08Tokenize\x12\x1a.jitllm.v1.TokenizeRequest\x1a\x1b.jitllm.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.jitllm.v1.DetokenizeRequest\x1a\x1d.jitllm.v1.DetokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.jitllm.v1.ApplyChatTemplateRequest\x1a$.jitllm.v1.ApplyChatTemplateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jitllm/v1/model.proto\x12\tjitllm.v1\x1a\x16jitllm/v1/common.proto\"\xc2\x02\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x0f\n\x07max_seq\x18\t \x01(\r\x12\x12\n\ndevice_ids\x18\n \x03(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x03\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x10\n\x08sessions\x18\x0f \x01(\r\x12\x14\n\x0cweight_types\x18\x10 \x03(\t\x12\r\n\x05\x65rror\x18\x11 \x01(\t\"\x13\n\x11ListModelsRequest\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.jitllm.v1.Model\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"3\n\x10GetModelResponse\x12\x1f\n\x05model\x18\x01 \x01(\x0b\x32\x10.jitllm.v1.Model\"\xdc\x01\n\x10LoadModelRequest\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\t\x12\x17\n\ngpu_layers\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07max_seq\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\r\n\x05\x64raft\x18\x06 \x01(\t\x12\x0c\n\x04spec\x18\x07 \x01(\t\x12\x16\n\tdraft_max\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x10\n\x08kv_dtype\x18\t \x01(\tB\r\n\x0b_gpu_layersB\n\n\x08_max_seqB\x0c\n\n_draft_max\"4\n\x11LoadModelResponse\x12\x1f\n\x05model\x18\x01 \x01(\x0b\x32\x10.jitllm.v1.Model\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"J\n\x13UnloadModelResponse\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x63losed_sessions\x18\x02 \x01(\r\"N\n\x0e\x43onvertRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"x\n\x0f\x43onvertResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"r\n\x18\x41pplyChatTemplateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.jitllm.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\"<\n\x19\x41pplyChatTemplateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r2\xe6\x04\n\x0cModelService\x12I\n\nListModels\x12\x1c.jitllm.v1.ListModelsRequest\x1a\x1d.jitllm.v1.ListModelsResponse\x12\x43\n\x08GetModel\x12\x1a.jitllm.v1.GetModelRequest\x1a\x1b.jitllm.v1.GetModelResponse\x12\x46\n\tLoadModel\x12\x1b.jitllm.v1.LoadModelRequest\x1a\x1c.jitllm.v1.LoadModelResponse\x12L\n\x0bUnloadModel\x12\x1d.jitllm.v1.UnloadModelRequest\x1a\x1e.jitllm.v1.UnloadModelResponse\x12@\n\x07\x43onvert\x12\x19.jitllm.v1.ConvertRequest\x1a\x1a.jitllm.v1.ConvertResponse\x12\x43\n\x08Tokenize\x12\x1a.jitllm.v1.TokenizeRequest\x1a\x1b.jitllm.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.jitllm.v1.DetokenizeRequest\x1a\x1d.jitllm.v1.DetokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.jitllm.v1.ApplyChatTemplateRequest\x1a$.jitllm.v1.ApplyChatTemplateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,29 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELRESPONSE']._serialized_start=496
   _globals['_GETMODELRESPONSE']._serialized_end=547
   _globals['_LOADMODELREQUEST']._serialized_start=550
-  _globals['_LOADMODELREQUEST']._serialized_end=752
-  _globals['_LOADMODELRESPONSE']._serialized_start=754
-  _globals['_LOADMODELRESPONSE']._serialized_end=806
-  _globals['_UNLOADMODELREQUEST']._serialized_start=808
-  _globals['_UNLOADMODELREQUEST']._serialized_end=843
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=845
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=919
-  _globals['_CONVERTREQUEST']._serialized_start=921
-  _globals['_CONVERTREQUEST']._serialized_end=999
-  _globals['_CONVERTRESPONSE']._serialized_start=1001
-  _globals['_CONVERTRESPONSE']._serialized_end=1121
-  _globals['_TOKENIZEREQUEST']._serialized_start=1123
-  _globals['_TOKENIZEREQUEST']._serialized_end=1197
-  _globals['_TOKENIZERESPONSE']._serialized_start=1199
-  _globals['_TOKENIZERESPONSE']._serialized_end=1252
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1254
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1336
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1338
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1372
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=1374
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=1488
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=1490
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=1550
-  _globals['_MODELSERVICE']._serialized_start=1553
-  _globals['_MODELSERVICE']._serialized_end=2167
+  _globals['_LOADMODELREQUEST']._serialized_end=770
+  _globals['_LOADMODELRESPONSE']._serialized_start=772
+  _globals['_LOADMODELRESPONSE']._serialized_end=824
+  _globals['_UNLOADMODELREQUEST']._serialized_start=826
+  _globals['_UNLOADMODELREQUEST']._serialized_end=861
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=863
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=937
+  _globals['_CONVERTREQUEST']._serialized_start=939
+  _globals['_CONVERTREQUEST']._serialized_end=1017
+  _globals['_CONVERTRESPONSE']._serialized_start=1019
+  _globals['_CONVERTRESPONSE']._serialized_end=1139
+  _globals['_TOKENIZEREQUEST']._serialized_start=1141
+  _globals['_TOKENIZEREQUEST']._serialized_end=1215
+  _globals['_TOKENIZERESPONSE']._serialized_start=1217
+  _globals['_TOKENIZERESPONSE']._serialized_end=1270
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1272
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1354
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1356
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1390
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=1392
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=1506
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=1508
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=1568
+  _globals['_MODELSERVICE']._serialized_start=1571
+  _globals['_MODELSERVICE']._serialized_end=2185
 # @@protoc_insertion_point(module_scope)

@@ -68,7 +68,7 @@ class GetModelResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("file", "id", "devices", "gpu_layers", "max_seq", "draft", "spec", "draft_max")
+    __slots__ = ("file", "id", "devices", "gpu_layers", "max_seq", "draft", "spec", "draft_max", "kv_dtype")
     FILE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class LoadModelRequest(_message.Message):
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     file: str
     id: str
     devices: str
@@ -85,7 +86,8 @@ class LoadModelRequest(_message.Message):
     draft: str
     spec: str
     draft_max: int
-    def __init__(self, file: _Optional[str] = ..., id: _Optional[str] = ..., devices: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., max_seq: _Optional[int] = ..., draft: _Optional[str] = ..., spec: _Optional[str] = ..., draft_max: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, file: _Optional[str] = ..., id: _Optional[str] = ..., devices: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., max_seq: _Optional[int] = ..., draft: _Optional[str] = ..., spec: _Optional[str] = ..., draft_max: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model",)
