@@ -163,7 +163,7 @@ def tiny_models_dir(root: Path, jlm: Path) -> Path:
     return d
 
 
-_COUNTS = ("requests", "cancelled", "promptTokens", "generatedTokens", "steps", "activeRows", "queueDepth", "maxRows")
+_COUNTS = ("requests", "cancelled", "promptTokens", "generatedTokens", "steps", "activeRows", "queueDepth", "maxRows", "acceptedTokens")
 
 
 def stats(server, model: str = "tiny") -> dict[str, int]:
