@@ -55,7 +55,7 @@ def main() -> None:
             sessions.append(session)
             print(f"\rsession {i + 1}/{a.sessions}: {len(session.token_ids)} positions", end="", file=sys.stderr)
         print(file=sys.stderr)
-        pages = engine.kv_pages()
+        pages = engine.loaded.kv_pages()
         per_position = sessions[0].kv.bytes_per_position()
         held = pages.held * PAGE
         lengths_sum = sum(s.kv.length for s in sessions)
@@ -69,7 +69,7 @@ def main() -> None:
         print(f"| the sessions' lengths, summed | {lengths_sum} | {lengths_sum * per_position / 1e6:.1f} | {lengths_sum / reserved:.2f}x |")
         print(f"| pages held ({pages.held}, {pages.shared} shared) | {held} | {held * per_position / 1e6:.1f} | {held / reserved:.2f}x |")
         print()
-        print(f"prefix cache: {pages.hit_tokens} of {pages.query_tokens} prompt tokens found; engine.kv_bytes() {engine.kv_bytes() / 1e6:.1f} MB")
+        print(f"prefix cache: {pages.hit_tokens} of {pages.query_tokens} prompt tokens found; engine.loaded.kv_bytes() {engine.loaded.kv_bytes() / 1e6:.1f} MB")
     finally:
         engine.stop()
 

@@ -59,7 +59,7 @@ def test_a_shared_prefix_is_found_and_its_tokens_are_those_fed(request, variant,
             for layer in range(cached.loaded.model.cfg.num_layers):
                 for x, y in zip(session.kv.read(layer, session.kv.start(layer), 3 * PAGE), alone.kv.read(layer, alone.kv.start(layer), 3 * PAGE)):
                     assert torch.equal(x, y), layer
-        pages = cached.kv_pages()
+        pages = cached.loaded.kv_pages()
         assert pages.hit_tokens == 2 * 3 * PAGE and pages.held > 0
     finally:
         cached.stop()
@@ -86,7 +86,7 @@ def test_rows_at_once_share_the_pages_and_leave_them_cached(tiny_serve_jlm) -> N
         for seed in range(1, 5):
             assert out[seed].ids == _ask(plain, SHARED + _question(seed), plain.new_session()).ids
             assert out[seed].done.fed_tokens <= len(SHARED) + 9 - 3 * PAGE  # its own slot's, or the cache's
-        assert cached.kv_pages().cached + cached.kv_pages().held >= 3
+        assert cached.loaded.kv_pages().cached + cached.loaded.kv_pages().held >= 3
         other = _ask(cached, [5] + SHARED[1:] + _question(9))
         assert other.done.fed_tokens == len(SHARED) + 9
     finally:
@@ -115,10 +115,10 @@ def test_n_choices_fork_the_prompts_pages(tiny_serve_q8_jlm) -> None:
     try:
         session = engine.new_session()
         _ask(engine, SHARED, session)
-        held = engine.kv_pages().held
+        held = engine.loaded.kv_pages().held
         fork = engine.new_session()
         fork.kv.copy_from(session.kv, len(SHARED))
-        assert engine.kv_pages().held == held + 1 and fork.kv.pages[0][:3] == session.kv.pages[0][:3]
+        assert engine.loaded.kv_pages().held == held + 1 and fork.kv.pages[0][:3] == session.kv.pages[0][:3]
     finally:
         engine.stop()
 

@@ -110,10 +110,10 @@ def test_blocks_follow_the_traffic_and_the_tokens_stay(models_dir: Path, referen
                 assert HOST in places(c, "b" if name == "a" else "a")
                 assert c.relocation.used("cpu") <= c.relocation.device_mem
                 if turn == 1:
-                    kv_bytes[name] = engine.kv_bytes()
+                    kv_bytes[name] = engine.loaded.kv_bytes()
                     rss = _rss()
                 elif turn > 1:
-                    assert engine.kv_bytes() == kv_bytes[name] and len(engine.slots) == 1  # nothing piles up
+                    assert engine.loaded.kv_bytes() == kv_bytes[name] and len(engine.slots) == 1  # nothing piles up
         # 200-odd moves of 120-400 KB blocks since turn 1: a block kept by each would be tens of MB
         assert _rss() - rss < 12 << 20
         # the named session's KV went to the host and back with its blocks, many times: the conversation goes on

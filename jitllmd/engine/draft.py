@@ -20,13 +20,14 @@ from typing import Protocol
 import torch
 
 from .kv import RowSpan, SessionKV
-from .loader import LoadedModel
+from .loader import LoadedModel, load_model
+from .memory.devices import is_remote
 from .request import Request
 from .scheduler import Row
 from .sessions import Session, common_prefix
-from .speculative import Adaptive, RowSpec, SpecConfig, StepCost, token_cost
+from .speculative import DRAFT_STEP, Adaptive, RowSpec, SpecConfig, StepCost, token_cost
 
-__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary"]
+__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary", "draft_model_for", "speculator_for"]
 
 CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
 _PROBES = 4096  # token ids whose strings must agree, spread over the vocabulary (its last one too)
@@ -228,3 +229,34 @@ class DraftModel:
                                 torch.tensor(at or [len(tokens) - 1], dtype=torch.long, device=dev))
         picks = iter(torch.argmax(logits, dim=-1).tolist())
         return [next(picks) if is_last else None for is_last in last]
+
+
+def speculator_for(spec: SpecConfig | None, drafter: Drafter | None, loaded: LoadedModel) -> Speculator | None:
+    """Speculative decoding where `spec` asks for it and the model can: a decoder whose blocks are all on this
+    host (another rank's KV is not rolled back with this one's)."""
+    if spec is None or spec.kind == "off" or spec.draft_max == 0 or loaded.embeds or loaded.runner is None:
+        return None
+    placement = loaded.placement
+    if placement is not None and any(is_remote(p) for p in placement.places):
+        return None
+    if spec.kind == "draft":
+        if not isinstance(drafter, DraftModel):
+            raise ValueError("-spec draft needs a draft model (-draft FILE)")
+        # a guess also costs the draft model's step: about its share of the bytes a step reads
+        share = drafter.loaded.decode_bytes() / max(1, loaded.decode_bytes())
+        return Speculator(spec, drafter, DRAFT_STEP + share)
+    return Speculator(spec, drafter or NgramDrafter())
+
+
+def draft_model_for(spec: SpecConfig | None, target: LoadedModel, load_kw: dict) -> DraftModel | None:
+    """The draft model `spec` names, loaded on the target's devices with its sessions' room; None where it names
+    none. ValueError for one whose tokenizer is not the target's."""
+    if spec is None or spec.kind != "draft" or not spec.draft:
+        return None
+    draft = load_model(spec.draft, devices=load_kw.get("devices"), sessions=load_kw.get("sessions", 1),
+                       max_seq=target.max_seq)
+    try:
+        return DraftModel(draft, target)
+    except BaseException:
+        draft.close()
+        raise

@@ -15,23 +15,21 @@ import torch
 
 from . import session_file
 from .cluster.link import RankError
-from .cluster.remote import fingerprint
-from .draft import Drafter, DraftModel, NgramDrafter, Speculator
+from .draft import Drafter, draft_model_for, speculator_for
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
 from .loader import LoadedModel, load_model
-from .memory.devices import is_remote, trim_heap
+from .memory.devices import trim_heap
 from .memory.jobs import PlacementJobs
 from .memory.placement import HOST, Placement, Room
 from .outputs import Outputs
-from .pages import KVPages
 from .request import Done, Embedded, Event, Failed, FinishReason, Generation, Request, RequestState
 from .runner import JointSteps
 from .sampler import Sampler
 from .scheduler import Row, Scheduler
 from .sessions import Session, SessionRegistry, SlotPool
-from .speculative import DRAFT_STEP, SpecConfig
+from .speculative import SpecConfig
 from .stats import EngineStats
 from .tuning.batching import Batching, decide
 from .tuning.seam import SeamCandidate
@@ -63,7 +61,7 @@ class Engine:
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
-        self.speculator = self._speculator(spec, drafter)
+        self.speculator = speculator_for(spec, drafter, loaded)
         self.outputs.speculator = self.speculator
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
@@ -76,22 +74,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._owns_model = False  # loaded by Engine.load: stop() lets go of its weights
-
-    def _speculator(self, spec: SpecConfig | None, drafter: Drafter | None) -> Speculator | None:
-        """Speculative decoding where `spec` asks for it and the model can: a decoder whose blocks are all on this
-        host (another rank's KV is not rolled back with this one's)."""
-        if spec is None or spec.kind == "off" or spec.draft_max == 0 or self.loaded.embeds or self.loaded.runner is None:
-            return None
-        placement = self.loaded.placement
-        if placement is not None and any(is_remote(p) for p in placement.places):
-            return None
-        if spec.kind == "draft":
-            if not isinstance(drafter, DraftModel):
-                raise ValueError("-spec draft needs a draft model (-draft FILE)")
-            # a guess also costs the draft model's step: about its share of the bytes a step reads
-            share = drafter.loaded.decode_bytes() / max(1, self.loaded.decode_bytes())
-            return Speculator(spec, drafter, DRAFT_STEP + share)
-        return Speculator(spec, drafter or NgramDrafter())
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -120,7 +102,7 @@ class Engine:
                 kind = loaded.runner.device.type if loaded.runner is not None else "cpu"
                 batching = decide(max_batch=max_batch, sessions=max(1, row_limit), prompt_chunk=prompt_chunk, device_kind=kind, max_seq=loaded.max_seq)
                 try:
-                    drafter = cls._draft_model(spec, loaded, load_kw)
+                    drafter = draft_model_for(spec, loaded, load_kw)
                     engine = cls(loaded, max_batch=batching.max_rows, prompt_chunk=batching.prompt_chunk, joint_steps=joint_steps, host_rows=host_rows,
                                  split_rows=split_rows, room=load_kw.get("room"), spec=spec, drafter=drafter, prefix_cache=prefix_cache)
                 except BaseException:
@@ -143,20 +125,6 @@ class Engine:
         if "error" in box:
             raise box["error"]
         return box["engine"]
-
-    @staticmethod
-    def _draft_model(spec: SpecConfig | None, target: LoadedModel, load_kw: dict) -> DraftModel | None:
-        """The draft model `spec` names, loaded on the target's devices with its sessions' room; None where it names
-        none. ValueError for one whose tokenizer is not the target's."""
-        if spec is None or spec.kind != "draft" or not spec.draft:
-            return None
-        draft = load_model(spec.draft, devices=load_kw.get("devices"), sessions=load_kw.get("sessions", 1),
-                           max_seq=target.max_seq)
-        try:
-            return DraftModel(draft, target)
-        except BaseException:
-            draft.close()
-            raise
 
     def start(self) -> Engine:
         if self._thread is None:
@@ -191,13 +159,7 @@ class Engine:
     def restore_session(self, saved: session_file.SavedSession, sid: str | None = None) -> Future[Session]:
         """A new named session (id `sid` where free) holding a saved one of this model (ValueError where it is another
         model's, or too long for this one's context)."""
-        mine, theirs = self.identity(), saved.model
-        if theirs.get("fingerprint") != mine["fingerprint"]:
-            raise ValueError(f"the session was saved from {theirs.get('file')} (weights {theirs.get('fingerprint')}); model {self.loaded.name} is "
-                             f"{mine['file']} (weights {mine['fingerprint']})")
-        if saved.length > self.loaded.context_length:
-            raise ValueError(f"the session holds {saved.length} positions; model {self.loaded.name}'s context is {self.loaded.context_length}")
-        capacity = min(self.loaded.context_length, max(saved.length, int(saved.meta.get("capacity", 0))))
+        capacity = session_file.room_for(saved, self.loaded, self.identity())
 
         def work() -> Session:
             session = self.sessions.create(self.loaded.name, self.loaded.new_kv(capacity), sid)
@@ -211,8 +173,8 @@ class Engine:
         return self.run_job(work)
 
     def identity(self) -> dict[str, str]:
-        """What a session file names its model by: the name it is served as, its file and its weights' fingerprint."""
-        return {"name": self.loaded.name, "file": self.loaded.path.name, "fingerprint": fingerprint(self.loaded.jlm)}
+        """What a session file names its model by (session_file.identity)."""
+        return session_file.identity(self.loaded)
 
     def submit(self, spec: Generation, emit: Callable[[Event], None], *, follows: Request | None = None, hold: bool = False) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named), and
@@ -518,21 +480,6 @@ class Engine:
         for s in sessions:
             seen[id(s.kv)] = s.kv
         return list(seen.values())
-
-    def kv_bytes(self) -> int:
-        """Bytes of the model's KV pages that sessions hold or the prefix cache keeps (a shared page once); read from
-        any thread, as a figure."""
-        runner = self.loaded.runner
-        return runner.kv_pool.nbytes() if runner is not None else 0
-
-    def kv_pages(self) -> KVPages:
-        """The model's KV pages and prefix cache now, as figures."""
-        runner = self.loaded.runner
-        if runner is None:
-            return KVPages(0, 0, 0, 0, 0, 0)
-        pool = runner.kv_pool
-        held, shared, cached, free = pool.counts()
-        return KVPages(held, shared, cached, free, pool.hits, pool.queries)
 
     def _placed(self) -> None:
         """After blocks moved: the rows a step may hold, the joint-step timings and the bytes a step reads."""

@@ -25,7 +25,7 @@ from .memory.devices import compute_dtype, is_remote, spendable_bytes, trim_heap
 from .memory.pager import BlockReader, Pager
 from .memory.placement import Placement, Room
 from .models import DecoderModel, EncoderModel, build_model, family_for
-from .pages import KV_DTYPES
+from .pages import KV_DTYPES, KVPages
 from .runner import ModelRunner
 from .sessions import default_max_seq
 from .tokenizer import Tokenizer
@@ -91,6 +91,19 @@ class LoadedModel:
             raise ValueError(f"max_seq must be >= 1, got {cap}")
         assert self.runner is not None  # a decoder's
         return self.runner.new_kv(min(cap, self.context_length))
+
+    def kv_bytes(self) -> int:
+        """Bytes of the KV pages its sessions hold or the prefix cache keeps (a shared page once); read from any
+        thread, as a figure."""
+        return self.runner.kv_pool.nbytes() if self.runner is not None else 0
+
+    def kv_pages(self) -> KVPages:
+        """Its KV pages and prefix cache now, as figures."""
+        if self.runner is None:
+            return KVPages(0, 0, 0, 0, 0, 0)
+        pool = self.runner.kv_pool
+        held, shared, cached, free = pool.counts()
+        return KVPages(held, shared, cached, free, pool.hits, pool.queries)
 
     def largest_session_file(self) -> int:
         """The most bytes a session file of this model takes (engine/session_file.py): K/V of its whole context in

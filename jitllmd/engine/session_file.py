@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
+from .cluster.remote import fingerprint
 from .kv import META
+from .loader import LoadedModel
 from .pages import Q8_0, dequantize_q8
 from .sessions import Session
 
-__all__ = ["FORMAT", "VERSION", "SavedSession", "dump", "load", "restore_into"]
+__all__ = ["FORMAT", "VERSION", "SavedSession", "dump", "identity", "load", "restore_into", "room_for"]
 
 FORMAT = "jitllmd-session"
 VERSION = 1
@@ -33,6 +35,23 @@ class SavedSession:
     @property
     def length(self) -> int:
         return int(self.meta["length"])
+
+
+def identity(loaded: LoadedModel) -> dict[str, str]:
+    """What a session file names its model by: the name it is served as, its file and its weights' fingerprint."""
+    return {"name": loaded.name, "file": loaded.path.name, "fingerprint": fingerprint(loaded.jlm)}
+
+
+def room_for(saved: SavedSession, loaded: LoadedModel, mine: dict[str, str]) -> int:
+    """The room a session restored into `loaded` (whose identity is `mine`) gets: the saved one's, within the model's
+    context. ValueError where the file is another model's, or longer than this one's context."""
+    theirs = saved.model
+    if theirs.get("fingerprint") != mine["fingerprint"]:
+        raise ValueError(f"the session was saved from {theirs.get('file')} (weights {theirs.get('fingerprint')}); model {loaded.name} is "
+                         f"{mine['file']} (weights {mine['fingerprint']})")
+    if saved.length > loaded.context_length:
+        raise ValueError(f"the session holds {saved.length} positions; model {loaded.name}'s context is {loaded.context_length}")
+    return min(loaded.context_length, max(saved.length, int(saved.meta.get("capacity", 0))))
 
 
 def dump(session: Session, model: dict[str, Any]) -> bytes:

@@ -81,8 +81,8 @@ class _Engines(Collector):
             add(counter, "n_decode", "Engine steps run (prompt chunks and decode rows together).", m.id, st.steps)
             add(gauge, "n_busy_slots_per_decode", "Rows per step, a mean over about the last ten steps.", m.id, st.rows_per_step)
             add(gauge, "prompt_tokens_per_step", "Prompt tokens per step, a mean over about the last ten steps.", m.id, st.prompt_tokens_per_step)
-            add(gauge, "kv_cache_usage_bytes", "Bytes of the model's KV pages that sessions hold or the prefix cache keeps.", m.id, engine.kv_bytes())
-            pages = engine.kv_pages()
+            add(gauge, "kv_cache_usage_bytes", "Bytes of the model's KV pages that sessions hold or the prefix cache keeps.", m.id, engine.loaded.kv_bytes())
+            pages = engine.loaded.kv_pages()
             for state in ("held", "shared", "cached", "free"):
                 add(gauge, "kv_pages", "KV pages (64 positions of a group of layers) held by sessions (shared: by several), kept by the prefix cache "
                     "alone, or free.", m.id,

@@ -67,8 +67,8 @@ class Telemetry(TelemetryService):
             st, engine = m.engine.stats, m.engine
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
-            kv = engine.kv_bytes()
-            pages = engine.kv_pages()
+            kv = engine.loaded.kv_bytes()
+            pages = engine.loaded.kv_pages()
             relocation = self.catalog.relocation
             moved = relocation.counts(m.id)
             out.append(tel.ModelStats(
