@@ -20,7 +20,7 @@ _jitllmd() {
   esac
   case "$verb" in
     serve)
-      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -kv-dtype -prefix-cache -spec -draft -draft-max -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -max-choices -max-constrained -responses-store -responses-store-mem -session-dir -responses-dir -cluster -world -cluster-timeout -join-timeout -h" -- "$cur")) ;;
+      COMPREPLY=($(compgen -W "-addr -models -load -id -devices -maxmem -gpu-layers -sessions -max-seq -host-concurrency -device-concurrency -max-batch -prompt-chunk -joint-steps -kv-mem -kv-dtype -prefix-cache -spec -draft -draft-max -api-key -api-key-file -allow-host -device-mem -relocate -relocate-idle -relocate-horizon -max-choices -max-constrained -responses-store -responses-store-mem -session-dir -responses-dir -cluster -world -cluster-timeout -join-timeout -h" -- "$cur")) ;;
     models)
       COMPREPLY=($(compgen -W "-load -id -devices -gpu-layers -max-seq -draft -spec -draft-max -kv-dtype -unload -addr -api-key -json -h" -- "$cur")) ;;
     devices)

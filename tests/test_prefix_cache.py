@@ -266,3 +266,52 @@ def test_a_session_dir_keeps_named_sessions_across_restarts(served_models, tmp_p
         assert not (tmp_path / "kept" / f"{sid}.kv").exists()
     finally:
         second.stop()
+
+
+# -- -kv-mem: a limit on the pages, and requests that wait for theirs ---------------------------------------------------
+
+
+def test_a_request_waits_until_its_pages_fit_under_kv_mem(tiny_serve_jlm) -> None:
+    """-kv-mem room for one request's pages (prompt and max_tokens), not two: the second waits until the first ends
+    (its events all after the first's), the pages never pass the limit; one that could never fit is refused at once,
+    and one that named sessions' pages keep out fails with why, the sessions keeping their conversations."""
+    from jitllmd.engine.kv import RoomError
+    from jitllmd.engine.request import Delta, Done, Failed
+
+    engine = Engine.load(tiny_serve_jlm, max_batch=2, sessions=2, max_seq=1024, kv_mem=100_000)
+    pool = engine.loaded.runner.kv_pool
+    try:
+        page = pool.group_bytes(0)
+        assert page == 32768 and pool.limit == 100_000  # 2 layers x K and V x 2 heads x 64 positions x 16 x 4 bytes
+        seen: list[tuple[str, object]] = []
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def emit(name: str):
+            def put(ev) -> None:
+                with lock:
+                    seen.append((name, ev))
+                    if sum(isinstance(e, Done) for _, e in seen) == 2:
+                        done.set()
+            return put
+
+        for name in ("a", "b"):  # 20 + 100 positions: two pages each
+            engine.submit(Generation(_question(1) + _question(2) + [3, 4], GREEDY, max_tokens=100, ignore_eos=True), emit(name))
+        assert done.wait(60)
+        order = [name for name, ev in seen if isinstance(ev, (Delta, Done))]
+        assert order.index("b") > max(i for i, n in enumerate(order) if n == "a")  # b's first token after a's last event
+        assert pool.used_bytes() <= pool.limit
+        with pytest.raises(RoomError, match="-kv-mem is 100000"):
+            engine.submit(Generation([5] * 20, GREEDY, max_tokens=300), emit("c"))
+        keeper = engine.new_session()
+        _ask(engine, [7] * 100, keeper, n=20)  # two pages held by a named session
+        kept = list(keeper.token_ids)
+        out = list(engine.generate(Generation([9] * 20, GREEDY, max_tokens=100)))
+        assert isinstance(out[-1], Failed) and "named sessions hold" in out[-1].message
+        assert keeper.token_ids == kept and keeper.kv.length == len(kept)
+    finally:
+        engine.stop()
+    from tests.serving import jitllmd
+
+    r = jitllmd("serve", "-load", str(tiny_serve_jlm), "-kv-mem", "0")
+    assert r.returncode != 0 and "-kv-mem must be a positive size" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -36,6 +36,7 @@ def serve(
     max_batch: Annotated[int, typer.Option("-max-batch", "--max-batch", help="Rows per step of a device model (at most -sessions); 0 is the widest step, one row per session (-sessions); 1 turns batching off.")] = 0,
     prompt_chunk: Annotated[int, typer.Option("-prompt-chunk", "--prompt-chunk", help="Prompt tokens a joining request feeds into one step; 0 is one device prefill chunk: 512 on the CPU, 2048 on an accelerator, at most the session room.")] = 0,
     joint_steps: Annotated[str, typer.Option("-joint-steps", "--joint-steps", help="auto, always or never. auto times a joint step against the rows one after another, per row count, and runs them one after another only where that is clearly faster; always or never force it.")] = "auto",
+    kv_mem: Annotated[str | None, typer.Option("-kv-mem", "--kv-mem", metavar="SIZE", show_default=False, help="At most SIZE (e.g. 2G) of each model's KV pages, held and cached: cached pages go first, and a request waits for its turn until the pages it may need (its prompt and max_tokens, or its room) fit beside those of the requests running; one that could never fit is a 400. Default: as many pages as the sessions want (-sessions x -max-seq to start with, growing).")] = None,
     kv_dtype: Annotated[str, typer.Option("-kv-dtype", "--kv-dtype", metavar="auto|f32|f16|bf16|q8_0", help="The sessions' K/V: auto is f16 for a kept-quantized model (llama.cpp's default), else the model's activations' dtype; q8_0 keeps blocks of 32 int8 with an f16 scale (llama.cpp's -ctk/-ctv q8_0: half of f16's bytes to hold and to read a step; a head size that is a multiple of 32); bf16 reads through torch's attention, no kernel.")] = "auto",
     prefix_cache: Annotated[str, typer.Option("-prefix-cache", "--prefix-cache", metavar="on|off", help="Automatic prefix caching: the K/V of every full page of 64 prompt (and reply) positions stays cached under the tokens up to its end, and a later prompt that starts with the same tokens starts from those pages (shared, not copied) instead of feeding them again; usage's cached_tokens counts them. Cached pages no session holds are let go, least recently used first, when a page is wanted.")] = "on",
     spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding: a decode row also feeds tokens guessed for it and keeps those the sampler takes (the same tokens greedy, the same distribution sampled). ngram guesses from the prompt and output (prompt lookup), draft with -draft's model; each row drafts only while its acceptance rate pays. auto: draft where a model has -draft, else ngram.")] = "auto",
@@ -78,7 +79,7 @@ def serve(
     plan = serve_plan(addr, models, load or [], id or [], key=_api_key(api_key, api_key_file), allow_host=allow_host or [], devices=devices,
                       maxmem=maxmem, gpu_layers=gpu_layers, sessions=sessions, max_seq=max_seq, host_concurrency=host_concurrency,
                       device_concurrency=device_concurrency, max_batch=max_batch, prompt_chunk=prompt_chunk, joint_steps=joint_steps,
-                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
+                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, kv_mem=kv_mem, spec=spec, draft=draft or [], draft_max=draft_max, device_mem=device_mem, relocate=relocate, relocate_idle=relocate_idle, relocate_horizon=relocate_horizon,
                       max_choices=max_choices, max_constrained=max_constrained, responses_store=responses_store,
                       responses_store_mem=responses_store_mem, responses_dir=responses_dir, session_dir=session_dir)
     try:
@@ -188,7 +189,7 @@ class ServePlan:
 def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str], *, key: str | None, allow_host: list[str], devices: str,
                maxmem: str | None, gpu_layers: int, sessions: int, max_seq: int | None, host_concurrency: int, device_concurrency: int,
                max_batch: int, prompt_chunk: int, joint_steps: str, device_mem: str | None, relocate: str, relocate_idle: float,
-               relocate_horizon: int, prefix_cache: str = "on", kv_dtype: str = "auto", spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
+               relocate_horizon: int, prefix_cache: str = "on", kv_dtype: str = "auto", kv_mem: str | None = None, spec: str = "auto", draft: list[str] | None = None, draft_max: int = 8, max_choices: int = 64, max_constrained: int = 16, responses_store: int = 1000, responses_store_mem: str = "256M",
                responses_dir: Path | None = None, session_dir: Path | None = None) -> ServePlan:
     """serve's flags checked and read (each error a message naming its flag, exit 1): the one reading of them, which
     tests' in-process servers share."""
@@ -226,6 +227,7 @@ def serve_plan(addr: str, models: Path | None, loads: list[str], ids: list[str],
             draft_max=draft_max,
             prefix_cache=prefix_cache == "on",
             kv_dtype=kv_dtype,
+            kv_mem=parse_size(kv_mem) if kv_mem is not None else None,
             session_dir=session_dir.resolve() if session_dir is not None else None,
         )
     except ValueError as exc:
@@ -413,6 +415,7 @@ def _flag_names(message: str) -> str:
         ("relocate_horizon", "-relocate-horizon"),
         ("spec", "-spec"),
         ("kv_dtype", "-kv-dtype"),
+        ("kv_mem", "-kv-mem"),
         ("draft_max", "-draft-max"),
     ):
         if message.startswith(field):

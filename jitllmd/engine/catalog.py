@@ -258,6 +258,7 @@ class Catalog:
             spec=spec,
             prefix_cache=config.prefix_cache,
             kv_dtype=config.kv_dtype,
+            kv_mem=config.kv_mem,
             on_progress=on_load,
             room=self.relocation,
             cluster=self.cluster,

@@ -43,6 +43,7 @@ class EngineConfig:
     relocate_horizon: int = 256  # tokens within which a promotion must repay its copy
     spec: str = "auto"  # speculative decoding: auto (a draft model where a model has one, else ngram), ngram, draft, off
     draft_max: int = 8  # the most tokens a row guesses a step
+    kv_mem: int | None = None  # bytes a model's KV pages may take, held and cached; None: as many as its sessions want
     kv_dtype: str = "auto"  # the sessions' K/V: auto (f16 for a kept-quantized model, else its activations'), f32, f16, bf16, q8_0
     prefix_cache: bool = True  # a prompt starts from the K/V pages another request left for the same tokens
     session_dir: Path | None = None  # named sessions kept here across restarts (engine/session_dir.py)
@@ -60,6 +61,8 @@ class EngineConfig:
         for name in ("max_batch", "prompt_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 lets the device choose), got {getattr(self, name)}")
+        if self.kv_mem is not None and self.kv_mem < 1:
+            raise ValueError(f"kv_mem must be a positive size, got {self.kv_mem}")
         if self.device_mem is not None and self.device_mem < 1:
             raise ValueError(f"device_mem must be a positive size, got {self.device_mem}")
         if self.relocate_idle < 0:

@@ -19,6 +19,7 @@ from .draft import Drafter, draft_model_for, speculator_for
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
+from .kv_budget import KVBudget
 from .loader import LoadedModel, load_model
 from .memory.devices import trim_heap
 from .memory.jobs import PlacementJobs
@@ -62,6 +63,9 @@ class Engine:
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
         self.speculator = speculator_for(spec, drafter, loaded)
+        self.kv_budget = KVBudget(loaded.runner.kv_pool, self.speculator) if loaded.runner is not None and loaded.runner.kv_pool.limit else None
+        if self.kv_budget is not None:  # -kv-mem: a request waits until the pages it may need fit
+            self.scheduler.fits = self._fits
         self.outputs.speculator = self.speculator
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
@@ -220,6 +224,10 @@ class Engine:
         )
         if self.speculator is not None and spec.speculative is not False:
             req.spec = self.speculator.row(spec.draft_max)
+        if self.kv_budget is not None and (error := self.kv_budget.refuses(req)):
+            if spec.session is None:
+                session.reserved = False  # the pooled slot goes back
+            raise RoomError(error)
         if not hold:
             self._inbox.put(Submit(req))
         return req
@@ -322,6 +330,10 @@ class Engine:
             self.outputs.finish(req, FinishReason.CANCELLED)
         for job in self._jobs:
             job.future.cancel()
+
+    def _fits(self, req: Request, running: list[Request]) -> bool:
+        assert self.kv_budget is not None
+        return self.kv_budget.fits(req, running, self.slots, self.outputs.refuse)
 
     def _publish(self, rows: list[Row]) -> None:
         """The full pages this step made enter the prefix cache (not where other ranks hold layers: theirs have none)."""

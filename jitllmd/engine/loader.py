@@ -189,6 +189,7 @@ def load_model(
     read_ahead: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     kv_dtype: torch.dtype | str | None = None,
+    kv_mem: int | None = None,
     room: Room | None = None,
     cluster: Cluster | None = None,
     shared: tuple[str, str | None] | None = None,
@@ -246,7 +247,7 @@ def load_model(
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
         placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
         types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
-        runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()), sessions=sessions, max_seq=cap)
+        runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()), sessions=sessions, max_seq=cap, kv_mem=kv_mem)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
     return LoadedModel(
         name=name,

@@ -196,6 +196,14 @@ class Outputs:
         self.stats.finished(failed=True, seconds=time.perf_counter() - req.t_arrival)
         req.emit(Failed(message, unavailable))
 
+    def refuse(self, req: Request, message: str) -> None:
+        """A request that never ran ends with `message`; its session keeps what it held."""
+        if req.finished:
+            return
+        self._end(req)
+        self.stats.finished(failed=True, seconds=time.perf_counter() - req.t_arrival)
+        req.emit(Failed(message))
+
     def _end(self, req: Request) -> None:
         if req.state is not RequestState.WAITING:  # admitted: it holds its session
             req.session.busy = False

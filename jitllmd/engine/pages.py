@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "Prefix", "dequantize_q8", "quantize_q8"]
+__all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "PoolFull", "Prefix", "dequantize_q8", "quantize_q8"]
 
 PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
 META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
@@ -36,6 +36,10 @@ def dequantize_q8(rows: torch.Tensor, D: int) -> torch.Tensor:
     q = rows[..., :D].contiguous().view(torch.int8).float().reshape(*rows.shape[:-1], D // 32, 32)
     d = rows[..., D:].contiguous().view(torch.float16).float()[..., None]
     return (d * q).reshape(*rows.shape[:-1], D)
+
+
+class PoolFull(RuntimeError):
+    """No page to be had under the pool's byte limit: every page is held (admission keeps rows from getting here)."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +75,20 @@ class PagePool:
     (`refs`); full pages of a prompt are entered in the prefix cache, where a later prompt with the same tokens up to
     their end finds them; a page no table names stays cached until a page is wanted and none is free (least recently
     used first). Storage per layer is on its block's place; it grows by doubling (the pages in use copied) when every
-    page is held. Thread-safe: sessions let their pages go from whatever thread drops them."""
+    page is held. With a byte `limit` (-kv-mem) the pages held and cached never take more: a cached page goes before a
+    new one comes past it, and where none can, PoolFull. Thread-safe: sessions let their pages go from whatever thread
+    drops them."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, devices: list[torch.device], windows: list[int | None],
-                 pages: list[int] | None = None):
+                 pages: list[int] | None = None, limit: int | None = None):
+        self.limit = limit
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.windows = list(windows)
         self.devices = list(devices)
         kinds = list(dict.fromkeys(self.windows))  # full attention first where a model has both: the order layers name them
         self.group = [kinds.index(w) for w in self.windows]  # each layer's group
         self.group_windows = kinds
+        self._layers = [[i for i, g in enumerate(self.group) if g == k] for k in range(len(kinds))]
         self.capacity = list(pages) if pages is not None else [PAGE] * len(kinds)  # pages per group's storage
         self.refs = [[0] * c for c in self.capacity]
         self._free = [list(range(c)) for c in self.capacity]  # heaps: the lowest page first, so what is touched stays compact
@@ -101,13 +109,17 @@ class PagePool:
         return torch.empty((pages, self.num_kv_heads, PAGE, self.row), dtype=self.dtype, device=device)
 
     def layers(self, group: int) -> list[int]:
-        return [i for i, g in enumerate(self.group) if g == group]
+        return self._layers[group]
 
     # -- pages ------------------------------------------------------------------------------------
 
     def alloc(self, group: int) -> int:
         """A page of `group` for one table: a free one, else the least recently used cached one, else storage doubles."""
         with self._lock:
+            if self.limit is not None:
+                while self.used_bytes() + self.group_bytes(group) > self.limit:
+                    if not self._evict(None):
+                        raise PoolFull(f"the KV pages take {self.used_bytes()} bytes of -kv-mem's {self.limit}, every one held")
             free = self._free[group]
             if not free and not self._evict(group):
                 self._grow(group)
@@ -202,11 +214,11 @@ class PagePool:
                     self._entry[g][page] = entry
             return entry
 
-    def _evict(self, group: int) -> bool:
-        """Drop the least recently used cache entry no table holds that frees a page of `group`, and with it its
-        pages no table holds. -> whether a page of the group came free."""
+    def _evict(self, group: int | None) -> bool:
+        """Drop the least recently used cache entry no table holds that frees a page of `group` (None: of any), and
+        with it its pages no table holds. -> whether a page came free."""
         for entry in self._lru.values():
-            if entry.children == 0 and entry.pages[group] >= 0 and not any(p >= 0 and self.refs[g][p] for g, p in enumerate(entry.pages)):
+            if entry.children == 0 and (group is None or entry.pages[group] >= 0) and not any(p >= 0 and self.refs[g][p] for g, p in enumerate(entry.pages)):
                 self._drop(entry)
                 return True
         return False
@@ -231,7 +243,20 @@ class PagePool:
 
     def used(self, group: int) -> int:
         """Pages of a group that tables hold or the cache keeps."""
-        return sum(1 for r in self.refs[group] if r) + sum(1 for p in self._entry[group] if not self.refs[group][p])
+        return self.capacity[group] - len(self._free[group])
+
+    def group_bytes(self, group: int) -> int:
+        """Bytes of one page of `group`: its positions in every layer of the group."""
+        return self.page_bytes * len(self.layers(group))
+
+    def used_bytes(self) -> int:
+        """Bytes of the pages held or cached, every group (what -kv-mem limits)."""
+        return sum(self.used(g) * self.group_bytes(g) for g in range(len(self.capacity)))
+
+    def held_bytes(self) -> int:
+        """Bytes of the pages tables hold (the rest of used_bytes can be let go)."""
+        with self._lock:
+            return sum(sum(1 for r in self.refs[g] if r) * self.group_bytes(g) for g in range(len(self.capacity)))
 
     def counts(self) -> tuple[int, int, int, int]:
         """Pages (every group's) held by tables, held by more than one, cached but held by none, and free in storage."""

@@ -102,13 +102,14 @@ class ModelRunner:
     """Runs a decoder family's blocks where the placement holds them. The family builds blocks and knows its maths; it
     knows nothing of where a block lives. Only the engine thread calls it."""
 
-    def __init__(self, model: Any, placement: Placement, short_feed: int = 0, rows_feed: int = 0, sessions: int = 1, max_seq: int = PAGE):
+    def __init__(self, model: Any, placement: Placement, short_feed: int = 0, rows_feed: int = 0, sessions: int = 1, max_seq: int = PAGE,
+                 kv_mem: int | None = None):
         self.model = model
         self.placement = placement
         # the sessions' K/V pages: to start with, -sessions sessions of max_seq positions (a window's group fewer)
         windows = dict.fromkeys(model.cfg.window(i) for i in range(model.cfg.num_layers))
         pages = [sessions * -(-(max_seq if w is None else min(max_seq, w + 3 * PAGE)) // PAGE) for w in windows]
-        self.kv_pool = placement.kv_pool = model.kv_pool(placement.kv_devices(), pages)
+        self.kv_pool = placement.kv_pool = model.kv_pool(placement.kv_devices(), pages, kv_mem)
         self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
         self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, a prompt chunk's products past it
         self.seconds = 0.0  # the last step's wall time (run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .request import Request, RequestState
@@ -40,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefix_cache = False  # a prompt may start from the model's cached pages of another session's (engine/pages.py)
+        self.fits: Callable[[Request, list[Request]], bool] | None = None  # -kv-mem: whether a request's pages fit now
 
     def add(self, req: Request) -> None:
         req.queue_depth_on_entry = len(self.waiting) + len(self.running)
@@ -124,6 +126,9 @@ class Scheduler:
             if req.session.busy or (req.leader is not None and not req.forked):  # its session is in use, or its leader
                 skipped.append(req)  # has not run the prompt yet: keep its place in line
                 continue
+            if self.fits is not None and not self.fits(req, self.running):
+                skipped.append(req)  # first come, first served: nothing passes it
+                break
             req.session.busy = True
             req.state = RequestState.DECODE if req.forked else RequestState.PREFILL
             self.running.append(req)

@@ -336,12 +336,12 @@ class LlamaModel:
         """What every block of a forward over `positions` [T] reads: the RoPE tables, one per `rope_freqs`."""
         return tuple(cache.tables(positions) for cache in self.rope_caches)
 
-    def kv_pool(self, devices: list[torch.device] | None = None, pages: list[int] | None = None) -> PagePool:
+    def kv_pool(self, devices: list[torch.device] | None = None, pages: list[int] | None = None, limit: int | None = None) -> PagePool:
         """The pages sessions' K/V live in, each layer's on its block's place (`devices`, one per layer; default the
-        CPU), `pages` per group of layers to start with (engine/pages.py)."""
+        CPU), `pages` per group of layers to start with, at most `limit` bytes held and cached (engine/pages.py)."""
         c = self.cfg
         return PagePool(c.num_kv_heads, c.head_dim, self.kv_dtype, devices or [torch.device("cpu")] * c.num_layers,
-                        [c.window(i) for i in range(c.num_layers)], pages)
+                        [c.window(i) for i in range(c.num_layers)], pages, limit)
 
 
 # -- sources: Hugging Face and GGUF --
