@@ -85,7 +85,7 @@ class PagePool:
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.windows = list(windows)
         self.devices = list(devices)
-        kinds = list(dict.fromkeys(self.windows))  # full attention first where a model has both: the order layers name them
+        kinds = list(dict.fromkeys(self.windows))  # the groups, in the order the layers first name them
         self.group = [kinds.index(w) for w in self.windows]  # each layer's group
         self.group_windows = kinds
         self._layers = [[i for i, g in enumerate(self.group) if g == k] for k in range(len(kinds))]
