@@ -22,13 +22,11 @@ ratio to "jitllmd no cache", then jitllmd with its cache against llama-server.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.served import FORCED, Server, ServerFailed, free_port  # noqa: E402
+from bench.served import FORCED, Server, ServerFailed, Stream, at_once, free_port, stream_messages  # noqa: E402
 
 CONFIGS = ("jitllmd cache", "jitllmd no cache", "llama-server")
 BASE = "jitllmd no cache"  # the ratios' reference
@@ -130,73 +128,14 @@ def llama_cmd(bin_dir: Path, gguf: Path, port: int, threads: int, sessions: int,
 # -- the client -----------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    """One streamed chat completion as the client saw it."""
-
-    sent: float
-    first: float  # the first content delta
-    end: float
-    tokens: int  # usage.completion_tokens, else the content deltas counted
-    prompt_tokens: int  # -1 where no usage came
-    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens; -1 where absent
-
-
-def chat(url: str, system: str, user: str, max_tokens: int, barrier: threading.Barrier | None = None) -> Stream:
+def chat(client: httpx.Client, url: str, system: str, user: str, max_tokens: int, barrier: threading.Barrier | None = None) -> Stream:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    body = {"model": "qwen", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as client:
-        if barrier is not None:
-            barrier.wait()
-        sent = time.perf_counter()
-        first, deltas, usage = 0.0, 0, None
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise ServerFailed(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:160]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                obj = json.loads(line[6:])
-                if obj.get("error"):  # a failure after the 200, as a stream event
-                    raise ServerFailed(f"stream error: {json.dumps(obj['error'])[:160]}")
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for choice in obj.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        first = first or time.perf_counter()
-                        deltas += 1
-        end = time.perf_counter()
-    if not first:
-        raise ServerFailed("a request streamed no content")
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    return Stream(sent, first, end, usage["completion_tokens"] if usage else deltas, usage["prompt_tokens"] if usage else -1,
-                  cached if isinstance(cached, int) else -1)
+    return stream_messages(client, url, messages, max_tokens, barrier, model="qwen", timeout=REQUEST_TIMEOUT_S)
 
 
 def batched(url: str, system: str, clients: int, max_tokens: int) -> list[Stream]:
     """`clients` streaming chats sent at once, the same system prompt and each its own question."""
-    barrier = threading.Barrier(clients)
-    got: list[Stream | BaseException] = [ServerFailed("no result")] * clients
-
-    def go(i: int) -> None:
-        try:
-            got[i] = chat(url, system, question(i), max_tokens, barrier)
-        except (httpx.HTTPError, ServerFailed, threading.BrokenBarrierError, KeyError, ValueError) as exc:
-            got[i] = exc
-            barrier.abort()  # the others stop waiting for this one
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bad = [g for g in got if not isinstance(g, Stream)]
-    if bad:
-        first = next((b for b in bad if not isinstance(b, threading.BrokenBarrierError)), bad[0])
-        raise ServerFailed(f"{len(bad)}/{clients} requests failed: {type(first).__name__}: {first}")
-    return [g for g in got if isinstance(g, Stream)]
+    return at_once(clients, lambda i, client, barrier: chat(client, url, system, question(i), max_tokens, barrier))
 
 
 def p90(xs: list[float]) -> float:
@@ -207,9 +146,9 @@ def summary(streams: list[Stream]) -> dict:
     """One round of one server: TTFT p50 and p90 ms over the clients, aggregate tok/s, and each request's token counts."""
     ttft = [1000 * (s.first - s.sent) for s in streams]
     wall = max(s.end for s in streams) - min(s.sent for s in streams)
-    return {"ttft_p50": statistics.median(ttft), "ttft_p90": p90(ttft), "tps": sum(s.tokens for s in streams) / wall,
-            "cached": [s.cached_tokens for s in streams if s.cached_tokens >= 0],
-            "prompt": [s.prompt_tokens for s in streams if s.prompt_tokens >= 0]}
+    return {"ttft_p50": statistics.median(ttft), "ttft_p90": p90(ttft), "tps": sum(s.num_tokens for s in streams) / wall,
+            "cached": [s.num_cached_tokens for s in streams if s.num_cached_tokens >= 0],
+            "prompt": [s.num_prompt_tokens for s in streams if s.num_prompt_tokens >= 0]}
 
 
 # -- main -----------------------------------------------------------------------------------------------------------
@@ -271,7 +210,8 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 servers[c].wait_healthy()  # one at a time: loading (and converting, the first time) is not measured
-                chat(url, system_prompt(0, args.system_tokens), question(0), 4)  # warm: round 0's document, no measured round's
+                with httpx.Client(trust_env=False) as client:
+                    chat(client, url, system_prompt(0, args.system_tokens), question(0), 4)  # warm: round 0's document, no measured round's
             except (ServerFailed, httpx.HTTPError) as exc:
                 failed[c] = str(exc) if isinstance(exc, ServerFailed) else f"{type(exc).__name__}: {exc}"
                 if servers[c].proc.poll() is not None and "before healthy" not in failed[c]:

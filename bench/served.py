@@ -147,6 +147,7 @@ class Stream:
     end: float  # the stream's end
     num_tokens: int  # usage.completion_tokens where the server sends it, else the content deltas counted
     num_prompt_tokens: int  # -1 where no usage came
+    num_cached_tokens: int = -1  # usage.prompt_tokens_details.cached_tokens, where the server sends it
 
 
 def prompt(k: int) -> str:
@@ -156,20 +157,24 @@ def prompt(k: int) -> str:
     return f"Reader {k}, continue this passage:\n\n" + text[start : start + PROMPT_CHARS]
 
 
-def stream_chat(client: httpx.Client, url: str, k: int, num_tokens: int, barrier: threading.Barrier | None = None) -> Stream:
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt(k)}], "max_tokens": num_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def stream_messages(client: httpx.Client, url: str, messages: list[dict], num_tokens: int, barrier: threading.Barrier | None = None,
+                    model: str = "m", timeout: float = REQUEST_TIMEOUT_S) -> Stream:
+    """One streamed greedy chat of `messages` (ignore_eos: num_tokens generated), timed from its send (after `barrier`)."""
+    body = {"model": model, "messages": messages, "max_tokens": num_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     if barrier is not None:
         barrier.wait()
     sent = time.perf_counter()
     first, deltas, usage = 0.0, 0, None
-    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             raise ServerFailed(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:160]}")
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             obj = json.loads(line[6:])
+            if obj.get("error"):  # a failure after the 200, as a stream event
+                raise ServerFailed(f"stream error: {json.dumps(obj['error'])[:160]}")
             if obj.get("usage"):
                 usage = obj["usage"]
             for choice in obj.get("choices") or []:
@@ -178,21 +183,29 @@ def stream_chat(client: httpx.Client, url: str, k: int, num_tokens: int, barrier
                     deltas += 1
     end = time.perf_counter()
     if not first:
-        raise ServerFailed(f"request {k} streamed no content")
-    return Stream(sent, first, end, usage["completion_tokens"] if usage else deltas, usage["prompt_tokens"] if usage else -1)
+        raise ServerFailed("a request streamed no content")
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return Stream(sent, first, end, usage["completion_tokens"] if usage else deltas, usage["prompt_tokens"] if usage else -1,
+                  cached if isinstance(cached, int) else -1)
 
 
-def load(url: str, num_clients: int, num_tokens: int, first_k: int) -> list[Stream]:
-    """`num_clients` streaming requests sent at once, each from its own thread and connection."""
+def stream_chat(client: httpx.Client, url: str, k: int, num_tokens: int, barrier: threading.Barrier | None = None) -> Stream:
+    return stream_messages(client, url, [{"role": "user", "content": prompt(k)}], num_tokens, barrier)
+
+
+def at_once(num_clients: int, send: Callable[[int, httpx.Client, threading.Barrier], Stream]) -> list[Stream]:
+    """`send(i, client, barrier)` for each of `num_clients` clients at once, each from its own thread and connection, all
+    let go together at the barrier. ServerFailed where any failed."""
     barrier = threading.Barrier(num_clients)
     got: list[Stream | BaseException] = [ServerFailed("no result")] * num_clients
 
     def one(i: int) -> None:
         try:
             with httpx.Client(trust_env=False) as client:
-                got[i] = stream_chat(client, url, first_k + i, num_tokens, barrier)
-        except (httpx.HTTPError, ServerFailed, threading.BrokenBarrierError) as exc:
+                got[i] = send(i, client, barrier)
+        except (httpx.HTTPError, ServerFailed, threading.BrokenBarrierError, KeyError, ValueError) as exc:
             got[i] = exc
+            barrier.abort()  # the others stop waiting for this one
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(num_clients)]
     for t in threads:
@@ -201,8 +214,14 @@ def load(url: str, num_clients: int, num_tokens: int, first_k: int) -> list[Stre
         t.join()
     bad = [g for g in got if not isinstance(g, Stream)]
     if bad:
-        raise ServerFailed(f"{len(bad)}/{num_clients} requests failed: {type(bad[0]).__name__}: {bad[0]}")
+        first = next((b for b in bad if not isinstance(b, threading.BrokenBarrierError)), bad[0])
+        raise ServerFailed(f"{len(bad)}/{num_clients} requests failed: {type(first).__name__}: {first}")
     return [g for g in got if isinstance(g, Stream)]
+
+
+def load(url: str, num_clients: int, num_tokens: int, first_k: int) -> list[Stream]:
+    """`num_clients` streaming requests sent at once, each from its own thread and connection."""
+    return at_once(num_clients, lambda i, client, barrier: stream_chat(client, url, first_k + i, num_tokens, barrier))
 
 
 # -- one server's round, and the rounds -----------------------------------------------------------------------------

@@ -56,8 +56,7 @@ class Engine:
         self.split_rows = self.host_rows if split_rows is None else split_rows  # ... while split over devices, none on the host
         self.batching: Batching | None = None  # what load decided for the step's rows and prompt chunk, and why
         self.scheduler = Scheduler(self._rows_now(), prompt_chunk)
-        self.prefix_cache = prefix_cache and loaded.runner is not None  # a decoder's prompts start from cached pages
-        self.scheduler.prefix_cache = self.prefix_cache
+        self.scheduler.prefix_cache = prefix_cache and loaded.runner is not None  # a decoder's prompts start from cached pages
         self.joint = JointSteps(joint_steps)
         self.sessions = SessionRegistry()
         self.stats = EngineStats()
@@ -158,12 +157,12 @@ class Engine:
 
     def save_session(self, session: Session) -> Future[bytes]:
         """The session as a session file's bytes (engine/session_file.py), once its generation has ended."""
-        return self.run_job(lambda: session_file.dump(session, self.identity()), session)
+        return self.run_job(lambda: session_file.dump(session, session_file.identity(self.loaded)), session)
 
     def restore_session(self, saved: session_file.SavedSession, sid: str | None = None) -> Future[Session]:
         """A new named session (id `sid` where free) holding a saved one of this model (ValueError where it is another
         model's, or too long for this one's context)."""
-        capacity = session_file.room_for(saved, self.loaded, self.identity())
+        capacity = session_file.room_for(saved, self.loaded, session_file.identity(self.loaded))
 
         def work() -> Session:
             session = self.sessions.create(self.loaded.name, self.loaded.new_kv(capacity), sid)
@@ -175,10 +174,6 @@ class Engine:
             return session
 
         return self.run_job(work)
-
-    def identity(self) -> dict[str, str]:
-        """What a session file names its model by (session_file.identity)."""
-        return session_file.identity(self.loaded)
 
     def submit(self, spec: Generation, emit: Callable[[Event], None], *, follows: Request | None = None, hold: bool = False) -> Request:
         """Queue a generation. Raises RoomError when the prompt does not fit the session (both numbers named), and
@@ -311,8 +306,6 @@ class Engine:
                     rows = self.speculator.draft(rows, self.scheduler.prompt_chunk - sum(len(r.ids) for r in rows if r.prompt))
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
-                if self.prefix_cache:
-                    self._publish(rows)
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang
                 log.warning("%s: step failed: %s", self.loaded.name, exc)
                 for req, _ in scheduled:
@@ -334,16 +327,6 @@ class Engine:
     def _fits(self, req: Request, running: list[Request]) -> bool:
         assert self.kv_budget is not None
         return self.kv_budget.fits(req, running, self.slots, self.outputs.refuse)
-
-    def _publish(self, rows: list[Row]) -> None:
-        """The full pages this step made enter the prefix cache (not where other ranks hold layers: theirs have none)."""
-        runner = self.loaded.runner
-        if runner is not None and runner.placement.remotes:
-            self.scheduler.prefix_cache = False
-            return
-        for row in rows:
-            if row.ids:
-                row.req.session.publish()
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .draft import Speculator
-from .pages import PAGE, PagePool
+from .pages import PagePool, pages_for
 from .request import Request
 from .sessions import Session
 
@@ -25,8 +25,7 @@ class KVBudget:
         """Bytes of pages a request may hold at its end: its prompt, its max_tokens and a step's guesses, within its
         room (a window group's: its window's)."""
         positions = min(req.session.max_seq, len(req.prompt_ids) + req.max_tokens + (self.guesses if req.spec is not None else 0))
-        return sum(-(-(positions if w is None else min(positions, w + 3 * PAGE)) // PAGE) * self.pool.group_bytes(g)
-                   for g, w in enumerate(self.pool.group_windows))
+        return sum(pages_for(w, positions) * self.pool.group_bytes(g) for g, w in enumerate(self.pool.group_windows))
 
     def refuses(self, req: Request) -> str | None:
         """Why a request can never run under the limit (None: it can)."""

@@ -95,7 +95,7 @@ class LoadedModel:
     def kv_bytes(self) -> int:
         """Bytes of the KV pages its sessions hold or the prefix cache keeps (a shared page once); read from any
         thread, as a figure."""
-        return self.runner.kv_pool.nbytes() if self.runner is not None else 0
+        return self.runner.kv_pool.used_bytes() if self.runner is not None else 0
 
     def kv_pages(self) -> KVPages:
         """Its KV pages and prefix cache now, as figures."""

@@ -38,7 +38,23 @@ class Outputs:
         self.speculator: Speculator | None = None  # the engine's, where it drafts (its counts)
 
     def postprocess(self, rows: list[Row], logits: torch.Tensor, weight_bytes: float) -> None:
-        """Sample each row that finished its prompt or decodes, and hand out what it produced."""
+        """Sample each row that finished its prompt or decodes, and hand out what it produced; then the full pages the
+        step made enter the prefix cache."""
+        self._sample(rows, logits, weight_bytes)
+        if self.scheduler.prefix_cache:
+            self._publish(rows)
+
+    def _publish(self, rows: list[Row]) -> None:
+        """Each row's session's new full pages into the prefix cache (not where other ranks hold layers: theirs have none)."""
+        runner = self.loaded.runner
+        if runner is not None and runner.placement.remotes:
+            self.scheduler.prefix_cache = False
+            return
+        for row in rows:
+            if row.ids:
+                row.req.session.publish()
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor, weight_bytes: float) -> None:
         now = time.perf_counter()
         num_rows = sum(1 for row in rows if not row.req.cancel_requested)
         j = 0

@@ -11,13 +11,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "PoolFull", "Prefix", "dequantize_q8", "quantize_q8"]
+__all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "PoolFull", "Prefix", "dequantize_q8", "pages_for", "quantize_q8"]
 
 PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
 META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
 _IDS = itertools.count(1)
 Q8_0 = torch.uint8  # a q8_0 cache's storage: rows of D int8 then D / 32 f16 scales (kernels/simd.h)
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8_0}  # -kv-dtype's names
+
+
+def pages_for(window: int | None, positions: int) -> int:
+    """The most pages a session of `positions` holds in a group of layers with this window (None: full attention): a
+    window group's, its window's, the rewind's and a page at each end (kv.py lets go of the rest)."""
+    return -(-(positions if window is None else min(positions, window + 3 * PAGE)) // PAGE)
 
 
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:
@@ -246,12 +252,15 @@ class PagePool:
         return self.capacity[group] - len(self._free[group])
 
     def group_bytes(self, group: int) -> int:
-        """Bytes of one page of `group`: its positions in every layer of the group."""
-        return self.page_bytes * len(self.layers(group))
+        """Bytes of one page of `group` here: its positions in every layer of the group this rank holds."""
+        return self.page_bytes * sum(self.devices[i] != META for i in self.layers(group))
+
 
     def used_bytes(self) -> int:
-        """Bytes of the pages held or cached, every group (what -kv-mem limits)."""
-        return sum(self.used(g) * self.group_bytes(g) for g in range(len(self.capacity)))
+        """Bytes of the pages held or cached here, every group (what -kv-mem limits; storage never touched on the CPU
+        costs nothing)."""
+        with self._lock:
+            return sum(self.used(g) * self.group_bytes(g) for g in range(len(self.capacity)))
 
     def held_bytes(self) -> int:
         """Bytes of the pages tables hold (the rest of used_bytes can be let go)."""
@@ -266,7 +275,3 @@ class PagePool:
             used = sum(self.used(g) for g in range(len(self.capacity)))
             return held, shared, used - held, sum(self.capacity) - used
 
-    def nbytes(self) -> int:
-        """Bytes of the pages held or cached, in every layer here (storage never touched on the CPU costs nothing)."""
-        with self._lock:
-            return sum(self.used(g) * sum(self.devices[i] != META for i in self.layers(g)) * self.page_bytes for g in range(len(self.capacity)))

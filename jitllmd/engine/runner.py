@@ -22,6 +22,7 @@ from .cluster.remote import RemoteRun
 from .kv import PAGE, RowSpan, SessionKV
 from .layers.quant import chunk_tokens
 from .memory.placement import Placement
+from .pages import pages_for
 from .request import RequestState
 from .scheduler import Row
 
@@ -108,7 +109,7 @@ class ModelRunner:
         self.placement = placement
         # the sessions' K/V pages: to start with, -sessions sessions of max_seq positions (a window's group fewer)
         windows = dict.fromkeys(model.cfg.window(i) for i in range(model.cfg.num_layers))
-        pages = [sessions * -(-(max_seq if w is None else min(max_seq, w + 3 * PAGE)) // PAGE) for w in windows]
+        pages = [sessions * pages_for(w, max_seq) for w in windows]
         self.kv_pool = placement.kv_pool = model.kv_pool(placement.kv_devices(), pages, kv_mem)
         self.short_feed = short_feed  # a prompt feeding at most this many new tokens runs as decode rows (layers/quant.py; Scheduler.feed)
         self.rows_feed = rows_feed  # ... through the few-row kernel up to this many, a prompt chunk's products past it

@@ -49,7 +49,7 @@ class SessionDir:
         if not self.path.is_dir():
             return []
         decoders = [e for e in engines if e.loaded.runner is not None]
-        prints = {id(e): e.identity()["fingerprint"] for e in decoders}
+        prints = {id(e): session_file.identity(e.loaded)["fingerprint"] for e in decoders}
         taken = {s.id for e in engines for s in e.sessions.list()}
         back: list[str] = []
         for file in sorted(self.path.glob("*.kv")):

@@ -73,9 +73,8 @@ class Attention:
             return out if only is None else out[only]
         if only is not None:
             return torch.cat([self.attend_one(q[i], kv, p + i, ks, bf16, kernel) for i in only]) if only else q.new_empty((0, H * D))
-        K, V = kv.storage(layer)
         if kernel:
-            return attend_chunk(q, K, V, kv.table(layer), p, ks, self.window, bf16)
+            return attend_chunk(q, *kv.storage(layer), kv.table(layer), p, ks, self.window, bf16)
         kc, vc = kv.read(layer, ks, p + n)  # [Hkv, keys, D]
         kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a cast where the cache is narrower (f16 beside f32): SDPA takes one dtype
         if p == 0 and ks == 0 and (self.window is None or n <= self.window):

@@ -425,7 +425,7 @@ class Sessions(SessionService):
         wanted = saved.model
         models = [m for m in self.catalog.loaded() if m.engine.loaded.runner is not None]
         for m in models:
-            if m.id == wanted.get("name") or m.engine.identity()["fingerprint"] == wanted.get("fingerprint"):
+            if m.id == wanted.get("name") or session_file.identity(m.engine.loaded)["fingerprint"] == wanted.get("fingerprint"):
                 return m
         raise ConnectError(Code.NOT_FOUND, f"the session was saved from model {wanted.get('name')!r} ({wanted.get('file')}), which is not loaded here: "
                                            "load it, or name a model")

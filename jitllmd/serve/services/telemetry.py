@@ -83,7 +83,7 @@ class Telemetry(TelemetryService):
                 speculative=engine.speculator.describe() if engine.speculator is not None else "off",
                 drafted_tokens=engine.speculator.drafted if engine.speculator is not None else 0,
                 accepted_tokens=engine.speculator.accepted if engine.speculator is not None else 0,
-                prefix_cache=engine.prefix_cache, prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
+                prefix_cache=engine.scheduler.prefix_cache, prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
                 kv_pages_held=pages.held, kv_pages_cached=pages.cached, kv_pages_free=pages.free,
                 kv_pages_shared=pages.shared,
             ))
