@@ -34,7 +34,7 @@ def place(
     gpu_layers: Annotated[int | None, typer.Option("-gpu-layers", "--gpu-layers", help="With -devices: at most this many blocks on the devices (embed and head count); default as many as fit.", show_default=False)] = None,
     move: Annotated[str | None, typer.Option("-move", "--move", help="Move blocks FIRST:LAST (inclusive; 0 is embed) with their KV cache; needs -to.", show_default=False)] = None,
     to: Annotated[str | None, typer.Option("-to", "--to", help="With -move: host, or a device id; another rank's as 1:cpu (layers only: embed and head stay on rank 0).", show_default=False)] = None,
-    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units).", show_default=False)] = None,
+    maxmem: Annotated[str | None, typer.Option("-maxmem", "--maxmem", help="With -model: the host page budget, like 12G or 512M (binary units): resident host blocks, and the KV pages of idle sessions kept on the host (past it they go to a spill file).", show_default=False)] = None,
     tune: Annotated[bool, typer.Option("-tune", "--tune", help="Time decode for device-block counts that fit and move the seam to the fastest (TuneSeam).")] = False,
     relocate: Annotated[str | None, typer.Option("-relocate", "--relocate", metavar="on|off", help="With -model: automatic relocation (SetRelocation). On, the model's blocks leave its devices for the host while it is idle and another model needs the room, and come back while it is busy where that repays their copy.", show_default=False)] = None,
     addr: Annotated[str, typer.Option("-addr", "--addr", help="The server, HOST:PORT.")] = DEFAULT_ADDR,

@@ -101,13 +101,15 @@ def _table(resp: GetStatsResponse) -> RenderableType:
     lines += [Text(f"{m.model}: speculative decoding {m.speculative}, {m.accepted_tokens} of {m.drafted_tokens} guesses taken"
                    + (f" ({m.accepted_tokens / m.drafted_tokens:.0%})" if m.drafted_tokens else ""), overflow="fold")
               for m in resp.models if m.speculative and m.speculative != "off"]
-    lines += [Text(_pages(m), overflow="fold") for m in resp.models if m.kv_pages_held or m.kv_pages_cached or m.kv_pages_free]
+    lines += [Text(_pages(m), overflow="fold") for m in resp.models if m.kv_pages_held or m.kv_pages_cached or m.kv_pages_free or m.kv_pages_file]
     return Group(traffic, Text(""), steps, *lines, Text(caption))
 
 
 def _pages(m: Any) -> str:
     """One model's KV pages and prefix cache, in a line."""
     line = f"{m.model}: KV pages {m.kv_pages_held} held ({m.kv_pages_shared} shared), {m.kv_pages_cached} cached, {m.kv_pages_free} free"
+    if m.kv_pages_host or m.kv_pages_file:
+        line += f", out of the pool {m.kv_pages_host} in host memory and {m.kv_pages_file} in the spill file"
     if not m.prefix_cache:
         return line + "; prefix cache off"
     share = f" ({m.prefix_hit_tokens / m.prefix_query_tokens:.0%})" if m.prefix_query_tokens else ""

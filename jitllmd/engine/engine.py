@@ -20,6 +20,7 @@ from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
 from .kv_budget import KVBudget
+from .kv_spill import spill_for
 from .loader import LoadedModel, load_model
 from .memory.devices import trim_heap
 from .memory.jobs import PlacementJobs
@@ -62,9 +63,10 @@ class Engine:
         self.stats = EngineStats()
         self.outputs = Outputs(loaded, self.scheduler, self.stats)
         self.speculator = speculator_for(spec, drafter, loaded)
-        self.kv_budget = KVBudget(loaded.runner.kv_pool, self.speculator) if loaded.runner is not None and loaded.runner.kv_pool.limit else None
-        if self.kv_budget is not None:  # -kv-mem: a request waits until the pages it may need fit
-            self.scheduler.fits = self._fits
+        self.kv_spill = spill_for(loaded, lambda: (self.sessions.list(), self.slots))  # idle sessions' pages may leave the pool
+        budget = self.kv_budget = KVBudget(loaded.runner.kv_pool, self.speculator) if loaded.runner is not None and loaded.runner.kv_pool.limit else None
+        if budget is not None:  # -kv-mem: a request waits until the pages it may need fit
+            self.scheduler.fits = lambda req, running: budget.fits(req, running, self.slots, self.outputs.refuse, self.kv_spill)
         self.outputs.speculator = self.speculator
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pool = SlotPool(loaded.name, loaded.new_kv)  # ephemeral sessions kept for prefix reuse, one per row
@@ -306,6 +308,8 @@ class Engine:
                     rows = self.speculator.draft(rows, self.scheduler.prompt_chunk - sum(len(r.ids) for r in rows if r.prompt))
                 logits = self._run(rows)
                 self.outputs.postprocess(rows, logits, self._weight_bytes)
+                if self.kv_spill is not None:  # -maxmem: what the host holds between turns
+                    self.kv_spill.settle([r.session for r in self.scheduler.running if not r.finished])
             except RankError as exc:  # another rank holding blocks is gone: these rows fail now, not after a hang
                 log.warning("%s: step failed: %s", self.loaded.name, exc)
                 for req, _ in scheduled:
@@ -323,10 +327,6 @@ class Engine:
             self.outputs.finish(req, FinishReason.CANCELLED)
         for job in self._jobs:
             job.future.cancel()
-
-    def _fits(self, req: Request, running: list[Request]) -> bool:
-        assert self.kv_budget is not None
-        return self.kv_budget.fits(req, running, self.slots, self.outputs.refuse)
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -24,10 +24,13 @@ class RoomError(ValueError):
     """A prompt or generation does not fit in the session's KV capacity."""
 
 
-def _release(pool: PagePool, pages: list[list[int]]) -> None:
+def _release(pool: PagePool, pages: list[list[int]], away: list[list[int]]) -> None:
     for group, held in enumerate(pages):
         pool.release(group, held)
         held.clear()
+    if away and pool.store is not None:
+        pool.store.free([slot for slots in away for slot in slots if slot >= 0])
+    away.clear()
 
 
 class SessionKV:
@@ -42,6 +45,9 @@ class SessionKV:
     layer's pages are on its block's place (`devices`); a layer on another rank is on `meta` here, its bookkeeping
     going on as for any layer, its K/V that rank's (`remotes`: engine/cluster/remote.py's proxies of the ranks
     holding some of this cache's layers, told of a copy). The pages go back to the pool when the session is dropped.
+    An idle session's pages may be taken out of the pool into its store (`spill`: host memory or a file) and brought
+    back before it runs again (`fill`); while away, only `fill`, `read` (from the store), `reset` and the figures may be
+    asked of it.
     """
 
     def __init__(self, pool: PagePool, capacity: int):
@@ -66,7 +72,10 @@ class SessionKV:
         self.prefix: list[Prefix] = []
         self.key = next(_KEYS)
         self.remotes: set[Any] = set()
-        weakref.finalize(self, _release, pool, self.pages)
+        self.away: list[list[int]] = []  # while spilled: per group, the store's slot of each page (-1: let go)
+        self._from: list[list[Prefix | None]] = []  # ... and the cache entry whose page was this one's, to share again
+        self.used = 0.0  # when it last ran (spill's order: least recently used first)
+        weakref.finalize(self, _release, pool, self.pages, self.away)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -90,8 +99,9 @@ class SessionKV:
         return sum(self.layer_nbytes(i) for i in range(self.num_layers))
 
     def layer_nbytes(self, layer: int) -> int:
-        """Bytes of the pages this session holds in one layer (on this rank: none where another holds it)."""
-        if self.devices[layer] == META:
+        """Bytes of the pages this session holds in one layer (on this rank: none where another holds it; none while
+        spilled)."""
+        if self.devices[layer] == META or self.away:
             return 0
         g = self._group[layer]
         return (len(self.pages[g]) - self.first[g]) * PAGE * self._layer_bytes
@@ -134,6 +144,67 @@ class SessionKV:
                 pages[i] = -1
             self.first[g] = keep
 
+    @property
+    def spilled(self) -> bool:
+        return bool(self.away)
+
+    def spill(self) -> int:
+        """Take every page this session holds out of the pool into the pool's store, its tables left until `fill`.
+        -> bytes the pool no longer holds for it."""
+        pool, store = self.pool, self.pool.store
+        assert store is not None and not self.away and not self.remotes
+        freed = 0
+        for g, pages in enumerate(self.pages):
+            slots: list[int] = []
+            sources: list[Prefix | None] = []
+            for i, page in enumerate(pages):
+                if page < 0:
+                    slots.append(-1)
+                    sources.append(None)
+                    continue
+                slots.append(store.put(pool.page_out(g, page)))
+                entry = self.prefix[i] if i < len(self.prefix) else None
+                sources.append(entry if entry is not None and entry.away is None and entry.pages[g] == page else None)
+                freed += pool.group_bytes(g) if pool.refs[g][page] == 1 and not pool.shared(g, page) else 0
+            pool.release(g, pages)
+            pages[:] = [-1] * len(pages)
+            self.away.append(slots)
+            self._from.append(sources)
+        return freed
+
+    def fill(self) -> None:
+        """Back into the pool after `spill`: a page the prefix cache still keeps as it was is shared again, the others
+        read from the store."""
+        if not self.away:
+            return
+        pool, store = self.pool, self.pool.store
+        assert store is not None
+        found = [e for sources in self._from for e in sources if e is not None and pool.alive(e)]
+        with pool.keeping(found):
+            pool.bring_back(found)
+            self._fill_pages()
+        self.away.clear()
+        self._from.clear()
+
+    def _fill_pages(self) -> None:
+        pool, store = self.pool, self.pool.store
+        assert store is not None
+        for g, (slots, sources) in enumerate(zip(self.away, self._from)):
+            pages, table = self.pages[g], self.tables[g]
+            for i, slot in enumerate(slots):
+                if slot < 0:
+                    continue
+                entry = sources[i]
+                if entry is not None and pool.alive(entry) and entry.pages[g] >= 0:
+                    page = entry.pages[g]
+                    pool.share(g, page)
+                else:
+                    page = pool.alloc(g)
+                    pool.page_in(g, page, store.get(slot))
+                store.free([slot])
+                slots[i] = -1
+                pages[i] = table[i] = page
+
     def start(self, layer: int) -> int:
         """The first position whose K/V layer still holds."""
         return self.first[self._group[layer]] * PAGE
@@ -169,14 +240,29 @@ class SessionKV:
             empty = K.new_empty((self.num_kv_heads, 0, K.shape[-1] if raw else self.head_dim), dtype=K.dtype if raw or self.dtype != Q8_0 else torch.float32)
             return empty, empty
         a, b = lo // PAGE, (hi + PAGE - 1) // PAGE
-        index = torch.tensor(self.pages[self._group[layer]][a:b], device=K.device)
         off = lo - a * PAGE
+        if self.away:  # out of the pool: the pages' bytes from the store
+            K, V = self._away_pages(layer, a, b)
+            a, b = 0, b - a
+        index = torch.arange(a, b) if self.away else torch.tensor(self.pages[self._group[layer]][a:b], device=K.device)
 
         def gather(store: torch.Tensor) -> torch.Tensor:  # [m, Hkv, PAGE, row] -> [Hkv, m * PAGE, row]
             run = store.index_select(0, index).transpose(0, 1).reshape(self.num_kv_heads, (b - a) * PAGE, store.shape[-1])[:, off : off + hi - lo]
             return dequantize_q8(run, self.head_dim) if self.dtype == Q8_0 and not raw else run
 
         return gather(K), gather(V)
+
+    def _away_pages(self, layer: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's pages a .. b - 1 as the store keeps them (pool.page_out's layout), K and V [b - a, Hkv, PAGE, row]."""
+        pool, g = self.pool, self._group[layer]
+        assert pool.store is not None
+        half = pool.page_bytes // 2
+        at = [i for i in pool.layers(g) if pool.devices[i] != META].index(layer) * 2 * half
+        shape = (self.num_kv_heads, PAGE, pool.row)
+        blobs = [pool.store.get(slot) for slot in self.away[g][a:b]]
+        K = torch.stack([blob[at : at + half].view(self.dtype).view(shape) for blob in blobs])
+        V = torch.stack([blob[at + half : at + 2 * half].view(self.dtype).view(shape) for blob in blobs])
+        return K, V
 
     @torch.inference_mode()
     def move(self, layer: int, device: torch.device, filled: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -209,6 +295,12 @@ class SessionKV:
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (prefix reuse, reset, a draft refused): the pages past it go back; a window
         group must still hold what a query at `length` sees (`reusable`)."""
+        if self.away:
+            if length == 0:
+                _release(self.pool, [], self.away)
+                self._from.clear()
+            else:
+                self.fill()
         length = max(0, min(self.length, length))
         assert self.reusable(length) == length, "a window layer dropped keys the truncated session needs"
         keep = (length + PAGE - 1) // PAGE
@@ -293,13 +385,14 @@ class SessionKV:
             return own
         pool.hits += length
         self.reset()
+        pool.bring_back(entries)  # cold ones the store kept
         self.map([[e.pages[g] for e in entries] for g in range(len(self.pages))], length, entries)
         return length
 
     @staticmethod
     def _sees(g: int, window: int, entries: list[Prefix]) -> bool:
         first = max(0, len(entries) * PAGE - window + 1) // PAGE
-        return all(e.pages[g] >= 0 for e in entries[first:])
+        return all((e.pages if e.away is None else e.away)[g] >= 0 for e in entries[first:])
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .draft import Speculator
+from .kv_spill import KVSpill
 from .pages import PagePool, pages_for
 from .request import Request
 from .sessions import Session
@@ -38,15 +39,19 @@ class KVBudget:
     def more(self, req: Request) -> int:
         """What a request may still take: its need less what its session holds."""
         kv = req.session.kv
-        held = sum((len(pages) - first) * self.pool.group_bytes(g) for g, (pages, first) in enumerate(zip(kv.pages, kv.first)))
+        held = 0 if kv.spilled else sum((len(pages) - first) * self.pool.group_bytes(g) for g, (pages, first) in enumerate(zip(kv.pages, kv.first)))
         return max(0, self.need(req) - held)
 
-    def fits(self, req: Request, running: list[Request], slots: list[Session], fail: Callable[[Request, str], None]) -> bool:
-        """Whether `req` may start now. Where nothing runs and it does not fit, idle slots let their pages go (their
-        full pages stay cached, to be let go in turn); one that still does not (named sessions hold the rest) is
-        failed with why, rather than left to wait forever."""
+    def fits(self, req: Request, running: list[Request], slots: list[Session], fail: Callable[[Request, str], None], spill: KVSpill | None = None) -> bool:
+        """Whether `req` may start now. Where it does not fit, idle named sessions' pages leave the pool (`spill`:
+        kv_spill.py); where it still does not and nothing runs, idle slots let their pages go (their full pages stay
+        cached, to be let go in turn); one that still does not (named sessions hold the rest) is failed with why,
+        rather than left to wait forever."""
         owed = sum(self.more(r) for r in running)
         if self.more(req) + owed <= self.limit - self.pool.held_bytes():
+            return True
+        if spill is not None and spill.make_room(self.more(req) + owed - (self.limit - self.pool.held_bytes()), req.session) \
+                and self.more(req) + owed <= self.limit - self.pool.held_bytes():
             return True
         if not running:
             for slot in slots:

@@ -103,7 +103,8 @@ class LoadedModel:
             return KVPages(0, 0, 0, 0, 0, 0)
         pool = self.runner.kv_pool
         held, shared, cached, free = pool.counts()
-        return KVPages(held, shared, cached, free, pool.hits, pool.queries)
+        host, file = pool.store.counts() if pool.store is not None else (0, 0)
+        return KVPages(held, shared, cached, free, pool.hits, pool.queries, host, file)
 
     def largest_session_file(self) -> int:
         """The most bytes a session file of this model takes (engine/session_file.py): K/V of its whole context in

@@ -7,11 +7,17 @@ import heapq
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 __all__ = ["KV_DTYPES", "META", "PAGE", "Q8_0", "KVPages", "PagePool", "PoolFull", "Prefix", "dequantize_q8", "pages_for", "quantize_q8"]
+
+if TYPE_CHECKING:
+    from .kv_store import PageStore
 
 PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
 META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
@@ -51,8 +57,8 @@ class PoolFull(RuntimeError):
 @dataclass(frozen=True)
 class KVPages:
     """A model's pages now (every group's): held by sessions' tables (a shared page once), those held by more than one,
-    kept by the prefix cache alone, free in storage; and the prompt tokens the cache found, of those looked up, over its
-    life."""
+    kept by the prefix cache alone, free in storage; out of the pool, in host memory and in the spill file (idle sessions'
+    and cold prefixes', engine/kv_store.py); and the prompt tokens the cache found, of those looked up, over its life."""
 
     held: int
     shared: int
@@ -60,18 +66,22 @@ class KVPages:
     free: int
     hit_tokens: int
     query_tokens: int
+    host: int = 0
+    file: int = 0
 
 
 @dataclass(eq=False)
 class Prefix:
     """An entry of the prefix cache: one full page of positions, found by its parent entry and its tokens, holding the
-    page of each group (-1 where a window group had already let it go)."""
+    page of each group (-1 where a window group had already let it go); or, taken out of the pool (`away`), each group's
+    slot in the pool's store, brought back when a prompt finds it."""
 
     key: tuple[int, tuple[int, ...]]  # (the parent entry's id, 0 at the start; this page's tokens)
     pages: list[int]
     parent: Prefix | None
     id: int = field(default_factory=lambda: next(_IDS))
     children: int = 0
+    away: list[int] | None = None
 
 
 class PagePool:
@@ -82,8 +92,10 @@ class PagePool:
     their end finds them; a page no table names stays cached until a page is wanted and none is free (least recently
     used first). Storage per layer is on its block's place; it grows by doubling (the pages in use copied) when every
     page is held. With a byte `limit` (-kv-mem) the pages held and cached never take more: a cached page goes before a
-    new one comes past it, and where none can, PoolFull. Thread-safe: sessions let their pages go from whatever thread
-    drops them."""
+    new one comes past it, and where none can, PoolFull. With a `store` (engine/kv_store.py) a cached page that goes is
+    kept there, up to `away_cap` bytes of them (the least recently used leaves dropped past it), and brought back when a
+    prompt finds it; idle sessions' pages go there too (kv.py SessionKV.spill). Thread-safe: sessions let their pages go
+    from whatever thread drops them."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, devices: list[torch.device], windows: list[int | None],
                  pages: list[int] | None = None, limit: int | None = None):
@@ -109,6 +121,10 @@ class PagePool:
         self.v = [self._storage(d, self.capacity[g]) for d, g in zip(self.devices, self.group)]
         self.hits = 0  # prompt tokens found in the cache, and looked for
         self.queries = 0
+        self.store: PageStore | None = None
+        self.away_cap = 0  # bytes of cached pages the store keeps
+        self._away_bytes = 0
+        self._keep: set[int] = set()  # entries being adopted: not to be evicted by the pages bringing others back
         self._lock = threading.RLock()
 
     def _storage(self, device: torch.device, pages: int) -> torch.Tensor:
@@ -159,6 +175,25 @@ class PagePool:
             if self.devices[layer] != META:
                 self.k[layer][dst, :, :positions] = self.k[layer][src, :, :positions]
                 self.v[layer][dst, :, :positions] = self.v[layer][src, :, :positions]
+
+    @torch.inference_mode()
+    def page_out(self, group: int, page: int) -> torch.Tensor:
+        """One page's bytes, every layer of the group this rank holds, K then V: a uint8 CPU tensor of group_bytes."""
+        parts = [store[layer][page].reshape(-1).view(torch.uint8) for layer in self.layers(group) if self.devices[layer] != META for store in (self.k, self.v)]
+        return torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+
+    @torch.inference_mode()
+    def page_in(self, group: int, page: int, data: torch.Tensor) -> None:
+        """Write page_out's bytes back into `page`."""
+        at = 0
+        for layer in self.layers(group):
+            if self.devices[layer] != META:
+                for store in (self.k, self.v):
+                    dst = store[layer][page]
+                    n = dst.numel() * dst.element_size()
+                    dst.view(-1).view(torch.uint8).copy_(data[at : at + n])
+                    at += n
+        assert at == data.numel(), "a page's bytes taken out with other layers here than now"  # moves across ranks fill first
 
     @torch.inference_mode()
     def _grow(self, group: int) -> None:
@@ -221,19 +256,78 @@ class PagePool:
             return entry
 
     def _evict(self, group: int | None) -> bool:
-        """Drop the least recently used cache entry no table holds that frees a page of `group` (None: of any), and
-        with it its pages no table holds. -> whether a page came free."""
+        """Let the least recently used cache entry no table holds go from the pool, freeing a page of `group` (None: of
+        any): to the store where there is one (any entry: it stays in the cache), else dropped (a leaf), with its pages
+        no table holds. -> whether a page came free."""
+        store = self.store if self.away_cap > 0 else None
         for entry in self._lru.values():
-            if entry.children == 0 and (group is None or entry.pages[group] >= 0) and not any(p >= 0 and self.refs[g][p] for g, p in enumerate(entry.pages)):
-                self._drop(entry)
+            if entry.away is None and (store is not None or entry.children == 0) and entry.id not in self._keep and (group is None or entry.pages[group] >= 0) \
+                    and not any(p >= 0 and self.refs[g][p] for g, p in enumerate(entry.pages)):
+                if store is None:
+                    self._drop(entry)
+                else:
+                    self._send_away(entry, store)
                 return True
         return False
+
+    def _send_away(self, entry: Prefix, store: PageStore) -> None:
+        entry.away = [store.put(self.page_out(g, p)) if p >= 0 else -1 for g, p in enumerate(entry.pages)]
+        self._away_bytes += sum(self.group_bytes(g) for g, p in enumerate(entry.pages) if p >= 0)
+        for g, page in enumerate(entry.pages):
+            if page >= 0:
+                del self._entry[g][page]
+                heapq.heappush(self._free[g], page)
+        entry.pages = [-1] * len(entry.pages)
+        while self._away_bytes > self.away_cap:  # past the cap the least recently used leaves go for good
+            leaf = next((e for e in self._lru.values() if e.away is not None and e.children == 0 and e.id not in self._keep), None)
+            if leaf is None:
+                break
+            self._drop(leaf)
+
+    def bring_back(self, entries: list[Prefix]) -> None:
+        """Put entries the store keeps back into pages of the pool (a prompt found them), the cache's as before."""
+        with self._lock, self.keeping(entries):
+            for entry in entries:
+                if entry.away is None:
+                    continue
+                assert self.store is not None
+                for g, slot in enumerate(entry.away):
+                    if slot >= 0:
+                        page = self.alloc(g)
+                        self.refs[g][page] = 0
+                        self.page_in(g, page, self.store.get(slot))
+                        entry.pages[g] = page
+                        self._entry[g][page] = entry
+                self._forget_away(entry)
+
+    @contextmanager
+    def keeping(self, entries: list[Prefix]) -> Iterator[None]:
+        """While inside, these entries' pages are not evicted (pages being brought back for a session that will hold
+        them)."""
+        ids = {e.id for e in entries} - self._keep
+        self._keep.update(ids)
+        try:
+            yield
+        finally:
+            self._keep.difference_update(ids)
+
+    def _forget_away(self, entry: Prefix) -> None:
+        assert entry.away is not None and self.store is not None
+        self._away_bytes -= sum(self.group_bytes(g) for g, s in enumerate(entry.away) if s >= 0)
+        self.store.free([s for s in entry.away if s >= 0])
+        entry.away = None
+
+    def alive(self, entry: Prefix) -> bool:
+        """Whether an entry is still in the cache (its pages, or its slots in the store, as they were)."""
+        return self.prefixes.get(entry.key) is entry
 
     def _drop(self, entry: Prefix) -> None:
         del self.prefixes[entry.key]
         del self._lru[entry.id]
         if entry.parent is not None:
             entry.parent.children -= 1
+        if entry.away is not None:
+            self._forget_away(entry)
         for g, page in enumerate(entry.pages):
             if page >= 0 and self._entry[g].get(page) is entry:
                 del self._entry[g][page]
@@ -244,6 +338,18 @@ class PagePool:
         with self._lock:
             for entry in list(self._lru.values())[::-1]:  # children were entered after their parents
                 self._drop(entry)
+
+    def send_away_cold(self, nbytes: int) -> int:
+        """Take at least `nbytes` of cached pages no table holds out of the pool (to the store), least recently used
+        first. -> bytes taken."""
+        taken = 0
+        with self._lock:
+            while taken < nbytes:
+                before = self.used_bytes()
+                if not self._evict(None):
+                    break
+                taken += before - self.used_bytes()
+        return taken
 
     # -- figures ----------------------------------------------------------------------------------
 

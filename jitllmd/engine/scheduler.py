@@ -78,6 +78,8 @@ class Scheduler:
                 continue
             if req.t_first_step is None:
                 req.t_first_step = now
+                req.session.kv.fill()  # its pages, where an idle spell sent them out of the pool (kv_spill.py)
+                req.session.kv.used = now
                 scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
                 req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids, self.prefix_cache)
                 req.fed = req.cached

@@ -56,7 +56,8 @@ def room_for(saved: SavedSession, loaded: LoadedModel, mine: dict[str, str]) -> 
 
 def dump(session: Session, model: dict[str, Any]) -> bytes:
     """The session as a file's bytes: per layer its K and V from the first position it holds, in the cache's dtype;
-    its tokens and conversation; `model`, what identifies the model (name, file, fingerprint)."""
+    its tokens and conversation; `model`, what identifies the model (name, file, fingerprint). A session whose pages
+    are out of the pool (kv_spill.py) is read where they are."""
     import safetensors.torch
 
     kv = session.kv

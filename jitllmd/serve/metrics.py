@@ -83,9 +83,9 @@ class _Engines(Collector):
             add(gauge, "prompt_tokens_per_step", "Prompt tokens per step, a mean over about the last ten steps.", m.id, st.prompt_tokens_per_step)
             add(gauge, "kv_cache_usage_bytes", "Bytes of the model's KV pages that sessions hold or the prefix cache keeps.", m.id, engine.loaded.kv_bytes())
             pages = engine.loaded.kv_pages()
-            for state in ("held", "shared", "cached", "free"):
+            for state in ("held", "shared", "cached", "free", "host", "file"):
                 add(gauge, "kv_pages", "KV pages (64 positions of a group of layers) held by sessions (shared: by several), kept by the prefix cache "
-                    "alone, or free.", m.id,
+                    "alone, free, or out of the pool in host memory or the spill file.", m.id,
                     getattr(pages, state), state=state)
             add(counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name).", m.id, pages.query_tokens)
             add(counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache, not fed again (vLLM's name).", m.id, pages.hit_tokens)

@@ -366,6 +366,8 @@ class Placement:
             return
         if src == dst:
             return
+        for kv in kvs:  # across ranks the K/V themselves move: pages out of the pool (kv_spill.py) come back first
+            kv.fill()
         taken = [self.remotes[split_place(src)[0]].take_kv(kv, layer) if is_remote(src) else None for kv in kvs]
         if is_remote(dst):
             rank, device = split_place(dst)

@@ -85,7 +85,7 @@ class Telemetry(TelemetryService):
                 accepted_tokens=engine.speculator.accepted if engine.speculator is not None else 0,
                 prefix_cache=engine.scheduler.prefix_cache, prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
                 kv_pages_held=pages.held, kv_pages_cached=pages.cached, kv_pages_free=pages.free,
-                kv_pages_shared=pages.shared,
+                kv_pages_shared=pages.shared, kv_pages_host=pages.host, kv_pages_file=pages.file,
             ))
         return tel.GetStatsResponse(
             uptime_s=time.time() - self.info.started,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jitllm/v1/telemetry.proto\x12\tjitllm.v1\"\xf3\x05\n\nModelStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcancelled\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x13\n\x0b\x61\x63tive_rows\x18\x07 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x15\n\rrows_per_step\x18\t \x01(\x01\x12\x1e\n\x16prompt_tokens_per_step\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x10\n\x08kv_bytes\x18\r \x01(\x04\x12\x10\n\x08sessions\x18\x0e \x01(\r\x12\x10\n\x08max_rows\x18\x0f \x01(\r\x12\x13\n\x0bjoint_steps\x18\x10 \x01(\t\x12#\n\x05joint\x18\x11 \x03(\x0b\x32\x14.jitllm.v1.JointStep\x12\x14\n\x0cprompt_chunk\x18\x12 \x01(\r\x12\x12\n\nrelocation\x18\x13 \x01(\x08\x12\x11\n\tdemotions\x18\x14 \x01(\x04\x12\x12\n\npromotions\x18\x15 \x01(\x04\x12\x10\n\x08rows_why\x18\x16 \x01(\t\x12\x18\n\x10prompt_chunk_why\x18\x17 \x01(\t\x12\x13\n\x0bspeculative\x18\x18 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x19 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x1a \x01(\x04\x12\x14\n\x0cprefix_cache\x18\x1b \x01(\x08\x12\x19\n\x11prefix_hit_tokens\x18\x1c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x1d \x01(\x04\x12\x15\n\rkv_pages_held\x18\x1e \x01(\r\x12\x17\n\x0fkv_pages_cached\x18\x1f \x01(\r\x12\x15\n\rkv_pages_free\x18  \x01(\r\x12\x17\n\x0fkv_pages_shared\x18! \x01(\r\"R\n\tJointStep\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06\x63hoice\x18\x02 \x01(\t\x12\x10\n\x08joint_ms\x18\x03 \x01(\x01\x12\x15\n\rsequential_ms\x18\x04 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xf8\x01\n\x10GetStatsResponse\x12\x10\n\x08uptime_s\x18\x01 \x01(\x01\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x63tive_rows\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12%\n\x06models\x18\x08 \x03(\x0b\x32\x15.jitllm.v1.ModelStats\x12\x11\n\trss_bytes\x18\t \x01(\x04\x12\x10\n\x08sessions\x18\n \x01(\r\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\x9e\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nmodels_dir\x18\x04 \x01(\t\x12\x14\n\x0cstarted_unix\x18\x05 \x01(\x03\x12\x10\n\x08surfaces\x18\x06 \x03(\t\x12\x15\n\rtorch_version\x18\x07 \x01(\t2\xf6\x01\n\x10TelemetryService\x12\x43\n\x08GetStats\x12\x1a.jitllm.v1.GetStatsRequest\x1a\x1b.jitllm.v1.GetStatsResponse\x12I\n\nWatchStats\x12\x1c.jitllm.v1.WatchStatsRequest\x1a\x1b.jitllm.v1.GetStatsResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.jitllm.v1.GetServerInfoRequest\x1a .jitllm.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jitllm/v1/telemetry.proto\x12\tjitllm.v1\"\xa1\x06\n\nModelStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcancelled\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x13\n\x0b\x61\x63tive_rows\x18\x07 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x15\n\rrows_per_step\x18\t \x01(\x01\x12\x1e\n\x16prompt_tokens_per_step\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x10\n\x08kv_bytes\x18\r \x01(\x04\x12\x10\n\x08sessions\x18\x0e \x01(\r\x12\x10\n\x08max_rows\x18\x0f \x01(\r\x12\x13\n\x0bjoint_steps\x18\x10 \x01(\t\x12#\n\x05joint\x18\x11 \x03(\x0b\x32\x14.jitllm.v1.JointStep\x12\x14\n\x0cprompt_chunk\x18\x12 \x01(\r\x12\x12\n\nrelocation\x18\x13 \x01(\x08\x12\x11\n\tdemotions\x18\x14 \x01(\x04\x12\x12\n\npromotions\x18\x15 \x01(\x04\x12\x10\n\x08rows_why\x18\x16 \x01(\t\x12\x18\n\x10prompt_chunk_why\x18\x17 \x01(\t\x12\x13\n\x0bspeculative\x18\x18 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x19 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x1a \x01(\x04\x12\x14\n\x0cprefix_cache\x18\x1b \x01(\x08\x12\x19\n\x11prefix_hit_tokens\x18\x1c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x1d \x01(\x04\x12\x15\n\rkv_pages_held\x18\x1e \x01(\r\x12\x17\n\x0fkv_pages_cached\x18\x1f \x01(\r\x12\x15\n\rkv_pages_free\x18  \x01(\r\x12\x17\n\x0fkv_pages_shared\x18! \x01(\r\x12\x15\n\rkv_pages_host\x18\" \x01(\r\x12\x15\n\rkv_pages_file\x18# \x01(\r\"R\n\tJointStep\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06\x63hoice\x18\x02 \x01(\t\x12\x10\n\x08joint_ms\x18\x03 \x01(\x01\x12\x15\n\rsequential_ms\x18\x04 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xf8\x01\n\x10GetStatsResponse\x12\x10\n\x08uptime_s\x18\x01 \x01(\x01\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x63tive_rows\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12%\n\x06models\x18\x08 \x03(\x0b\x32\x15.jitllm.v1.ModelStats\x12\x11\n\trss_bytes\x18\t \x01(\x04\x12\x10\n\x08sessions\x18\n \x01(\r\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\x9e\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nmodels_dir\x18\x04 \x01(\t\x12\x14\n\x0cstarted_unix\x18\x05 \x01(\x03\x12\x10\n\x08surfaces\x18\x06 \x03(\t\x12\x15\n\rtorch_version\x18\x07 \x01(\t2\xf6\x01\n\x10TelemetryService\x12\x43\n\x08GetStats\x12\x1a.jitllm.v1.GetStatsRequest\x1a\x1b.jitllm.v1.GetStatsResponse\x12I\n\nWatchStats\x12\x1c.jitllm.v1.WatchStatsRequest\x1a\x1b.jitllm.v1.GetStatsResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.jitllm.v1.GetServerInfoRequest\x1a .jitllm.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitllm.v1.telemetry_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELSTATS']._serialized_start=41
-  _globals['_MODELSTATS']._serialized_end=796
-  _globals['_JOINTSTEP']._serialized_start=798
-  _globals['_JOINTSTEP']._serialized_end=880
-  _globals['_GETSTATSREQUEST']._serialized_start=882
-  _globals['_GETSTATSREQUEST']._serialized_end=899
-  _globals['_GETSTATSRESPONSE']._serialized_start=902
-  _globals['_GETSTATSRESPONSE']._serialized_end=1150
-  _globals['_WATCHSTATSREQUEST']._serialized_start=1152
-  _globals['_WATCHSTATSREQUEST']._serialized_end=1192
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1194
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1216
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1219
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1377
-  _globals['_TELEMETRYSERVICE']._serialized_start=1380
-  _globals['_TELEMETRYSERVICE']._serialized_end=1626
+  _globals['_MODELSTATS']._serialized_end=842
+  _globals['_JOINTSTEP']._serialized_start=844
+  _globals['_JOINTSTEP']._serialized_end=926
+  _globals['_GETSTATSREQUEST']._serialized_start=928
+  _globals['_GETSTATSREQUEST']._serialized_end=945
+  _globals['_GETSTATSRESPONSE']._serialized_start=948
+  _globals['_GETSTATSRESPONSE']._serialized_end=1196
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1198
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1238
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1240
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1262
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1265
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1423
+  _globals['_TELEMETRYSERVICE']._serialized_start=1426
+  _globals['_TELEMETRYSERVICE']._serialized_end=1672
 # @@protoc_insertion_point(module_scope)

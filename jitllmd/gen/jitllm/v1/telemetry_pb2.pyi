@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelStats(_message.Message):
-    __slots__ = ("model", "requests", "cancelled", "prompt_tokens", "generated_tokens", "steps", "active_rows", "queue_depth", "rows_per_step", "prompt_tokens_per_step", "tokens_per_second", "weight_bytes", "kv_bytes", "sessions", "max_rows", "joint_steps", "joint", "prompt_chunk", "relocation", "demotions", "promotions", "rows_why", "prompt_chunk_why", "speculative", "drafted_tokens", "accepted_tokens", "prefix_cache", "prefix_hit_tokens", "prefix_query_tokens", "kv_pages_held", "kv_pages_cached", "kv_pages_free", "kv_pages_shared")
+    __slots__ = ("model", "requests", "cancelled", "prompt_tokens", "generated_tokens", "steps", "active_rows", "queue_depth", "rows_per_step", "prompt_tokens_per_step", "tokens_per_second", "weight_bytes", "kv_bytes", "sessions", "max_rows", "joint_steps", "joint", "prompt_chunk", "relocation", "demotions", "promotions", "rows_why", "prompt_chunk_why", "speculative", "drafted_tokens", "accepted_tokens", "prefix_cache", "prefix_hit_tokens", "prefix_query_tokens", "kv_pages_held", "kv_pages_cached", "kv_pages_free", "kv_pages_shared", "kv_pages_host", "kv_pages_file")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class ModelStats(_message.Message):
     KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_SHARED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FILE_FIELD_NUMBER: _ClassVar[int]
     model: str
     requests: int
     cancelled: int
@@ -74,7 +76,9 @@ class ModelStats(_message.Message):
     kv_pages_cached: int
     kv_pages_free: int
     kv_pages_shared: int
-    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., cancelled: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active_rows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rows_per_step: _Optional[float] = ..., prompt_tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., max_rows: _Optional[int] = ..., joint_steps: _Optional[str] = ..., joint: _Optional[_Iterable[_Union[JointStep, _Mapping]]] = ..., prompt_chunk: _Optional[int] = ..., relocation: _Optional[bool] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., rows_why: _Optional[str] = ..., prompt_chunk_why: _Optional[str] = ..., speculative: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_pages_held: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_shared: _Optional[int] = ...) -> None: ...
+    kv_pages_host: int
+    kv_pages_file: int
+    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., cancelled: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active_rows: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rows_per_step: _Optional[float] = ..., prompt_tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., max_rows: _Optional[int] = ..., joint_steps: _Optional[str] = ..., joint: _Optional[_Iterable[_Union[JointStep, _Mapping]]] = ..., prompt_chunk: _Optional[int] = ..., relocation: _Optional[bool] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., rows_why: _Optional[str] = ..., prompt_chunk_why: _Optional[str] = ..., speculative: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_pages_held: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_shared: _Optional[int] = ..., kv_pages_host: _Optional[int] = ..., kv_pages_file: _Optional[int] = ...) -> None: ...
 
 class JointStep(_message.Message):
     __slots__ = ("rows", "choice", "joint_ms", "sequential_ms")
