@@ -180,7 +180,7 @@ def test_a_device_pool_spills_to_host_memory_then_the_file_under_maxmem(tiny_ser
     limited = Engine.load(tiny_serve_jlm, devices=["cpu"], max_batch=1, sessions=1, max_seq=1024, kv_mem=270_000)  # 8 pages
     plain = Engine.load(tiny_serve_jlm, devices=["cpu"], max_batch=1, sessions=1, max_seq=1024)
     spill = limited.kv_spill
-    assert spill is not None and not spill.on_host and not spill.host_layers()
+    assert spill is not None and not spill.room.on_host() and not spill.room.host_layers()
     page = limited.loaded.runner.kv_pool.group_bytes(0)
     try:
         mine, theirs = [limited.new_session(), limited.new_session()], [plain.new_session(), plain.new_session()]

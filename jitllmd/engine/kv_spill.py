@@ -5,6 +5,7 @@ back for its next turn, a prefix's when a prompt finds it. Bookkeeping over a po
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from .pages import PagePool
     from .sessions import Session
 
-__all__ = ["KVSpill", "spill_for"]
+__all__ = ["HostRoom", "KVSpill", "spill_for"]
 
 
 Sessions = Callable[[], tuple[list["Session"], list["Session"]]]  # a model's named sessions, and its pooled slots
@@ -32,41 +33,61 @@ def spill_for(loaded: LoadedModel, sessions: Sessions) -> KVSpill | None:
     return KVSpill(runner.kv_pool, placement, sessions, loaded.path.parent)
 
 
+class HostRoom:
+    """Where a model's K/V are host memory, and how much more of its pages out of the pool host memory may keep. The
+    pool's store calls it: it reaches the placement weakly (the placement holds the pool), never a session (their
+    finalizers hold the pool)."""
+
+    def __init__(self, placement: Placement):
+        self._placement = weakref.ref(placement)
+
+    @property
+    def placement(self) -> Placement:
+        placement = self._placement()
+        assert placement is not None, "the model was let go of"
+        return placement
+
+    @property
+    def maxmem(self) -> int | None:
+        return self.placement.pager.budget
+
+    def host_layers(self) -> list[int]:
+        """The layers whose blocks are the host's now (their K/V in host memory, counted in -maxmem)."""
+        placement = self.placement
+        return [layer for i, name in enumerate(placement.names) if (layer := layer_of(name)) is not None and placement.places[i] == HOST]
+
+    def on_host(self) -> bool:
+        pool = self.placement.kv_pool
+        return pool is not None and len(self.host_layers()) == len(pool.windows)
+
+    def __call__(self) -> int | None:
+        """Bytes more the store may keep in host memory: none for a pool that is itself in host memory."""
+        placement = self._placement()
+        pool = placement.kv_pool if placement is not None else None
+        if pool is None or pool.store is None or self.on_host():
+            return 0
+        if self.maxmem is None:
+            return None
+        return max(0, self.maxmem - self.placement.pager.resident_bytes() - pool.store.memory_bytes)
+
+
 class KVSpill:
     """The spill policy of one model. The K/V of host blocks (the pager's) are host memory: their idle pages count in
     -maxmem beside the resident blocks, and a pool wholly on the host spills to the file alone; a pool on a device
-    (the CPU named as one included) spills to host memory while -maxmem has room for it, then to the file. The engine thread calls it: `make_room` at admission, `settle` after a step. A
-    session some of whose layers another rank holds stays (that rank's K/V have no store)."""
+    (the CPU named as one included) spills to host memory while -maxmem has room for it, then to the file. The engine
+    thread calls it: `make_room` at admission, `settle` after a step. A session some of whose layers another rank holds
+    stays (that rank's K/V have no store)."""
 
     def __init__(self, pool: PagePool, placement: Placement, sessions: Sessions, directory: Path | None = None):
-        self.pool, self.placement, self.pager, self.sessions = pool, placement, placement.pager, sessions
-        self.store = pool.store = PageStore(self._memory_room, directory)
+        self.pool, self.pager, self.sessions = pool, placement.pager, sessions
+        self.room = HostRoom(placement)
+        self.store = pool.store = PageStore(self.room, directory)
         self._running: tuple[int, ...] = ()
         self._cap()
 
     def _cap(self) -> None:
         """Cold prefixes are kept out of the pool up to as many bytes as it may hold (none without a bound)."""
-        self.pool.away_cap = self.pool.limit if self.pool.limit is not None else (self.maxmem or 0)
-
-    @property
-    def maxmem(self) -> int | None:
-        return self.pager.budget
-
-    def host_layers(self) -> list[int]:
-        """The layers whose blocks are the host's now (their K/V in host memory, counted in -maxmem)."""
-        return [layer for i, name in enumerate(self.placement.names) if (layer := layer_of(name)) is not None and self.placement.places[i] == HOST]
-
-    @property
-    def on_host(self) -> bool:
-        return len(self.host_layers()) == len(self.pool.windows)
-
-    def _memory_room(self) -> int | None:
-        """Bytes more the store may keep in host memory: none for a pool that is itself in host memory."""
-        if self.on_host:
-            return 0
-        if self.maxmem is None:
-            return None
-        return max(0, self.maxmem - self.pager.resident_bytes() - self.store.memory_bytes)
+        self.pool.away_cap = self.pool.limit if self.pool.limit is not None else (self.room.maxmem or 0)
 
     # -- under -kv-mem: room in the pool for a request --------------------------------------------
 
@@ -96,14 +117,14 @@ class KVSpill:
             return
         self._running = key
         self._cap()
-        if self.maxmem is None:
+        if self.room.maxmem is None:
             return
-        over = self._host_bytes(running) - self.maxmem
+        over = self._host_bytes(running) - self.room.maxmem
         if over > 0:
             over -= self.store.demote(over)
-        if over <= 0 or not self.host_layers():
+        if over <= 0 or not self.room.host_layers():
             return
-        over = self._host_bytes(running) - self.maxmem
+        over = self._host_bytes(running) - self.room.maxmem
         over -= self.pool.send_away_cold(over)
         for slot in [s for s in self.sessions()[1] if s.kv.length and not s.reserved]:  # a slot's full pages are cached
             if over <= 0:
@@ -116,7 +137,7 @@ class KVSpill:
             if over <= 0:
                 break
             session.kv.spill()
-            over = self._host_bytes(running) - self.maxmem
+            over = self._host_bytes(running) - self.room.maxmem
             over -= self.pool.send_away_cold(over)
 
     def _host_bytes(self, running: list[Session]) -> int:
@@ -124,7 +145,7 @@ class KVSpill:
         that no running session holds."""
         pool = self.pool
         total = self.pager.resident_bytes() + self.store.memory_bytes
-        host = set(self.host_layers())
+        host = set(self.room.host_layers())
         for g in range(len(pool.group_windows)):
             layers = sum(1 for layer in pool.layers(g) if layer in host)
             if layers:

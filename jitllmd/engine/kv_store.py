@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,6 +99,7 @@ class PageStore:
         n = data.numel()
         if self._fd < 0:
             self._fd = _unnamed_file(self.directory)
+            self._closer = weakref.finalize(self, os.close, self._fd)
         offsets = self._free.get(n)
         if offsets:
             offset = offsets.pop()
@@ -116,12 +118,8 @@ class PageStore:
             self._free.clear()
             self.memory_bytes = self.file_bytes = 0
             if self._fd >= 0:
-                os.close(self._fd)
+                self._closer()
                 self._fd = -1
-
-    def __del__(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
 
 
 def _unnamed_file(directory: Path | None) -> int:
