@@ -53,6 +53,8 @@ def devices(
         table.add_row(*map(Text, cells))
     console.print(table)
     for d in resp.devices:
+        if d.quantized and d.kind != "cpu":  # the CPU's: the kernels line below
+            console.print(f"{d.id}: quantized blocks {d.quantized}", markup=False)
         if d.HasField("budget_bytes"):  # -device-mem: what the server's blocks may take, and what they take
             console.print(f"{d.id}: -device-mem {d.budget_bytes / 2**20:.0f} MiB, {d.held_bytes / 2**20:.1f} MiB held by device blocks and their KV", markup=False)
     host = resp.host

@@ -7,7 +7,7 @@ abort for cancelled), `num_requests_running`, `num_requests_waiting`, `time_to_f
 `e2e_request_latency_seconds`, with vLLM's buckets. Where llama.cpp's server has the name: `n_decode_total` (steps) and
 `n_busy_slots_per_decode` (rows per step; a mean over about the last ten steps, where llama.cpp's is since start).
 jitllmd's own: `prompt_tokens_per_step`, `kv_cache_usage_bytes`, `weight_bytes`, `sessions`, `pager_reads_total`,
-`pager_read_bytes_total`, `pager_read_seconds_total`. HTTP requests are `http_requests_total` by method, route (the
+`pager_read_bytes_total`, `pager_read_seconds_total`; `device_memory_bytes` by device and state (total, free). HTTP requests are `http_requests_total` by method, route (the
 route's template, never the raw path) and status, as vLLM's server counts them.
 """
 
@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.memory.devices import available_devices, device_info
 from ..engine.stats import Histogram
 
 __all__ = ["Metrics"]
@@ -108,6 +109,26 @@ class _Engines(Collector):
                          ((model, st.e2e_request_latency) for model, st in pairs))
 
 
+class _Devices(Collector):
+    """Each device's memory when scraped: total and free (the driver's figure; the CPU's and Apple's, the host's)."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(_P + "device_memory_bytes", "Memory of each device this server may place blocks on, total and free.", labels=["device", "state"])
+        for d in available_devices():
+            info = device_info(d)
+            family.add_metric([d, "total"], info.total_bytes)
+            family.add_metric([d, "free"], info.free_bytes)
+        cluster = self.catalog.cluster
+        for rank, link in sorted(cluster.links.items()) if cluster is not None else []:  # what each other rank last said
+            for r in link.devices:
+                family.add_metric([f"{rank}:{r['id']}", "total"], r["total"])
+                family.add_metric([f"{rank}:{r['id']}", "free"], r["free"])
+        yield family
+
+
 class Metrics:
     """The /metrics endpoint of one app: its own registry (never the process-wide one, so apps in one process stay
     apart), the catalog's engine counters read at scrape time, and the HTTP requests the app's middleware reports."""
@@ -115,6 +136,7 @@ class Metrics:
     def __init__(self, catalog: Catalog):
         self.registry = CollectorRegistry()
         self.registry.register(_Engines(catalog))
+        self.registry.register(_Devices(catalog))
         self.http_requests = Counter(
             "http_requests", "HTTP requests answered, by method, route template and status.", ["method", "route", "status"], registry=self.registry,
         )

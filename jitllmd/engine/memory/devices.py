@@ -185,6 +185,18 @@ def device_info(device: str) -> DeviceInfo:
     raise ValueError(f"no device {device!r} here (devices: {', '.join(available_devices())})")
 
 
+def own_memory(kind: str) -> bool:
+    """Whether a device of this kind (DeviceInfo.kind) has memory of its own, not the host's (a GPU's, not the CPU's
+    or Apple's unified memory)."""
+    return kind not in ("cpu", "mps")
+
+
+def quantized_products(kind: str) -> str:
+    """How quantized blocks (GGUF's formats, kept quantized) multiply on a device of this kind: the CPU kernels
+    (engine/kernels), or elsewhere torch's ops over the weight dequantized to f32 for each product (correct, not fast)."""
+    return "the CPU kernels" if kind == "cpu" else "dequantized to f32 for each product (torch ops)"
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on `device` to finish, so a clock read after it times the work, not its launch.
 

@@ -22,7 +22,7 @@ from ...engine.jlm import JLMError, JLMFile
 from ...engine.kernels import describe as describe_kernels
 from ...engine.kv import RoomError
 from ...engine.loader import on_own_thread
-from ...engine.memory.devices import available_devices, cpu_name, device_info, host_memory, is_remote
+from ...engine.memory.devices import available_devices, cpu_name, device_info, host_memory, is_remote, own_memory, quantized_products
 from ...engine.request import RequestState
 from ...engine.sessions import Session
 from ...gen.jitllm.v1 import device_pb2 as dev
@@ -297,6 +297,7 @@ class Devices(DeviceService):
         out = dev.Device(
             id=info.id, kind=info.kind, name=info.name, total_bytes=info.total_bytes, free_bytes=info.free_bytes,
             spendable_bytes=relocation.room(info.id, spendable), opened=info.id in self.catalog.devices, held_bytes=relocation.used(info.id),
+            quantized=quantized_products(info.kind),
         )
         out.reachable = True
         if relocation.device_mem is not None:
@@ -311,7 +312,7 @@ class Devices(DeviceService):
         out = dev.Device(
             id=device_id, kind=info["kind"], name=info["name"], total_bytes=info["total"], free_bytes=info["free"],
             spendable_bytes=relocation.room(device_id, info["free"]) if link.alive else 0, opened=device_id in self.catalog.devices,
-            held_bytes=relocation.used(device_id), rank=link.rank, host=link.host, reachable=link.alive,
+            held_bytes=relocation.used(device_id), rank=link.rank, host=link.host, reachable=link.alive, quantized=quantized_products(info["kind"]),
         )
         if relocation.device_mem is not None:
             out.budget_bytes = relocation.device_mem
@@ -333,19 +334,19 @@ class Devices(DeviceService):
 
     async def get_memory_topology(self, request: dev.GetMemoryTopologyRequest, ctx: Any) -> dev.GetMemoryTopologyResponse:
         total, available = host_memory()
-        shared = [d for d in available_devices() if d in ("cpu", "mps")]
+        infos = [device_info(d) for d in available_devices()]
+        shared = [i.id for i in infos if not own_memory(i.kind)]
         domains = [dev.MemoryDomain(name="host", device_ids=shared, total_bytes=total, free_bytes=available)]
-        for d in available_devices():
-            if d.startswith("cuda:"):
-                info = device_info(d)
-                domains.append(dev.MemoryDomain(name=d, device_ids=[d], total_bytes=info.total_bytes, free_bytes=info.free_bytes))
+        for info in infos:
+            if own_memory(info.kind):
+                domains.append(dev.MemoryDomain(name=info.id, device_ids=[info.id], total_bytes=info.total_bytes, free_bytes=info.free_bytes))
         cluster = self.catalog.cluster
         for rank, link in sorted(cluster.links.items()) if cluster is not None else []:  # each other rank's host memory, then its GPUs
-            cpus = [r for r in link.devices if r["kind"] in ("cpu", "mps")]
+            cpus = [r for r in link.devices if not own_memory(r["kind"])]
             if cpus:
                 domains.append(dev.MemoryDomain(name=f"{rank}:host", device_ids=[f"{rank}:{r['id']}" for r in cpus], total_bytes=cpus[0]["total"], free_bytes=cpus[0]["free"]))
             for r in link.devices:
-                if r["kind"] == "cuda":
+                if own_memory(r["kind"]):
                     domains.append(dev.MemoryDomain(name=f"{rank}:{r['id']}", device_ids=[f"{rank}:{r['id']}"], total_bytes=r["total"], free_bytes=r["free"]))
         return dev.GetMemoryTopologyResponse(domains=domains)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jitllm/v1/device.proto\x12\tjitllm.v1\"\xf1\x01\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fspendable_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06opened\x18\x07 \x01(\x08\x12\x19\n\x0c\x62udget_bytes\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nheld_bytes\x18\t \x01(\x04\x12\x0c\n\x04rank\x18\n \x01(\r\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x11\n\treachable\x18\x0c \x01(\x08\x42\x0f\n\r_budget_bytes\"\xa5\x01\n\nHostMemory\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x61vailable_bytes\x18\x02 \x01(\x04\x12\x1e\n\x11page_budget_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08num_cpus\x18\x04 \x01(\r\x12\x10\n\x08\x63pu_name\x18\x05 \x01(\t\x12\x0f\n\x07kernels\x18\x06 \x01(\tB\x14\n\x12_page_budget_bytes\"\x14\n\x12ListDevicesRequest\"^\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.jitllm.v1.Device\x12#\n\x04host\x18\x02 \x01(\x0b\x32\x15.jitllm.v1.HostMemory\"\"\n\x10GetDeviceRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"6\n\x11GetDeviceResponse\x12!\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x11.jitllm.v1.Device\"Y\n\x0cMemoryDomain\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nfree_bytes\x18\x04 \x01(\x04\"\x1a\n\x18GetMemoryTopologyRequest\"E\n\x19GetMemoryTopologyResponse\x12(\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x17.jitllm.v1.MemoryDomain2\x85\x02\n\rDeviceService\x12L\n\x0bListDevices\x12\x1d.jitllm.v1.ListDevicesRequest\x1a\x1e.jitllm.v1.ListDevicesResponse\x12\x46\n\tGetDevice\x12\x1b.jitllm.v1.GetDeviceRequest\x1a\x1c.jitllm.v1.GetDeviceResponse\x12^\n\x11GetMemoryTopology\x12#.jitllm.v1.GetMemoryTopologyRequest\x1a$.jitllm.v1.GetMemoryTopologyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jitllm/v1/device.proto\x12\tjitllm.v1\"\x84\x02\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fspendable_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06opened\x18\x07 \x01(\x08\x12\x19\n\x0c\x62udget_bytes\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nheld_bytes\x18\t \x01(\x04\x12\x0c\n\x04rank\x18\n \x01(\r\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x11\n\treachable\x18\x0c \x01(\x08\x12\x11\n\tquantized\x18\r \x01(\tB\x0f\n\r_budget_bytes\"\xa5\x01\n\nHostMemory\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x61vailable_bytes\x18\x02 \x01(\x04\x12\x1e\n\x11page_budget_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08num_cpus\x18\x04 \x01(\r\x12\x10\n\x08\x63pu_name\x18\x05 \x01(\t\x12\x0f\n\x07kernels\x18\x06 \x01(\tB\x14\n\x12_page_budget_bytes\"\x14\n\x12ListDevicesRequest\"^\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.jitllm.v1.Device\x12#\n\x04host\x18\x02 \x01(\x0b\x32\x15.jitllm.v1.HostMemory\"\"\n\x10GetDeviceRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"6\n\x11GetDeviceResponse\x12!\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x11.jitllm.v1.Device\"Y\n\x0cMemoryDomain\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nfree_bytes\x18\x04 \x01(\x04\"\x1a\n\x18GetMemoryTopologyRequest\"E\n\x19GetMemoryTopologyResponse\x12(\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x17.jitllm.v1.MemoryDomain2\x85\x02\n\rDeviceService\x12L\n\x0bListDevices\x12\x1d.jitllm.v1.ListDevicesRequest\x1a\x1e.jitllm.v1.ListDevicesResponse\x12\x46\n\tGetDevice\x12\x1b.jitllm.v1.GetDeviceRequest\x1a\x1c.jitllm.v1.GetDeviceResponse\x12^\n\x11GetMemoryTopology\x12#.jitllm.v1.GetMemoryTopologyRequest\x1a$.jitllm.v1.GetMemoryTopologyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jitllm.v1.device_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DEVICE']._serialized_start=38
-  _globals['_DEVICE']._serialized_end=279
-  _globals['_HOSTMEMORY']._serialized_start=282
-  _globals['_HOSTMEMORY']._serialized_end=447
-  _globals['_LISTDEVICESREQUEST']._serialized_start=449
-  _globals['_LISTDEVICESREQUEST']._serialized_end=469
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=471
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=565
-  _globals['_GETDEVICEREQUEST']._serialized_start=567
-  _globals['_GETDEVICEREQUEST']._serialized_end=601
-  _globals['_GETDEVICERESPONSE']._serialized_start=603
-  _globals['_GETDEVICERESPONSE']._serialized_end=657
-  _globals['_MEMORYDOMAIN']._serialized_start=659
-  _globals['_MEMORYDOMAIN']._serialized_end=748
-  _globals['_GETMEMORYTOPOLOGYREQUEST']._serialized_start=750
-  _globals['_GETMEMORYTOPOLOGYREQUEST']._serialized_end=776
-  _globals['_GETMEMORYTOPOLOGYRESPONSE']._serialized_start=778
-  _globals['_GETMEMORYTOPOLOGYRESPONSE']._serialized_end=847
-  _globals['_DEVICESERVICE']._serialized_start=850
-  _globals['_DEVICESERVICE']._serialized_end=1111
+  _globals['_DEVICE']._serialized_end=298
+  _globals['_HOSTMEMORY']._serialized_start=301
+  _globals['_HOSTMEMORY']._serialized_end=466
+  _globals['_LISTDEVICESREQUEST']._serialized_start=468
+  _globals['_LISTDEVICESREQUEST']._serialized_end=488
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=490
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=584
+  _globals['_GETDEVICEREQUEST']._serialized_start=586
+  _globals['_GETDEVICEREQUEST']._serialized_end=620
+  _globals['_GETDEVICERESPONSE']._serialized_start=622
+  _globals['_GETDEVICERESPONSE']._serialized_end=676
+  _globals['_MEMORYDOMAIN']._serialized_start=678
+  _globals['_MEMORYDOMAIN']._serialized_end=767
+  _globals['_GETMEMORYTOPOLOGYREQUEST']._serialized_start=769
+  _globals['_GETMEMORYTOPOLOGYREQUEST']._serialized_end=795
+  _globals['_GETMEMORYTOPOLOGYRESPONSE']._serialized_start=797
+  _globals['_GETMEMORYTOPOLOGYRESPONSE']._serialized_end=866
+  _globals['_DEVICESERVICE']._serialized_start=869
+  _globals['_DEVICESERVICE']._serialized_end=1130
 # @@protoc_insertion_point(module_scope)

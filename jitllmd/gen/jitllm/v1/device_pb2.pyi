@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Device(_message.Message):
-    __slots__ = ("id", "kind", "name", "total_bytes", "free_bytes", "spendable_bytes", "opened", "budget_bytes", "held_bytes", "rank", "host", "reachable")
+    __slots__ = ("id", "kind", "name", "total_bytes", "free_bytes", "spendable_bytes", "opened", "budget_bytes", "held_bytes", "rank", "host", "reachable", "quantized")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Device(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     name: str
@@ -32,7 +33,8 @@ class Device(_message.Message):
     rank: int
     host: str
     reachable: bool
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., spendable_bytes: _Optional[int] = ..., opened: _Optional[bool] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    quantized: str
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., spendable_bytes: _Optional[int] = ..., opened: _Optional[bool] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., reachable: _Optional[bool] = ..., quantized: _Optional[str] = ...) -> None: ...
 
 class HostMemory(_message.Message):
     __slots__ = ("total_bytes", "available_bytes", "page_budget_bytes", "num_cpus", "cpu_name", "kernels")
