@@ -198,7 +198,7 @@ def correctness(r: Report, device: str, models: dict[str, Path]) -> None:
                 a, b = prompt_logits(on, PROMPT), prompt_logits(cpu, PROMPT)
                 diff, scale = (a - b).abs().max().item(), b.abs().max().item()
                 bound = 1e-3 if name.endswith("f32") else 0.05 * scale
-                assert diff <= bound, f"max |logit difference| {diff:.3g} > {bound:.3g}"
+                assert diff <= bound, f"largest logit difference {diff:.3g} > {bound:.3g}"
             finally:
                 on.close()
                 cpu.close()
@@ -210,7 +210,7 @@ def correctness(r: Report, device: str, models: dict[str, Path]) -> None:
                 dev.stop()
                 host.stop()
             same = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-            row["detail"] = f"max |logit difference| {diff:.3g} (largest logit {scale:.3g}); greedy tokens equal for {same} of 24"
+            row["detail"] = f"largest logit difference {diff:.3g} (largest logit {scale:.3g}); greedy tokens equal for {same} of 24"
             if name.endswith("f32") or name.endswith("q8_0"):
                 assert same == len(x), f"greedy tokens differ from the CPU's at {same}"
             elif same < len(x):
@@ -438,7 +438,7 @@ def speed(r: Report, device: str, size: str, work: Path, rounds: int) -> None:
     mine = {k: statistics.median(v) for k, v in figures.items() if v}
     other = {k: statistics.median(v) for k, v in theirs.items() if v}
     if "decode" in mine:
-        r.table(f"synthetic {size} Llama bf16 on {device} ({weight_bytes / 2**30:.2f} GiB a decode step reads; bound {bound:.0f} tok/s at "
+        r.table(f"synthetic {size} Llama bf16 on {device} ({weight_bytes / 2**20:.1f} MiB a decode step reads; bound {bound:.0f} tok/s at "
                 f"{bandwidth / 1e9:.0f} GB/s)",
                 ["figure", "jitllmd tok/s", "transformers tok/s", "x transformers", "of the bound"],
                 [["batch-1 decode", f"{mine['decode']:.1f}", f"{other.get('decode', 0):.1f}", f"{mine['decode'] / other['decode']:.2f}x" if other.get("decode") else "",
