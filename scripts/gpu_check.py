@@ -272,6 +272,17 @@ def placement(r: Report, device: str, models: dict[str, Path], work: Path) -> No
             engine.stop()
         assert got == reference, "the conversation's tokens changed across moves"
         row["detail"] = f"places at load {places}; tune_seam measured {len(tuned)} candidates"
+    with r.check("placement", f"a model whole on {device}: its KV pool bounded by the device's memory where it has its own") as row:
+        from jitllmd.engine.memory.devices import device_info, own_memory
+
+        engine = Engine.load(path, devices=[device], max_seq=512)
+        try:
+            limit = engine.loaded.runner.kv_pool.limit
+        finally:
+            engine.stop()
+        own = own_memory(device_info(device).kind)
+        assert (limit is not None) == own, f"pool limit {limit} on {device}"
+        row["detail"] = f"pool limit {limit / 2**30:.1f} GiB" if limit is not None else "no limit: the host's memory, growing as sessions want"
     with r.check("placement", f"two models relocating on {device} under -device-mem (room for one and a half)") as row:
         d = work / "relocate"
         d.mkdir(exist_ok=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .kv_store import PageStore
+from .memory.devices import host_memory
 from .memory.placement import HOST, Placement, layer_of
 
 if TYPE_CHECKING:
@@ -66,8 +67,8 @@ class HostRoom:
         pool = placement.kv_pool if placement is not None else None
         if pool is None or pool.store is None or self.on_host():
             return 0
-        if self.maxmem is None:
-            return None
+        if self.maxmem is None:  # no budget: while half the host's available memory is there for them
+            return max(0, host_memory()[1] // 2 - pool.store.memory_bytes)
         return max(0, self.maxmem - self.placement.pager.resident_bytes() - pool.store.memory_bytes)
 
 

@@ -21,9 +21,9 @@ from .grammar import Grammars
 from .jlm import JLMFile
 from .kv import META, PAGE, SessionKV
 from .layers.quant import short_feed
-from .memory.devices import compute_dtype, is_remote, spendable_bytes, trim_heap
+from .memory.devices import compute_dtype, device_info, is_remote, own_memory, spendable_bytes, trim_heap
 from .memory.pager import BlockReader, Pager
-from .memory.placement import Placement, Room
+from .memory.placement import HOST, Placement, Room, layer_of
 from .models import DecoderModel, EncoderModel, build_model, family_for
 from .pages import KV_DTYPES, KVPages
 from .runner import ModelRunner
@@ -246,7 +246,9 @@ def load_model(
         cap = min(max_seq, context) if max_seq else default_max_seq(context, sizing.bytes_at)
         kv_layer_bytes = sessions * sizing.bytes_at(cap) // max(1, model.cfg.num_layers)
         remote = _remote_opener(cluster, shared or (str(path), None), jlm, model) if cluster is not None else None
-        placement = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
+        placement, room_left = _place(model, jlm, name, devices, gpu_layers, kv_layer_bytes, page_budget, read_ahead, on_progress, room, remote, cluster)
+        if kv_mem is None:  # a pool wholly in GPU memory: bounded by it, so sessions wait and spill rather than run it out
+            kv_mem = _device_kv_room(placement, kv_layer_bytes, room_left)
         types = {str(e.get("type")) for e in quantized.values() if isinstance(e, dict)}
         runner = ModelRunner(model, placement, *short_feed(types, kernels.variant()), sessions=sessions, max_seq=cap, kv_mem=kv_mem)
     trim_heap()  # the tokenizer's JSON parse leaves ~25 MB freed in the heap (SmolLM2's): back to the OS
@@ -274,7 +276,7 @@ def _remote_opener(cluster: Cluster, shared: tuple[str, str | None], jlm: JLMFil
 
 
 def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, kv_layer_bytes: int, page_budget: int | None, read_ahead: bool | None,
-           on_progress, room: Room | None, remote: Callable[[int], Any] | None = None, cluster: Cluster | None = None) -> Placement:
+           on_progress, room: Room | None, remote: Callable[[int], Any] | None = None, cluster: Cluster | None = None) -> tuple[Placement, Callable[[str], int]]:
     if read_ahead is None:
         # From the page cache a read is a memcpy: on a CPU whose every core runs torch's pool, a reader thread only
         # competes with the step (measured, bench/pager.py on 2 cores: 10% resident 16.5 tok/s without, 13.3 with).
@@ -294,4 +296,17 @@ def _place(model, jlm: JLMFile, name: str, devices: list[str], gpu_layers: int, 
     except BaseException:
         placement.close()
         raise
-    return placement
+    return placement, spendable
+
+
+_KV_SHARE = 0.9  # of a GPU's memory left free after the weights, what its KV pool may take (vLLM's default share)
+
+
+def _device_kv_room(placement: Placement, kv_layer_bytes: int, spendable: Callable[[str], int]) -> int | None:
+    """-kv-mem's default where every KV layer is on devices with memory of their own (GPUs): the KV placement reserved
+    there and a share of what they have free after the weights (within -device-mem); None elsewhere (the host's pages,
+    and the CPU's as a device, grow as sessions want them)."""
+    places = [p for name, p in zip(placement.names, placement.places) if layer_of(name) is not None]
+    if not places or any(p == HOST or is_remote(p) or not own_memory(device_info(p).kind) for p in places):
+        return None
+    return kv_layer_bytes * len(places) + int(_KV_SHARE * sum(spendable(d) for d in set(places)))
