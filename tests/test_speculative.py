@@ -352,3 +352,27 @@ def test_responses_and_anthropic_take_the_requests_say_too(serve, spec_models) -
         off = httpx.post(server.url + path, json={**body, "jitllm": {"speculative": False}}, timeout=120).json()
         assert on["jitllm"]["drafted_tokens"] > 0 and off["jitllm"]["drafted_tokens"] == 0, path
         assert (on.get("output") or on.get("content")) is not None
+
+
+def test_a_draft_model_on_the_device_counts_in_its_memory_and_its_stats(tiny_serve_jlm) -> None:
+    """A draft model loaded beside a target on `cpu` as a device: relocation's device arithmetic (-device-mem) counts
+    its blocks and their KV with the target's, and the K/V its sessions hold count in the target's figures."""
+    from jitllmd.engine.draft import draft_kv_bytes
+    from jitllmd.engine.memory.relocation import Relocation, held_on
+
+    plain = Engine.load(tiny_serve_jlm, devices=["cpu"], max_seq=512)
+    drafted = Engine.load(tiny_serve_jlm, devices=["cpu"], max_seq=512, spec=SpecConfig(mode="draft", draft=str(tiny_serve_jlm)))
+    try:
+        assert plain.draft_placement is None and drafted.draft_placement is not None
+        own = held_on(drafted.placement, "cpu")
+        assert own > 0 and held_on(drafted.draft_placement, "cpu") == own  # the same file as its own draft
+        relocation = Relocation(device_mem=1 << 40)
+        relocation.register("plain", plain)
+        relocation.register("drafted", drafted)
+        assert relocation.used("cpu") == held_on(plain.placement, "cpu") + 2 * own
+        assert draft_kv_bytes(drafted.speculator) == 0
+        _run(drafted, n=40)
+        assert draft_kv_bytes(drafted.speculator) > 0 and draft_kv_bytes(plain.speculator) == 0
+    finally:
+        plain.stop()
+        drafted.stop()

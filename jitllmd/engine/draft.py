@@ -27,7 +27,7 @@ from .scheduler import Row
 from .sessions import Session, common_prefix
 from .speculative import DRAFT_STEP, Adaptive, RowSpec, SpecConfig, StepCost, token_cost
 
-__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary", "draft_model_for", "speculator_for"]
+__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary", "draft_kv_bytes", "draft_model_for", "draft_of", "speculator_for"]
 
 CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
 _PROBES = 4096  # token ids whose strings must agree, spread over the vocabulary (its last one too)
@@ -148,6 +148,18 @@ class _Held:
     ids: list[int] = field(default_factory=list)  # the tokens whose K/V `kv` holds
 
 
+def draft_of(speculator: Speculator | None) -> DraftModel | None:
+    """The draft model a speculator drafts with, if it is one (not prompt lookup)."""
+    drafter = speculator.drafter if speculator is not None else None
+    return drafter if isinstance(drafter, DraftModel) else None
+
+
+def draft_kv_bytes(speculator: Speculator | None) -> int:
+    """Bytes of K/V pages a draft model's sessions hold beside the target's (0 for prompt lookup or none)."""
+    draft = draft_of(speculator)
+    return draft.loaded.kv_bytes() if draft is not None else 0
+
+
 class DraftModel:
     """Greedy guesses from a loaded draft model, for the rows of the target's steps. Only the target's engine thread
     calls it (the draft runs on that thread's torch pool)."""
@@ -249,12 +261,13 @@ def speculator_for(spec: SpecConfig | None, drafter: Drafter | None, loaded: Loa
 
 
 def draft_model_for(spec: SpecConfig | None, target: LoadedModel, load_kw: dict) -> DraftModel | None:
-    """The draft model `spec` names, loaded on the target's devices with its sessions' room; None where it names
-    none. ValueError for one whose tokenizer is not the target's."""
+    """The draft model `spec` names, loaded on the target's devices with its sessions' room, within the same room on
+    them (-device-mem: relocation counts its blocks as the target's, Engine.draft_placement); None where it names none.
+    ValueError for one whose tokenizer is not the target's."""
     if spec is None or spec.kind != "draft" or not spec.draft:
         return None
     draft = load_model(spec.draft, devices=load_kw.get("devices"), sessions=load_kw.get("sessions", 1),
-                       max_seq=target.max_seq)
+                       max_seq=target.max_seq, room=load_kw.get("room"))
     try:
         return DraftModel(draft, target)
     except BaseException:

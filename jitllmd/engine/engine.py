@@ -15,7 +15,7 @@ import torch
 
 from . import session_file
 from .cluster.link import RankError
-from .draft import Drafter, draft_model_for, speculator_for
+from .draft import Drafter, draft_model_for, draft_of, speculator_for
 from .figures import Figures
 from .inbox import Cancel, CancelAll, EmbedJob, Job, Message, Submit, Wake
 from .kv import RoomError, SessionKV
@@ -250,10 +250,8 @@ class Engine:
                 raise ValueError(f"input {i} is empty")
             if len(ids) > limit:
                 raise RoomError(f"input {i} has {len(ids)} tokens; the model takes at most {limit}")
-        self._inbox.put(EmbedJob(batch, emit, time.perf_counter(), self._pending_depth()))
-
-    def _pending_depth(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting) + self._inbox.qsize()
+        depth = len(self.scheduler.running) + len(self.scheduler.waiting) + self._inbox.qsize()  # what is ahead of it
+        self._inbox.put(EmbedJob(batch, emit, time.perf_counter(), depth))
 
     def cancel(self, req: Request) -> None:
         self._inbox.put(Cancel(req))
@@ -423,11 +421,14 @@ class Engine:
     def spendable_driver(self, device: str) -> int:
         return self.moves.spendable_driver(device)
 
+    @property
+    def draft_placement(self) -> Placement | None:
+        """Where its draft model's blocks are (speculative decoding's: engine/draft.py), held beside its own."""
+        return draft.loaded.placement if (draft := draft_of(self.speculator)) is not None else None
+
     def idle_for(self, now: float) -> float | None:
         """Seconds since this model last ran a row; None while it has rows running or waiting (read from any thread)."""
-        if self.scheduler.running or self.scheduler.waiting:
-            return None
-        return max(0.0, now - self.last_active)
+        return None if self.scheduler.running or self.scheduler.waiting else max(0.0, now - self.last_active)
 
     def move_blocks(self, first: int, last: int, to: str) -> None:
         """On the engine thread, between steps: blocks first..last to `to`, with every session's KV."""
@@ -443,9 +444,7 @@ class Engine:
 
     def _rows_now(self) -> int:
         placement = self.loaded.placement
-        if placement is None or placement.one_device:
-            return self.device_rows
-        return self.split_rows if HOST not in placement.places else self.host_rows
+        return self.device_rows if placement is None or placement.one_device else self.split_rows if HOST not in placement.places else self.host_rows
 
     # -- placement: changes run on the engine thread, between steps -----------------------------
 

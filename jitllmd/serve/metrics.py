@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..engine.catalog import Catalog, ServedModel
+from ..engine.draft import draft_kv_bytes
 from ..engine.memory.devices import available_devices, device_info
 from ..engine.stats import Histogram
 
@@ -82,7 +83,8 @@ class _Engines(Collector):
             add(counter, "n_decode", "Engine steps run (prompt chunks and decode rows together).", m.id, st.steps)
             add(gauge, "n_busy_slots_per_decode", "Rows per step, a mean over about the last ten steps.", m.id, st.rows_per_step)
             add(gauge, "prompt_tokens_per_step", "Prompt tokens per step, a mean over about the last ten steps.", m.id, st.prompt_tokens_per_step)
-            add(gauge, "kv_cache_usage_bytes", "Bytes of the model's KV pages that sessions hold or the prefix cache keeps.", m.id, engine.loaded.kv_bytes())
+            add(gauge, "kv_cache_usage_bytes", "Bytes of the model's KV pages that sessions hold or the prefix cache keeps (its draft model's too).", m.id,
+                engine.loaded.kv_bytes() + draft_kv_bytes(engine.speculator))
             pages = engine.loaded.kv_pages()
             for state in ("held", "shared", "cached", "free", "host", "file"):
                 add(gauge, "kv_pages", "KV pages (64 positions of a group of layers) held by sessions (shared: by several), kept by the prefix cache "

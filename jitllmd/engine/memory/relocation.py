@@ -54,6 +54,10 @@ class Tenant(Protocol):
         """Which block is where; None for a model with nothing to place (an encoder)."""
 
     @property
+    def draft_placement(self) -> Placement | None:
+        """A draft model's blocks it holds beside its own (counted as its own, never moved by relocation); None if none."""
+
+    @property
     def rows_per_step(self) -> float:
         """The rows its recent steps ran (a step makes this many tokens)."""
 
@@ -142,10 +146,10 @@ class Relocation:
     # -- memory ---------------------------------------------------------------------------------
 
     def used(self, device: str) -> int:
-        """Bytes the loaded models hold on `device`: device blocks and the KV reserved for them."""
+        """Bytes the loaded models hold on `device`: device blocks and the KV reserved for them, their draft models' too."""
         with self._lock:
             engines = list(self._tenants.values())
-        return sum(held_on(e.placement, device) for e in engines if e.placement is not None)
+        return sum(held_on(p, device) for e in engines for p in (e.placement, e.draft_placement) if p is not None)
 
     def room(self, device: str, spendable: int) -> int:
         """What `device` can still take: its spendable memory (`spendable`, the driver's figure), and no more than

@@ -13,6 +13,7 @@ import torch
 
 from ... import __version__
 from ...engine.catalog import Catalog
+from ...engine.draft import draft_kv_bytes
 from ...gen.jitllm.v1 import telemetry_pb2 as tel
 from ...gen.jitllm.v1.telemetry_connect import TelemetryService
 
@@ -67,7 +68,7 @@ class Telemetry(TelemetryService):
             st, engine = m.engine.stats, m.engine
             running, waiting = engine.snapshot()
             sessions = engine.sessions.list()
-            kv = engine.loaded.kv_bytes()
+            kv = engine.loaded.kv_bytes() + draft_kv_bytes(engine.speculator)  # a draft model's sessions' too
             pages = engine.loaded.kv_pages()
             relocation = self.catalog.relocation
             moved = relocation.counts(m.id)
