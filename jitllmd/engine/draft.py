@@ -61,7 +61,7 @@ class Speculator:
     def row(self, draft_max: int | None) -> RowSpec:
         """A new request's state; `draft_max` its own limit (None: the server's)."""
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
-        return RowSpec(Adaptive(most, catch_up=isinstance(self.drafter, DraftModel)))
+        return RowSpec(Adaptive(most))
 
     def cost(self, rows: int) -> float:
         """A guess's cost in a step of `rows` decode rows (token_cost), and the drafter's own: a draft model's forward,

@@ -88,11 +88,9 @@ class Adaptive:
     cost, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to learn the rate
     again (the wait doubling, up to 8 times, while those guesses are refused)."""
 
-    def __init__(self, most: int, catch_up: bool = False):
+    def __init__(self, most: int):
         self.most = most
         self.rate = PRIOR
-        self.catch_up = catch_up  # its drafter reads every token it missed before it guesses (a draft model): probes cost
-        self._cost = 0.0  # a guess's cost as the last step said
         self._idle = 0  # steps since the row last drafted
         self._probe = PROBE_EVERY  # steps between probes: doubling while they fail
         self._run = 0  # the last draft's length where every guess of it was taken, else 0
@@ -103,8 +101,11 @@ class Adaptive:
         False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows)."""
         if self.most <= 0:
             return 0
-        self._cost = cost
-        best = self._best(cost)
+        best, gain = 0, 1.0
+        for k in range(1, self.most + 1):
+            g = expected_gain(self.rate, k, cost)
+            if g > gain * 1.02:  # a longer draft must pay a little more than noise
+                best, gain = k, g
         if self._run and best:
             return max(best, min(self.most, 2 * self._run))
         if best == 0 and probe:
@@ -114,28 +115,16 @@ class Adaptive:
                 return 1
         return best
 
-    def _best(self, cost: float) -> int:
-        best, gain = 0, 1.0
-        for k in range(1, self.most + 1):
-            g = expected_gain(self.rate, k, cost)
-            if g > gain * 1.02:  # a longer draft must pay a little more than noise
-                best, gain = k, g
-        return best
-
     def record(self, drafted: int, accepted: int) -> None:
-        """A verified draft: `accepted` of its first guesses taken, then (if fewer than `drafted`) one refused. The
-        next probe comes at the shortest wait after a taken one, else after twice the wait; for a drafter that must
-        catch up first, only where drafting now pays (a taken guess that still does not pay bought its catching up
-        for less than it cost: the chat's draft model, bench/speculative.py, 0.90x probing at the shortest wait)."""
+        """A verified draft: `accepted` of its first guesses taken, then (if fewer than `drafted`) one refused."""
         if drafted <= 0:
             return
         self._idle = 0
         self._run = drafted if accepted == drafted else 0
+        self._probe = PROBE_EVERY if accepted else min(8 * PROBE_EVERY, 2 * self._probe)
         observations = [1.0] * accepted + ([0.0] if accepted < drafted else [])
         for x in observations:
             self.rate += RATE_WEIGHT * (x - self.rate)
-        again = accepted > 0 and (not self.catch_up or self._best(self._cost) > 0)
-        self._probe = PROBE_EVERY if again else min(8 * PROBE_EVERY, 2 * self._probe)
 
 
 class NgramIndex:
