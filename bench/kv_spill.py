@@ -7,8 +7,9 @@
 One named session holds a conversation of --tokens positions. Each round, in turn (interleaved, so drift hits all
 alike): its pages stay in the pool; they go to the spill file (-maxmem's way for a host model, kv_spill.py) and come
 back for the turn; they are dropped and the turn feeds the whole conversation. Each asks the same 20-token follow-up
-and times the first token (TTFT, median of the rounds), the spill's own cost and the bytes moved; the tokens of every
-way are checked equal. Prints the table and each way against recomputing.
+and times the first token (TTFT, median of the rounds), the spill's own cost and the bytes moved; the tokens after a
+spill are checked equal to those of the pages that stayed (recomputing may round otherwise: a whole prompt's
+products). Prints the table and each way against recomputing.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ def main() -> None:
     if a.kernel:
         kernels.use_variant(a.kernel)
     path = cached_conversion(qwen_q4_k_m(), cache_dir() / "bench")
-    # -kv-mem far above the conversation: it gives the pool a store (the file, for a host model) and never presses it
-    engine = Engine.load(path, max_seq=a.tokens + 256, kv_mem=8 << 30, prefix_cache=False)  # recomputing finds no cached pages
+    engine = Engine.load(path, max_seq=a.tokens + 256, prefix_cache=False)  # recomputing finds no cached pages
     greedy = SamplingParams(temperature=0)
     g = torch.Generator().manual_seed(0)
     history = torch.randint(100, 40000, (a.tokens,), generator=g).tolist()
@@ -85,13 +85,15 @@ def main() -> None:
                 engine.run_job(lambda: session.kv.truncate(len(held)), session).result()  # back to the conversation
                 del session.token_ids[len(held):]
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{w} {v[-1]:.0f} ms" for w, v in ttft.items()), file=sys.stderr)
-        same = len({tuple(v) for v in tokens.values()}) == 1
+        same = tokens["spilled to the file"] == tokens["pages stayed"]  # the same K/V bits: the same tokens
+        recomputed = "the same" if tokens["recomputed"] == tokens["pages stayed"] else "others (its prompt ran as a chunk, not a short feed)"
         base = statistics.median(ttft["recomputed"])
         print(f"\n| next turn of a {len(held)}-position conversation | TTFT p50 ms | vs recomputed |")
         print("|---|---:|---:|")
         for way, values in ttft.items():
             print(f"| {way} | {statistics.median(values):.0f} | {statistics.median(values) / base:.2f}x |")
-        print(f"\nspill (pool -> file) p50 {statistics.median(spill_ms):.0f} ms for {bytes_moved / 2**20:.1f} MiB; tokens equal every way: {same}")
+        print(f"\nspill (pool -> file) p50 {statistics.median(spill_ms):.0f} ms for {bytes_moved / 2**20:.1f} MiB; tokens after a spill equal the "
+              f"pages' that stayed: {same}; recomputing gave {recomputed}")
     finally:
         engine.stop()
 

@@ -316,6 +316,8 @@ def serving(r: Report, device: str, models: dict[str, Path], work: Path) -> None
     import httpx
     import openai
 
+    from bench.served import at_once as at_once_streams
+    from bench.served import stream_messages
     from tests.serving import Server, jitllmd
 
     d = work / "served"
@@ -344,27 +346,14 @@ def serving(r: Report, device: str, models: dict[str, Path], work: Path) -> None
             assert msg.stop_reason in ("end_turn", "max_tokens") and text == "".join(b.text for b in msg.content if b.type == "text")
             row["detail"] = f"chat {chat.usage.completion_tokens} tokens, messages {msg.usage.output_tokens}"
         rows = []
+        chat = [{"role": "user", "content": "tell me about pages"}]
         for clients in (1, 8, 32):
             with r.check("serve", f"{clients} streaming clients at once, every stream complete") as row:
-                def stream(i: int) -> tuple[int, bool]:
-                    body = {"model": "tiny", "prompt": f"client {i} says", "max_tokens": 32, "temperature": 0, "stream": True, "ignore_eos": True}
-                    chunks, done = 0, False
-                    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
-                        assert resp.status_code == 200, resp.read()
-                        for line in resp.iter_lines():
-                            if line == "data: [DONE]":
-                                done = True
-                            elif line.startswith("data: "):
-                                chunks += 1
-                    return chunks, done
-
-                t0 = time.perf_counter()
-                results = at_once([lambda i=i: stream(i) for i in range(clients)])
-                wall = time.perf_counter() - t0
-                assert all(done for _, done in results), "a stream ended without [DONE]"
-                tokens = clients * 32
-                rows.append([clients, round(wall, 2), round(tokens / wall, 1)])
-                row["detail"] = f"{tokens} tokens in {wall:.2f} s"
+                streams = at_once_streams(clients, lambda i, client, barrier: stream_messages(client, url, chat, 32, barrier, model="tiny"))
+                wall = max(s.end for s in streams) - min(s.sent for s in streams)
+                assert all(s.num_tokens == 32 for s in streams), [s.num_tokens for s in streams]  # each stream's usage: whole
+                rows.append([clients, round(wall, 2), round(clients * 32 / wall, 1)])
+                row["detail"] = f"{clients * 32} tokens in {wall:.2f} s"
         r.table(f"served tiny model on {device}: streaming clients", ["clients", "wall s", "aggregate tok/s"], rows)
         with r.check("serve", "`devices -json` and /metrics show the device's memory") as row:
             shown = jitllmd("devices", "-addr", url.removeprefix("http://"), "-json")

@@ -48,16 +48,17 @@ class KVBudget:
         cached, to be let go in turn); one that still does not (named sessions hold the rest) is failed with why,
         rather than left to wait forever."""
         owed = sum(self.more(r) for r in running)
-        if self.more(req) + owed <= self.limit - self.pool.held_bytes():
-            return True
-        if spill is not None and spill.make_room(self.more(req) + owed - (self.limit - self.pool.held_bytes()), req.session) \
-                and self.more(req) + owed <= self.limit - self.pool.held_bytes():
+
+        def short() -> int:  # bytes missing for it beside what the running requests may still take
+            return self.more(req) + owed - (self.limit - self.pool.held_bytes())
+
+        if short() <= 0 or (spill is not None and spill.make_room(short(), req.session) and short() <= 0):
             return True
         if not running:
             for slot in slots:
                 if not slot.reserved:
                     slot.reset()
-            if self.more(req) <= self.limit - self.pool.held_bytes():
+            if short() <= 0:
                 return True
             fail(req, f"the KV pages this request may take ({self.need(req)} bytes) do not fit beside those the named sessions hold "
                       f"({self.pool.held_bytes()} bytes) in -kv-mem's {self.limit}: close a session, or raise -kv-mem")

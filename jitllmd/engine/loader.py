@@ -307,6 +307,6 @@ def _device_kv_room(placement: Placement, kv_layer_bytes: int, spendable: Callab
     there and a share of what they have free after the weights (within -device-mem); None elsewhere (the host's pages,
     and the CPU's as a device, grow as sessions want them)."""
     places = [p for name, p in zip(placement.names, placement.places) if layer_of(name) is not None]
-    if not places or any(p == HOST or is_remote(p) or not own_memory(device_info(p).kind) for p in places):
+    if not places or any(p == HOST or is_remote(p) or not own_memory(device_info(p).kind) for p in set(places)):
         return None
     return kv_layer_bytes * len(places) + int(_KV_SHARE * sum(spendable(d) for d in set(places)))
