@@ -176,8 +176,10 @@ static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
 #define GB 256 /* x codes per group and row */
 #define XV 64  /* bytes from a row's x vector to its next: the pair's other row sits between */
 
-/* where x row t's group-0 slot starts, in an array of `per_row` items a group and row (pairs interleaved by `half`) */
-static inline int64_t x_slot(int64_t t, int64_t ng, int64_t per_row, int64_t half) { return t / 2 * ng * 2 * per_row + t % 2 * half; }
+/* Where x row t's slot starts in a group's slab of `per_row` items a row (pairs interleaved by `half`). The slabs go
+ * group by group (np pairs' worth each), so the rows a pass reads sit together and, with t a constant of an unrolled
+ * loop, row t's address is the group's pointer and a constant. */
+static inline int64_t x_slot(int64_t t, int64_t per_row, int64_t half) { return t / 2 * 2 * per_row + t % 2 * half; }
 
 static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
 
@@ -247,10 +249,10 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
 }
 
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
- * slots in its pair (x_slot): codes xq (vectors XV bytes apart), each group's block d in accumulator-lane order (xd:
+ * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart), each group's block d in accumulator-lane order (xd:
  * 8 floats an accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
-static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int8_t *xq, float *xd,
-                         float *xs) {
+static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np, int8_t *xq,
+                         float *xd, float *xs) {
     const int64_t K = nb * QB;
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
@@ -263,7 +265,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
     const __m256i bias = _mm256_set1_epi8(x_biased(type) ? (char)0x80 : 0);
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
-        int8_t *xg = xq + g * 2 * GB;
+        int8_t *xg = xq + g * np * 2 * GB;
         for (int v = 0; v < NV; v++) memset(xg + XV * v, x_biased(type) ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
@@ -272,11 +274,11 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
             input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
             _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
             for (int c = 0; c < 8; c++) memcpy(xg + at[j][c], codes + 4 * c, 4);
-            xs[16 * g + j] = d[j] * (float)sum;
+            xs[g * np * 16 + j] = d[j] * (float)sum;
         }
-        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[16 * g + j] = 0.0f;
+        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 16 + j] = 0.0f;
         for (int a = 0; a < 2; a++)
-            for (int L = 0; L < 8; L++) xd[32 * g + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
+            for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
     }
 }
 
@@ -513,32 +515,31 @@ typedef __m256 pair_acc; /* unused: without AVX-512 each row goes alone */
 /* The n rows (n, type constants; the first of a pair) against group g, added to their accumulators: with VNNI a
  * pair at a time into acc2 (row 2p's in the low half of acc2[p]), an odd last row alone into acc[n - 1]; without,
  * each row alone into acc[t]. Row t's x at its x_slot. */
-static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const group_t *grp, int64_t g, int64_t ng,
-                                                             const int8_t *xq, const float *xd, const float *xs, __m256 *acc, pair_acc *acc2) {
+static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const group_t *grp, const int8_t *xq, const float *xd,
+                                                             const float *xs, __m256 *acc, pair_acc *acc2) {
     int t = 0;
 #ifdef HAVE_VNNI
     if (n >= 2) {
         group2_t z;
         widen_group(type, grp, &z);
-        for (; t + 1 < n; t += 2) {
-            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, &z, xq + x_slot(t, ng, GB, 32) + g * 2 * GB, xd + x_slot(t, ng, 16, 8) + g * 32,
-                                              xs + x_slot(t, ng, 8, 8) + g * 16));
-        }
+#pragma GCC unroll 16
+        for (; t + 1 < n; t += 2)
+            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, &z, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), xs + x_slot(t, 8, 8)));
     }
 #else
     (void)acc2;
 #endif
+#pragma GCC unroll 16
     for (; t < n; t++) {
-        const float *s = xs + x_slot(t, ng, 8, 8) + g * 16;
-        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(s)) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + x_slot(t, ng, GB, 32) + g * 2 * GB, xd + x_slot(t, ng, 16, 8) + g * 32, os));
+        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 8, 8))) : _mm256_setzero_ps();
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os));
     }
 }
 
 /* One weight row w (nb x-blocks, ng groups) against n x rows (n and type constants at each call site, so the loops
  * unroll): y[t * ldy] for t < n, plus r[t * ldr] where r is given. The next rows' bytes are prefetched PF_DIST ahead:
  * the hardware's prefetcher alone leaves a row's loads waiting on memory while the integer work waits on them. */
-static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng,
+static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng, int64_t np,
                                                            const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy,
                                                            const float *r, int64_t ldr) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
@@ -553,11 +554,11 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
-        group_rows(type, n, &grp, g, ng, xq, xd, xs, acc, acc2);
+        group_rows(type, n, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
     }
     if (full < ng) { /* a 32-format row's short last group */
         unpack_group(type, w + 8 * full * bytes, bytes, (int)(nb - 8 * full), &grp);
-        group_rows(type, n, &grp, full, ng, xq, xd, xs, acc, acc2);
+        group_rows(type, n, &grp, xq + full * np * 2 * GB, xd + full * np * 32, xs + full * np * 16, acc, acc2);
     }
 #ifdef HAVE_VNNI
     for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
@@ -575,22 +576,23 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const 
 #define ROW_FN(NAME, TYPE)                                                                                                 \
     static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
                      int64_t ldy, const float *r, int64_t ldr, int64_t T) {                                                \
+        const int64_t np = (T + 1) / 2;                                                                                    \
         for (int64_t t0 = 0, n; t0 < T; t0 += n) {                                                                         \
-            const int8_t *q = xq + x_slot(t0, ng, GB, 32); /* t0 even: a pair's first row */                              \
-            const float *d = xd + x_slot(t0, ng, 16, 8), *s = xs + x_slot(t0, ng, 8, 8);                                   \
+            const int8_t *q = xq + x_slot(t0, GB, 32); /* t0 even: a pair's first row */                                  \
+            const float *d = xd + x_slot(t0, 16, 8), *s = xs + x_slot(t0, 8, 8);                                           \
             float *yt = y + t0 * ldy;                                                                                      \
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
             n = WIDE_GROUP && T - t0 >= WIDE_GROUP ? WIDE_GROUP : T - t0 < GROUP ? T - t0 : GROUP;                         \
             switch (n) {                                                                                                   \
-            case 1: dot_rows(TYPE, 1, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 2: dot_rows(TYPE, 2, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 3: dot_rows(TYPE, 3, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 4: dot_rows(TYPE, 4, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 5: dot_rows(TYPE, 5, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 6: dot_rows(TYPE, 6, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 7: dot_rows(TYPE, 7, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 8: dot_rows(TYPE, 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            default: dot_rows(TYPE, WIDE_GROUP ? WIDE_GROUP : 8, w, nb, ng, q, d, s, yt, ldy, rt, ldr); break;                   \
+            case 1: dot_rows(TYPE, 1, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 2: dot_rows(TYPE, 2, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 3: dot_rows(TYPE, 3, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 4: dot_rows(TYPE, 4, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 5: dot_rows(TYPE, 5, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 6: dot_rows(TYPE, 6, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 7: dot_rows(TYPE, 7, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            case 8: dot_rows(TYPE, 8, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
+            default: dot_rows(TYPE, WIDE_GROUP ? WIDE_GROUP : 8, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                   \
             }                                                                                                              \
         }                                                                                                                  \
     }
@@ -638,8 +640,8 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng,
-                 j->xq + x_slot(t, j->ng, GB, 32), j->xd + x_slot(t, j->ng, 16, 8), j->xs + x_slot(t, j->ng, 8, 8));
+    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
+                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 8, 8));
 }
 
 static void rows_item(void *arg, int64_t i) {
