@@ -448,17 +448,27 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
         if (type == Q6_K) s = _mm256_mullo_epi32(s, g->sc[a]);
 #else
         const __m256i ones = _mm256_set1_epi16(1);
+        /* each sum a chain, as written: gcc's tree of a row's products, unrolled over the rows, spills */
         if (type == Q8_0) {
-            for (int k = 0; k < NV; k++) s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
+            for (int k = 0; k < NV; k++) {
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
+                __asm__("" : "+x"(s));
+            }
         } else if (type == Q6_K) {
             __m256i s16 = _mm256_setzero_si256();
-            for (int k = a; k < NV; k += na) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])));
+            for (int k = a; k < NV; k += na) {
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])));
+                __asm__("" : "+x"(s16));
+            }
             s = _mm256_madd_epi16(s16, g->sc[a]);
         } else {
             const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
             for (int k0 = a; k0 < NV; k0 += run * na) {
                 __m256i s16 = _mm256_setzero_si256();
-                for (int k = k0; k < NV && k < k0 + run * na; k += na) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], X(k)));
+                for (int k = k0; k < NV && k < k0 + run * na; k += na) {
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], X(k)));
+                    __asm__("" : "+x"(s16));
+                }
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
             }
         }
