@@ -46,6 +46,9 @@ def quantized(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+TAIL_BLOCKS = (1, 2, 4, 13, 15, 18, 20)  # a row's last group of 1, 2, 4, 5, 7, 2, 4 blocks
+
+
 def width(qtype: int) -> int:
     return 352 if qtype < 12 else 512  # 11 blocks (a group of 8 and a short one); 2 superblocks
 
@@ -117,6 +120,24 @@ def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: in
         assert torch.equal(quant_rows(x, w, qtype, N), y)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", [q for q in BY_GGML if q < 12])
+def test_a_short_last_group_of_any_length(variant: str, qtype: int) -> None:
+    """A 32-format row's short last group (1 .. 7 blocks: packed into 2 or 4 vectors up to 4 blocks) gives the exact
+    integer sums within f32 steps, a row's result the same alone, as the other rows beside it, whatever the rows."""
+    g = torch.Generator().manual_seed(qtype)
+    for blocks in TAIL_BLOCKS:
+        k = 32 * blocks
+        wb = quantized(qtype, N, k, 7 * blocks + qtype)
+        ref, w = reference(wb, qtype), torch.from_numpy(wb)
+        x = torch.randn(17, k, generator=g) * torch.rand(17, 1, generator=g) * 3
+        y = quant_rows(x, w, qtype, N)
+        exact = on_int8_grid(x) @ ref.double().T
+        assert ((y - exact).abs() <= f32_sums(x, ref)).all(), blocks
+        for rows in (1, 2, 9):
+            assert torch.equal(quant_rows(x[:rows], w, qtype, N), y[:rows]), blocks
+        assert torch.equal(quant_rows(x[16:], w, qtype, N)[0], y[16]), blocks
 
 
 @pytest.mark.parametrize("qtype", [8, 12, 6, 14])  # Q8_0, Q4_K, Q5_0, Q6_K
@@ -279,6 +300,10 @@ def test_the_variants_agree_bit_for_bit() -> None:
                 out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated=True))
                 out.append(quant_rows(torch.randn(5, 2 * width(qtype), generator=g) * 4, wb, qtype, N, gated="gelu_tanh"))
                 out.append(ops.gemm_runs(torch.randn(7, width(qtype), generator=g), [(wb, qtype, N)], N))  # the prompt chunks' GEMM too
+                if qtype < 12:  # every length of a short last group
+                    for blocks in TAIL_BLOCKS:
+                        wt = torch.from_numpy(quantized(qtype, N, 32 * blocks, blocks))
+                        out.append(quant_rows(torch.randn(5, 32 * blocks, generator=g), wt, qtype, N))
             results.append(out)
         finally:
             use_variant(None)

@@ -183,6 +183,9 @@ static inline int64_t x_slot(int64_t t, int64_t per_row, int64_t half) { return 
 
 static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
 
+/* vectors a 32-format row's short last group of m blocks packs into (pack_tail) */
+static inline int tail_vectors(int64_t m) { return m <= 2 ? 2 : m <= 4 ? 4 : NV; }
+
 static inline void x_lane(int type, int v, int L, int *block, int *elem) {
     static const int q6k[4] = {0, 1, 4, 5};
     if (!is_k(type)) {
@@ -266,6 +269,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
         int8_t *xg = xq + g * np * 2 * GB;
+        const int nv = is_k(type) ? NV : tail_vectors(nb - 8 * g); /* a short last group packed as pack_tail packs it */
         for (int v = 0; v < NV; v++) memset(xg + XV * v, x_biased(type) ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
@@ -273,7 +277,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
             __m256 v[4];
             input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
             _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
-            for (int c = 0; c < 8; c++) memcpy(xg + at[j][c], codes + 4 * c, 4);
+            for (int c = 0; c < 8; c++) memcpy(xg + (nv < NV ? XV * (c % nv) + 4 * (c / nv * nv + j) : at[j][c]), codes + 4 * c, 4);
             xs[g * np * 16 + j] = d[j] * (float)sum;
         }
         for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 16 + j] = 0.0f;
@@ -337,6 +341,23 @@ static inline __m256i q5_bits(__m256i h, int v) {
     }
 
 static const uint8_t zero_block[34]; /* what a row's short last group reads for its missing blocks */
+
+/* The signed formats' parts of a group of nv vectors: with VNNI, 128 * each lane's sum of weights per accumulator;
+ * without, |w| */
+static inline __attribute__((always_inline)) void sign_parts(const int type, const int nv, group_t *g) {
+#ifdef HAVE_VNNI
+    if (type == Q8_0 || type == Q6_K) {
+        for (int a = 0; a < num_acc(type); a++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = a; k < nv; k += num_acc(type)) sum = _mm256_dpbusd_epi32(sum, _mm256_set1_epi8(1), g->w[k]);
+            g->corr[a] = _mm256_slli_epi32(sum, 7);
+        }
+    }
+#else
+    if (type == Q8_0 || type == Q6_K)
+        for (int k = 0; k < nv; k++) g->aw[k] = _mm256_abs_epi8(g->w[k]);
+#endif
+}
 
 /* The group at b: one K-format superblock, or m 32-format blocks `bytes` apart (m < 8: a row's last group, the rest
  * read as zero blocks; m is a constant 8 for the others, so the choice folds away). */
@@ -413,19 +434,27 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
             }
         }
     }
-#ifdef HAVE_VNNI
-    if (type == Q8_0 || type == Q6_K) {
-        for (int a = 0; a < num_acc(type); a++) {
-            __m256i sum = _mm256_setzero_si256();
-            for (int k = a; k < NV; k += num_acc(type)) sum = _mm256_dpbusd_epi32(sum, _mm256_set1_epi8(1), g->w[k]);
-            g->corr[a] = _mm256_slli_epi32(sum, 7);
-        }
-    }
-#else
-    if (type == Q8_0 || type == Q6_K)
-        for (int k = 0; k < NV; k++) g->aw[k] = _mm256_abs_epi8(g->w[k]);
-#endif
+    sign_parts(type, NV, g);
 #undef BLK
+}
+
+/* A row's short last group of m <= 4 blocks (a 32-format's; m 1 .. 7): what its 8 vectors hold in their live lanes
+ * (blocks 0 .. m - 1), packed into nv = 2 (m <= 2) or 4 (m <= 4) vectors, so that a row's products with it take nv
+ * dot products instead of 8 (SmolLM2's 576 inputs are 2 groups and 2 blocks: a quarter of its products were zero
+ * blocks'). Vector k's lanes 0 .. nv - 1 go to lanes (k / nv) nv .. of vector k % nv; x's tail is stored alike
+ * (quantize_row), and a row's int32 sums are folded back onto lanes 0 .. nv - 1 (fold) before anything else: the same
+ * integers, so the same bits. */
+static inline __attribute__((always_inline)) void pack_tail(const int type, const int nv, group_t *g) {
+    for (int j = 0; j < nv; j++)
+        g->w[j] = nv == 4 ? _mm256_permute2x128_si256(g->w[j], g->w[j + 4], 0x20)
+                          : _mm256_permute2x128_si256(_mm256_unpacklo_epi64(g->w[j], g->w[j + 2]), _mm256_unpacklo_epi64(g->w[j + 4], g->w[j + 6]), 0x20);
+    sign_parts(type, nv, g);
+}
+
+static inline __m256i fold(__m256i s, const int nv) {
+    if (nv <= 4) s = _mm256_add_epi32(s, _mm256_permute2x128_si256(s, s, 0x01));
+    if (nv <= 2) s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0x4e));
+    return s;
 }
 
 /* A row's products with the group: per accumulator, each lane's int32 sum -> f32 (exact: under 2^24) * d_w * d_x;
@@ -435,7 +464,8 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
  * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
-static inline __attribute__((always_inline)) __m256 group_dot(const int type, const group_t *g, const int8_t *xg, const float *d, __m256 os) {
+static inline __attribute__((always_inline)) __m256 group_dot(const int type, const int nv, const group_t *g, const int8_t *xg, const float *d,
+                                                             __m256 os) {
     const int na = num_acc(type);
 #define X(k) _mm256_loadu_si256((const __m256i *)(xg + XV * (k)))
     __m256 part[2];
@@ -443,29 +473,29 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
         __m256i s = _mm256_setzero_si256();
 #ifdef HAVE_VNNI
         const int sign = type == Q8_0 || type == Q6_K;
-        for (int k = a; k < NV; k += na) s = sign ? _mm256_dpbusd_epi32(s, X(k), g->w[k]) : _mm256_dpbusd_epi32(s, g->w[k], X(k));
+        for (int k = a; k < nv; k += na) s = sign ? _mm256_dpbusd_epi32(s, X(k), g->w[k]) : _mm256_dpbusd_epi32(s, g->w[k], X(k));
         if (sign) s = _mm256_sub_epi32(s, g->corr[a]);
         if (type == Q6_K) s = _mm256_mullo_epi32(s, g->sc[a]);
 #else
         const __m256i ones = _mm256_set1_epi16(1);
         /* each sum a chain, as written: gcc's tree of a row's products, unrolled over the rows, spills */
         if (type == Q8_0) {
-            for (int k = 0; k < NV; k++) {
+            for (int k = 0; k < nv; k++) {
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
                 __asm__("" : "+x"(s));
             }
         } else if (type == Q6_K) {
             __m256i s16 = _mm256_setzero_si256();
-            for (int k = a; k < NV; k += na) {
+            for (int k = a; k < nv; k += na) {
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])));
                 __asm__("" : "+x"(s16));
             }
             s = _mm256_madd_epi16(s16, g->sc[a]);
         } else {
             const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
-            for (int k0 = a; k0 < NV; k0 += run * na) {
+            for (int k0 = a; k0 < nv; k0 += run * na) {
                 __m256i s16 = _mm256_setzero_si256();
-                for (int k = k0; k < NV && k < k0 + run * na; k += na) {
+                for (int k = k0; k < nv && k < k0 + run * na; k += na) {
                     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], X(k)));
                     __asm__("" : "+x"(s16));
                 }
@@ -473,6 +503,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
             }
         }
 #endif
+        if (nv < NV) s = fold(s, nv);
         part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + 16 * a)), a == 0 ? os : _mm256_setzero_ps());
     }
     return na == 1 ? part[0] : _mm256_add_ps(part[0], part[1]);
@@ -490,8 +521,8 @@ typedef struct {
 
 static inline __m512 both_ps(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
 
-static inline __attribute__((always_inline)) void widen_group(const int type, const group_t *g, group2_t *z) {
-    for (int k = 0; k < NV; k++) z->w[k] = _mm512_broadcast_i64x4(g->w[k]);
+static inline __attribute__((always_inline)) void widen_group(const int type, const int nv, const group_t *g, group2_t *z) {
+    for (int k = 0; k < nv; k++) z->w[k] = _mm512_broadcast_i64x4(g->w[k]);
     for (int a = 0; a < num_acc(type); a++) {
         z->dw[a] = both_ps(g->dw[a]);
         if (type == Q6_K) z->sc[a] = _mm512_broadcast_i64x4(g->sc[a]);
@@ -502,18 +533,21 @@ static inline __attribute__((always_inline)) void widen_group(const int type, co
 
 /* group_dot for a pair of rows, the first in the low half: the same operations lane for lane, so the same bits, in
  * half the instructions (on Zen 5 a 512-bit dpbusd measured about as quick as a 256-bit one). xg, d, xs: the pair's. */
-static inline __attribute__((always_inline)) __m512 pair_dot(const int type, const group2_t *z, const int8_t *xg, const float *d, const float *xs) {
+static inline __attribute__((always_inline)) __m512 pair_dot(const int type, const int nv, const group2_t *z, const int8_t *xg, const float *d,
+                                                            const float *xs) {
     const int na = num_acc(type), sign = type == Q8_0 || type == Q6_K;
     const __m512 os = has_offset(type) ? _mm512_mul_ps(z->off, _mm512_loadu_ps(xs)) : _mm512_setzero_ps();
     __m512 part[2];
     for (int a = 0; a < na; a++) {
         __m512i s = _mm512_setzero_si512();
-        for (int k = a; k < NV; k += na) {
+        for (int k = a; k < nv; k += na) {
             const __m512i x = _mm512_loadu_si512(xg + XV * k);
             s = sign ? _mm512_dpbusd_epi32(s, x, z->w[k]) : _mm512_dpbusd_epi32(s, z->w[k], x);
         }
         if (sign) s = _mm512_sub_epi32(s, z->corr[a]);
         if (type == Q6_K) s = _mm512_mullo_epi32(s, z->sc[a]);
+        if (nv <= 4) s = _mm512_add_epi32(s, _mm512_shuffle_i64x2(s, s, 0xb1)); /* fold, in each row's half */
+        if (nv <= 2) s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, 0x4e));
         part[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(z->dw[a], _mm512_loadu_ps(d + 16 * a)), a == 0 ? os : _mm512_setzero_ps());
     }
     return na == 1 ? part[0] : _mm512_add_ps(part[0], part[1]);
@@ -525,16 +559,16 @@ typedef __m256 pair_acc; /* unused: without AVX-512 each row goes alone */
 /* The n rows (n, type constants; the first of a pair) against group g, added to their accumulators: with VNNI a
  * pair at a time into acc2 (row 2p's in the low half of acc2[p]), an odd last row alone into acc[n - 1]; without,
  * each row alone into acc[t]. Row t's x at its x_slot. */
-static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const group_t *grp, const int8_t *xq, const float *xd,
-                                                             const float *xs, __m256 *acc, pair_acc *acc2) {
+static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const int nv, const group_t *grp, const int8_t *xq,
+                                                             const float *xd, const float *xs, __m256 *acc, pair_acc *acc2) {
     int t = 0;
 #ifdef HAVE_VNNI
     if (n >= 2) {
         group2_t z;
-        widen_group(type, grp, &z);
+        widen_group(type, nv, grp, &z);
 #pragma GCC unroll 16
         for (; t + 1 < n; t += 2)
-            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, &z, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), xs + x_slot(t, 8, 8)));
+            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, nv, &z, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), xs + x_slot(t, 8, 8)));
     }
 #else
     (void)acc2;
@@ -542,7 +576,7 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #pragma GCC unroll 16
     for (; t < n; t++) {
         const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 8, 8))) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os));
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os));
     }
 }
 
@@ -564,11 +598,16 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
-        group_rows(type, n, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
+        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
     }
-    if (full < ng) { /* a 32-format row's short last group */
-        unpack_group(type, w + 8 * full * bytes, bytes, (int)(nb - 8 * full), &grp);
-        group_rows(type, n, &grp, xq + full * np * 2 * GB, xd + full * np * 32, xs + full * np * 16, acc, acc2);
+    if (full < ng) { /* a 32-format row's short last group, packed where it fits fewer vectors */
+        const int m = (int)(nb - 8 * full), nv = tail_vectors(m);
+        const int8_t *q = xq + full * np * 2 * GB;
+        const float *d = xd + full * np * 32, *s = xs + full * np * 16;
+        unpack_group(type, w + 8 * full * bytes, bytes, m, &grp);
+        if (nv == 2) pack_tail(type, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, acc, acc2);
+        else if (nv == 4) pack_tail(type, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, acc, acc2);
+        else group_rows(type, n, NV, &grp, q, d, s, acc, acc2);
     }
 #ifdef HAVE_VNNI
     for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
