@@ -252,8 +252,9 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
 }
 
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
- * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart), each group's block d in accumulator-lane order (xd:
- * 8 floats an accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
+ * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
+ * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
+ * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
 static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np, int8_t *xq,
                          float *xd, float *xs) {
     const int64_t K = nb * QB;
@@ -269,7 +270,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
         int8_t *xg = xq + g * np * 2 * GB;
-        const int nv = is_k(type) ? NV : tail_vectors(nb - 8 * g); /* a short last group packed as pack_tail packs it */
+        const int nv = is_k(type) ? NV : tail_vectors(nb - 8 * g);
         for (int v = 0; v < NV; v++) memset(xg + XV * v, x_biased(type) ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
