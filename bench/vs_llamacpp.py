@@ -187,7 +187,8 @@ def worker_prompt(jlm: Path, st: Settings) -> dict:
 
 def worker_decode(jlm: Path, st: Settings) -> dict:
     """Batch-1 decode at each depth: the session's KV filled with `depth` tokens first (untimed), then `decode`
-    single-token forwards timed; the KV is cut back to `depth` before each of the REPEATS runs."""
+    single-token forwards timed; the KV is cut back to `depth` before each of the REPEATS runs (filled again where it
+    cannot be)."""
     import torch
 
     from jitllmd.engine.kv import RowSpan
@@ -206,13 +207,11 @@ def worker_decode(jlm: Path, st: Settings) -> dict:
     steps(8)  # warm up
     out = {}
     for depth in st.depths:
-        kv.truncate(0)
-        fill(loaded, kv, ids[:depth])
         runs = []
         for _ in range(REPEATS):
-            if kv.reusable(depth) == depth:
+            if kv.length >= depth and kv.reusable(depth) == depth:
                 kv.truncate(depth)
-            else:  # a sliding-window layer let go of keys a query at `depth` sees (Gemma 3): filled again
+            else:  # a new depth, or a sliding-window layer let go of keys a query at `depth` sees (Gemma 3)
                 kv.truncate(0)
                 fill(loaded, kv, ids[:depth])
             runs.append(steps(st.decode))

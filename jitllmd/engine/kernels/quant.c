@@ -358,9 +358,23 @@ static inline __attribute__((always_inline)) void sign_parts(const int type, con
 #endif
 }
 
+/* A row's short last group of m <= 4 blocks (a 32-format's; m 1 .. 7): what its 8 vectors hold in their live lanes
+ * (blocks 0 .. m - 1), packed into nv = 2 (m <= 2) or 4 (m <= 4) vectors, so that a row's products with it take nv
+ * dot products instead of 8 (SmolLM2's 576 inputs are 2 groups and 2 blocks: a quarter of its products were zero
+ * blocks'). Vector k's lanes 0 .. nv - 1 go to lanes (k / nv) nv .. of vector k % nv; x's tail is stored alike
+ * (quantize_row), and a row's int32 sums are folded back onto lanes 0 .. nv - 1 (fold) before anything else: the same
+ * integers, so the same bits. */
+static inline __attribute__((always_inline)) void pack_tail(const int nv, group_t *g) {
+    for (int j = 0; j < nv; j++)
+        g->w[j] = nv == 4 ? _mm256_permute2x128_si256(g->w[j], g->w[j + 4], 0x20)
+                          : _mm256_permute2x128_si256(_mm256_unpacklo_epi64(g->w[j], g->w[j + 2]), _mm256_unpacklo_epi64(g->w[j + 4], g->w[j + 6]), 0x20);
+}
+
 /* The group at b: one K-format superblock, or m 32-format blocks `bytes` apart (m < 8: a row's last group, the rest
- * read as zero blocks; m is a constant 8 for the others, so the choice folds away). */
-static inline __attribute__((always_inline)) void unpack_group(const int type, const uint8_t *b, int64_t bytes, const int m, group_t *g) {
+ * read as zero blocks, packed into nv = tail_vectors(m) vectors; m and nv are constants 8 for the others, so the
+ * choices fold away). */
+static inline __attribute__((always_inline)) void unpack_group(const int type, const uint8_t *b, int64_t bytes, const int m, const int nv,
+                                                               group_t *g) {
 #define BLK(j) ((j) < m ? b + (j) * bytes : zero_block)
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256i y[4], v[4];
@@ -433,21 +447,9 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
             }
         }
     }
-    sign_parts(type, NV, g);
-#undef BLK
-}
-
-/* A row's short last group of m <= 4 blocks (a 32-format's; m 1 .. 7): what its 8 vectors hold in their live lanes
- * (blocks 0 .. m - 1), packed into nv = 2 (m <= 2) or 4 (m <= 4) vectors, so that a row's products with it take nv
- * dot products instead of 8 (SmolLM2's 576 inputs are 2 groups and 2 blocks: a quarter of its products were zero
- * blocks'). Vector k's lanes 0 .. nv - 1 go to lanes (k / nv) nv .. of vector k % nv; x's tail is stored alike
- * (quantize_row), and a row's int32 sums are folded back onto lanes 0 .. nv - 1 (fold) before anything else: the same
- * integers, so the same bits. */
-static inline __attribute__((always_inline)) void pack_tail(const int type, const int nv, group_t *g) {
-    for (int j = 0; j < nv; j++)
-        g->w[j] = nv == 4 ? _mm256_permute2x128_si256(g->w[j], g->w[j + 4], 0x20)
-                          : _mm256_permute2x128_si256(_mm256_unpacklo_epi64(g->w[j], g->w[j + 2]), _mm256_unpacklo_epi64(g->w[j + 4], g->w[j + 6]), 0x20);
+    if (nv < NV) pack_tail(nv, g);
     sign_parts(type, nv, g);
+#undef BLK
 }
 
 static inline __m256i fold(__m256i s, const int nv) {
@@ -596,17 +598,17 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
     const int64_t gbytes = is_k(type) ? bytes : 8 * bytes;
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
-        unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, &grp);
+        unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, NV, &grp);
         group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
     }
     if (full < ng) { /* a 32-format row's short last group, packed where it fits fewer vectors */
         const int m = (int)(nb - 8 * full), nv = tail_vectors(m);
         const int8_t *q = xq + full * np * 2 * GB;
         const float *d = xd + full * np * 32, *s = xs + full * np * 16;
-        unpack_group(type, w + 8 * full * bytes, bytes, m, &grp);
-        if (nv == 2) pack_tail(type, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, acc, acc2);
-        else if (nv == 4) pack_tail(type, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, acc, acc2);
-        else group_rows(type, n, NV, &grp, q, d, s, acc, acc2);
+        const uint8_t *b = w + 8 * full * bytes;
+        if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, acc, acc2);
+        else if (nv == 4) unpack_group(type, b, bytes, m, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, acc, acc2);
+        else unpack_group(type, b, bytes, m, NV, &grp), group_rows(type, n, NV, &grp, q, d, s, acc, acc2);
     }
 #ifdef HAVE_VNNI
     for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
