@@ -16,7 +16,7 @@ from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import Sampler, SamplingParams
-from jitllmd.engine.speculative import PROBE_EVERY, Adaptive, NgramIndex, SpecConfig, StepCost, expected_gain, token_cost
+from jitllmd.engine.speculative import PROBE_EVERY, PROBE_GAIN, Adaptive, NgramIndex, SpecConfig, StepCost, expected_gain, token_cost
 from tests.test_engine import collect
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -81,6 +81,45 @@ def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again()
     assert b.k(token_cost(0.15, 1)) > b.k(token_cost(0.15, 8)) > 0 and b.k(token_cost(0.15, 32)) <= 1
 
 
+def test_no_probes_where_no_acceptance_rate_could_pay_and_a_forced_row_guesses_every_step() -> None:
+    """A guess as dear as a step (a draft model no cheaper than its target) pays at no rate: a row that does not draft
+    never probes, so it never reads its tokens through the drafter; a cheap guess (prompt lookup's) keeps probing. A
+    forced row (speculative: true) guesses its most every step, even where every guess is refused."""
+    dear, cheap = 0.95, 0.3
+    assert expected_gain(1.0, 8, dear) < PROBE_GAIN <= expected_gain(1.0, 8, cheap)
+    a = Adaptive(8)
+    assert [a.k(dear) for _ in range(8 * PROBE_EVERY)].count(0) == 8 * PROBE_EVERY
+    for _ in range(40):
+        a.record(4, 0)
+    assert [a.k(dear) for _ in range(8 * PROBE_EVERY)].count(0) == 8 * PROBE_EVERY
+    ks = [a.k(cheap) for _ in range(8 * PROBE_EVERY)]  # the same row where guesses are cheap: a probe after the wait
+    assert ks.count(1) == 1 and ks[-1] == 1
+    forced = Adaptive(3, forced=True)
+    for _ in range(10):
+        forced.record(3, 0)
+    assert [forced.k(dear) for _ in range(20)] == [3] * 20 and Adaptive(0, forced=True).k(0.0) == 0
+
+
+def test_a_draft_model_is_calibrated_at_load_on_scratch_kv_that_goes_back(tiny_serve_q8_jlm) -> None:
+    """calibrate: a draft pass against the target's step, both timed on scratch KVs: positive figures, within the
+    bounds the cost model takes, and no page left held in either model's pool."""
+    import gc
+
+    from jitllmd.engine.draft import DraftModel, calibrate
+    from jitllmd.engine.loader import load_model
+
+    target, other = load_model(tiny_serve_q8_jlm, max_seq=64), load_model(tiny_serve_q8_jlm, max_seq=64)
+    try:
+        draft = DraftModel(other, target)
+        extra, per_token = calibrate(draft, target)
+        gc.collect()
+        assert extra > 0 and 0 < per_token <= 4.0
+        assert target.runner.kv_pool.held_bytes() == 0 and other.runner.kv_pool.held_bytes() == 0
+    finally:
+        target.close()
+        other.close()
+
+
 def test_a_steps_cost_per_token_is_fitted_from_the_steps_it_sees() -> None:
     """Seconds a + b * tokens (with noise): the fit finds b / a once the token counts differ; before, the prior."""
     cost = StepCost(prior=0.5)
@@ -105,10 +144,12 @@ def test_greedy_tokens_are_decodings_with_guesses_and_without(request, variant, 
     same bits."""
     path = request.getfixturevalue(model)
     plain, spec = _engine(path, "off"), _engine(path, drafter, draft_max=3 if drafter == "draft" else 8)
+    # a draft model as dear as its target never pays, so its rows guess only when asked to (speculative: true)
+    forced = {"speculative": True} if drafter == "draft" else {}
     try:
         a_session, b_session = plain.new_session(), spec.new_session()
         a = _run(plain, session=a_session)
-        b = _run(spec, session=b_session)
+        b = _run(spec, session=b_session, **forced)
         assert b.ids == a.ids and b.done.finish_reason == a.done.finish_reason
         assert spec.speculator is not None and spec.speculator.accepted > 0, "no guess was taken: the test tests nothing"
         assert b_session.token_ids == a_session.token_ids and b_session.kv.length == a_session.kv.length
@@ -118,7 +159,7 @@ def test_greedy_tokens_are_decodings_with_guesses_and_without(request, variant, 
                     assert torch.equal(x, y), layer
         # the session goes on: a second turn on each, the same again
         more = [7, 5, 9, 14]
-        assert _run(spec, a_session.token_ids + more, 40, session=b_session).ids == _run(plain, a_session.token_ids + more, 40, session=a_session).ids
+        assert _run(spec, a_session.token_ids + more, 40, session=b_session, **forced).ids == _run(plain, a_session.token_ids + more, 40, session=a_session).ids
     finally:
         plain.stop()
         spec.stop()
@@ -279,9 +320,10 @@ def _completion(url: str, model: str, **jitllm) -> dict:
 
 
 def test_served_with_a_draft_model_and_with_prompt_lookup_the_same_text(serve, spec_models) -> None:
-    """serve -draft: the draft model guesses (itself here: nearly every guess taken); a request's jitllm.speculative
-    false turns it off and jitllm.draft_max caps it; the text is the same each way, the figures and stats say what was
-    guessed and taken; -spec off serves with none."""
+    """serve -draft: the draft model guesses (itself here: nearly every guess taken; as dear as the target, so only
+    where a request's jitllm.speculative is true, which makes it guess every step); false turns it off and
+    jitllm.draft_max caps it; the text is the same each way, the figures and stats say what was guessed and taken; -spec
+    off serves with none."""
     import httpx
 
     from tests.serving import jitllmd
@@ -290,14 +332,15 @@ def test_served_with_a_draft_model_and_with_prompt_lookup_the_same_text(serve, s
     off = serve("-models", str(spec_models), "-load", "tiny.jlm", "-id", "tiny", "-spec", "off")
     plain = _completion(off.url, "tiny")
     assert plain["jitllm"]["drafted_tokens"] == 0
-    guessed = _completion(server.url, "tiny")
+    assert _completion(server.url, "tiny")["choices"][0]["text"] == plain["choices"][0]["text"]  # adaptive: whatever it guessed
+    guessed = _completion(server.url, "tiny", speculative=True)
     assert guessed["choices"][0]["text"] == plain["choices"][0]["text"]
     figures = guessed["jitllm"]
     assert figures["drafted_tokens"] > 0 and figures["accepted_tokens"] >= figures["drafted_tokens"] * 0.9
     none = _completion(server.url, "tiny", speculative=False)
     assert none["choices"][0]["text"] == plain["choices"][0]["text"] and none["jitllm"]["drafted_tokens"] == 0
-    capped = _completion(server.url, "tiny", draft_max=1)
-    assert capped["choices"][0]["text"] == plain["choices"][0]["text"] and 0 < capped["jitllm"]["drafted_tokens"] <= 60
+    capped = _completion(server.url, "tiny", speculative=True, draft_max=1)
+    assert capped["choices"][0]["text"] == plain["choices"][0]["text"] and 20 <= capped["jitllm"]["drafted_tokens"] <= 60  # one a step
     bad = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "jitllm": {"draft_max": -1}}, timeout=60)
     assert bad.status_code == 400 and "draft_max" in bad.json()["error"]["message"]
     stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"][0]
@@ -332,12 +375,14 @@ def test_the_flags_are_checked_before_anything_loads(spec_models) -> None:
     ]:
         r = jitllmd(*args)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    r = jitllmd("run", "-model", str(spec_models / "tiny.jlm"), "-draft", str(spec_models / "small.jlm"), "-temp", "0", "-n", "40", "-json", "a b c a b c a b")
-    assert r.returncode == 0, r.stderr
     import json
 
-    out = json.loads(r.stdout)
-    assert out["jitllm"]["drafted_tokens"] > 0
+    runs = [jitllmd("run", "-model", str(spec_models / "tiny.jlm"), *spec, "-temp", "0", "-n", "40", "-json", "a b c a b c a b")
+            for spec in (("-draft", str(spec_models / "small.jlm")), ("-spec", "off"))]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    drafted, plain = (json.loads(r.stdout) for r in runs)
+    # the draft (the model itself) guesses only where its calibrated cost lets guesses pay: the text is the same either way
+    assert drafted["text"] == plain["text"] and drafted["jitllm"]["drafted_tokens"] >= 0 == plain["jitllm"]["drafted_tokens"]
 
 
 def test_responses_and_anthropic_take_the_requests_say_too(serve, spec_models) -> None:
@@ -348,7 +393,7 @@ def test_responses_and_anthropic_take_the_requests_say_too(serve, spec_models) -
         ("/v1/responses", {"model": "tiny", "input": "a b c a b c a b", "max_output_tokens": 40, "temperature": 0, "ignore_eos": True}),
         ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "a b c a b c a b"}], "max_tokens": 40, "temperature": 0, "ignore_eos": True}),
     ]:
-        on = httpx.post(server.url + path, json=body, timeout=120).json()
+        on = httpx.post(server.url + path, json={**body, "jitllm": {"speculative": True}}, timeout=120).json()
         off = httpx.post(server.url + path, json={**body, "jitllm": {"speculative": False}}, timeout=120).json()
         assert on["jitllm"]["drafted_tokens"] > 0 and off["jitllm"]["drafted_tokens"] == 0, path
         assert (on.get("output") or on.get("content")) is not None
@@ -370,8 +415,8 @@ def test_a_draft_model_on_the_device_counts_in_its_memory_and_its_stats(tiny_ser
         relocation.register("plain", plain)
         relocation.register("drafted", drafted)
         assert relocation.used("cpu") == held_on(plain.placement, "cpu") + 2 * own
-        assert draft_kv_bytes(drafted.speculator) == 0
-        _run(drafted, n=40)
+        assert draft_kv_bytes(drafted.speculator) == 0  # calibration's scratch K/V went back
+        _run(drafted, n=40, speculative=True)
         assert draft_kv_bytes(drafted.speculator) > 0 and draft_kv_bytes(plain.speculator) == 0
     finally:
         plain.stop()

@@ -40,7 +40,7 @@ def run(
     tokenize: Annotated[bool, typer.Option("-tokenize", "--tokenize", help="Print the prompt's token ids and pieces (through the chat template with -chat, as the run would feed them) instead of running the model.")] = False,
     rerank: Annotated[list[str] | None, typer.Option("-rerank", "--rerank", metavar="DOC", show_default=False, help="Rank this document (repeat for more) against the prompt, the query, with an embedding model or a cross-encoder, instead of generating: /v1/rerank's path.")] = None,
     spec: Annotated[str, typer.Option("-spec", "--spec", metavar="auto|ngram|draft|off", help="Speculative decoding (as serve's -spec): guessed tokens checked in the step, the same tokens greedy, the same distribution sampled. auto: draft with -draft, else ngram (prompt lookup). On a server, off turns it off for this run.")] = "auto",
-    draft: Annotated[Path | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model (.jlm or .gguf) with the -model's tokenizer, guessing for it.")] = None,
+    draft: Annotated[Path | None, typer.Option("-draft", "--draft", metavar="FILE", show_default=False, help="A draft model (.jlm or .gguf) with the -model's tokenizer, guessing for it where its guesses pay (their cost is measured at load).")] = None,
     draft_max: Annotated[int, typer.Option("-draft-max", "--draft-max", metavar="N", help="The most tokens guessed a step (0: no speculative decoding).")] = 8,
     kv_dtype: Annotated[str, typer.Option("-kv-dtype", "--kv-dtype", metavar="auto|f32|f16|bf16|q8_0", help="The session's K/V, in this process (as serve's -kv-dtype).")] = "auto",
     api_key: ApiKey = None,

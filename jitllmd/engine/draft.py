@@ -25,9 +25,9 @@ from .memory.devices import is_remote
 from .request import Request
 from .scheduler import Row
 from .sessions import Session, common_prefix
-from .speculative import DRAFT_STEP, Adaptive, RowSpec, SpecConfig, StepCost, token_cost
+from .speculative import DRAFT_STEP, PRIOR_PER_TOKEN, Adaptive, RowSpec, SpecConfig, StepCost, token_cost
 
-__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "check_vocabulary", "draft_kv_bytes", "draft_model_for", "draft_of", "speculator_for"]
+__all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "calibrate", "check_vocabulary", "draft_kv_bytes", "draft_model_for", "draft_of", "speculator_for"]
 
 CATCH_UP = 512  # a row's catching-up tokens a draft forward takes at most (a long prompt goes in chunks)
 _PROBES = 4096  # token ids whose strings must agree, spread over the vocabulary (its last one too)
@@ -49,19 +49,21 @@ class NgramDrafter:
 class Speculator:
     """A model's speculative decoding: each step, the guesses of its decode rows that draft (Speculator.draft)."""
 
-    def __init__(self, config: SpecConfig, drafter: Drafter, extra: float = 0.0):
+    def __init__(self, config: SpecConfig, drafter: Drafter, extra: float = 0.0, per_token: float | None = None):
         self.config = config
         self.drafter = drafter
-        self.extra = extra  # what a guess costs besides the target's step, as a fraction of a one-row step, until measured
-        self.steps = StepCost()  # the target's step seconds against its tokens (the engine tells it each step)
+        self.extra = extra  # what a guess costs besides the target's step, as a fraction of a step's fixed part, until measured
+        # the target's step seconds against its tokens (the engine tells it each step); `per_token`: b / a until fitted
+        self.steps = StepCost() if per_token is None else StepCost(per_token)
         self._passes: deque[float] = deque(maxlen=9)  # a drafter's recent passes (one guess of each drafting row): seconds
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
 
-    def row(self, draft_max: int | None) -> RowSpec:
-        """A new request's state; `draft_max` its own limit (None: the server's)."""
+    def row(self, draft_max: int | None, forced: bool = False) -> RowSpec:
+        """A new request's state; `draft_max` its own limit (None: the server's); `forced`: it guesses that many every
+        step (its `speculative: true`), whether or not they pay."""
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
-        return RowSpec(Adaptive(most))
+        return RowSpec(Adaptive(most, forced))
 
     def cost(self, rows: int) -> float:
         """A guess's cost in a step of `rows` decode rows (token_cost), and the drafter's own: a draft model's forward,
@@ -233,7 +235,10 @@ class DraftModel:
             start = len(tokens)
             tokens.extend(ids)
             positions.extend(range(held.kv.length, held.kv.length + len(ids)))
-            spans.append(RowSpan(start, len(ids), held.kv, prompt=len(ids) > 1))
+            # a few tokens (the last step's taken guesses and the target's token) run as decode rows do: a short feed,
+            # not a prompt chunk of 2-4 rows (its products a GEMM's, 1.5-3x the few-row kernel's time at so few rows)
+            short = 1 < len(ids) <= runner.short_feed
+            spans.append(RowSpan(start, len(ids), held.kv, prompt=len(ids) > 1, short=short, many=short and len(ids) > runner.rows_feed))
             if is_last:
                 at.append(len(tokens) - 1)
         dev = runner.device
@@ -254,10 +259,53 @@ def speculator_for(spec: SpecConfig | None, drafter: Drafter | None, loaded: Loa
     if spec.kind == "draft":
         if not isinstance(drafter, DraftModel):
             raise ValueError("-spec draft needs a draft model (-draft FILE)")
-        # a guess also costs the draft model's step: about its share of the bytes a step reads
-        share = drafter.loaded.decode_bytes() / max(1, loaded.decode_bytes())
-        return Speculator(spec, drafter, DRAFT_STEP + share)
+        extra, per_token = calibrate(drafter, loaded, spec.draft_max)
+        return Speculator(spec, drafter, extra, per_token)
     return Speculator(spec, drafter or NgramDrafter())
+
+
+CALIBRATION_STEPS = 5  # timed rounds of each forward calibrate() takes the median of (after one not timed)
+
+
+def calibrate(draft: DraftModel, target: LoadedModel, guesses: int = 8) -> tuple[float, float]:
+    """What a draft model's guess costs, measured at load on scratch KVs (medians of CALIBRATION_STEPS interleaved
+    rounds): the target's step of one token and of a row verifying `guesses` (at most 32; a short feed, logits for
+    each token) give its step as a + b * tokens; the draft's pass (one token and its greedy pick, as DraftModel
+    guesses) is `extra`, its seconds / a. -> (extra, b / a). So a row's first probes know whether a draft model can
+    pay (Adaptive: PROBE_GAIN) before any request reads its prompt through it. Where the fit fails (noise), the prior
+    b / a and the draft's share of the bytes a step reads, as before any measurement."""
+    runner = target.runner
+    assert runner is not None  # a decoder's (speculator_for)
+    dev, settle = runner.device, runner.placement.synchronize
+    wide = min(max(guesses, 1), 32) + 1
+    kv, held = runner.new_kv(4 + wide), _Held(draft.loaded.new_kv(8))
+    prefix = torch.zeros(4, dtype=torch.long, device=dev)
+    runner.forward(prefix, torch.arange(4, device=dev), [RowSpan(0, 4, kv, prompt=True)], torch.tensor([3], device=dev))
+    draft._forward([(held, [0, 0, 0, 0])], [True])
+    times: dict[str, list[float]] = {"one": [], "wide": [], "pass": []}
+    for i in range(CALIBRATION_STEPS + 1):
+        for name, t in (("one", 1), ("wide", wide)):
+            settle()
+            t0 = time.perf_counter()
+            runner.forward(torch.zeros(t, dtype=torch.long, device=dev), torch.arange(4, 4 + t, device=dev), [RowSpan(0, t, kv, short=t > 1)],
+                           torch.arange(t, device=dev))
+            settle()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+            kv.truncate(4)
+        t0 = time.perf_counter()
+        draft._forward([(held, [0])], [True])
+        if i:
+            times["pass"].append(time.perf_counter() - t0)
+        held.kv.truncate(4)
+        del held.ids[4:]
+    one, most, pass_s = (statistics.median(times[k]) for k in ("one", "wide", "pass"))
+    b = (most - one) / (wide - 1)
+    a = one - b
+    if a <= 0 or b <= 0:
+        share = draft.loaded.decode_bytes() / max(1, target.decode_bytes())
+        return DRAFT_STEP + share, PRIOR_PER_TOKEN
+    return pass_s / a, min(4.0, b / a)
 
 
 def draft_model_for(spec: SpecConfig | None, target: LoadedModel, load_kw: dict) -> DraftModel | None:

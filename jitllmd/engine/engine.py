@@ -220,7 +220,7 @@ class Engine:
             leader=follows,
         )
         if self.speculator is not None and spec.speculative is not False:
-            req.spec = self.speculator.row(spec.draft_max)
+            req.spec = self.speculator.row(spec.draft_max, forced=spec.speculative is True)
         if self.kv_budget is not None and (error := self.kv_budget.refuses(req)):
             if spec.session is None:
                 session.reserved = False  # the pooled slot goes back

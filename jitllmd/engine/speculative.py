@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .config import SPEC_MODES
 
-__all__ = ["SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "StepCost", "expected_gain", "token_cost"]
+__all__ = ["PROBE_GAIN", "SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "StepCost", "expected_gain", "token_cost"]
 
 DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
@@ -29,6 +29,11 @@ DRAFT_STEP = 0.05
 PRIOR = 0.6  # a new row's acceptance rate before it has drafted
 RATE_WEIGHT = 0.15  # weight of the newest observation in a row's running acceptance rate
 PROBE_EVERY = 16  # a row that stopped drafting guesses once again after this many steps (twice as many after a refused probe)
+# A row probes only where guesses can pay well: `most` of them, every one taken, would yield at least this many plain
+# steps' tokens in a step's time. Each probe of a draft model costs the row's tokens read through it since the last
+# (the prompt too, at the first), and real rates fall short of every guess taken: where the cost model said 1.2-1.3x
+# at a perfect rate, drafting measured at or below plain decoding (Qwen2.5-Coder-0.5B for the 1.5B, 2 Zen 5 cores).
+PROBE_GAIN = 1.3
 
 
 def expected_gain(rate: float, k: int, cost: float) -> float:
@@ -86,10 +91,12 @@ class StepCost:
 class Adaptive:
     """One row's k: the one of 1..most whose expected gain is best at the row's running acceptance rate and a guess's
     cost, or 0 where none beats a plain step; after PROBE_EVERY steps without drafting, one guess to learn the rate
-    again (the wait doubling, up to 8 times, while those guesses are refused)."""
+    again (the wait doubling, up to 8 times, while those guesses are refused), where guesses can pay at all
+    (PROBE_GAIN). `forced` (a request's `speculative: true`): `most` guesses every step, whatever they pay."""
 
-    def __init__(self, most: int):
+    def __init__(self, most: int, forced: bool = False):
         self.most = most
+        self.forced = forced
         self.rate = PRIOR
         self._idle = 0  # steps since the row last drafted
         self._probe = PROBE_EVERY  # steps between probes: doubling while they fail
@@ -99,8 +106,8 @@ class Adaptive:
         """Guesses are taken in runs (a reply copying its input, a stretch the draft model knows): after a draft taken
         whole, twice as many where drafting pays at all, however many the running rate alone would say. `probe`
         False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows)."""
-        if self.most <= 0:
-            return 0
+        if self.most <= 0 or self.forced:
+            return max(0, self.most)
         best, gain = 0, 1.0
         for k in range(1, self.most + 1):
             g = expected_gain(self.rate, k, cost)
@@ -108,7 +115,7 @@ class Adaptive:
                 best, gain = k, g
         if self._run and best:
             return max(best, min(self.most, 2 * self._run))
-        if best == 0 and probe:
+        if best == 0 and probe and expected_gain(1.0, self.most, cost) >= PROBE_GAIN:
             self._idle += 1
             if self._idle >= self._probe:
                 self._idle = 0

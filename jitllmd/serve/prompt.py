@@ -190,7 +190,8 @@ def sampling_params(**kw: Any) -> SamplingParams:
 def request_options(f: Fields) -> dict[str, Any]:
     """The fields every dialect takes beyond its own, as Generation's keywords: vLLM's `ignore_eos` (keep going past
     end of sequence: benchmarks) and, in the `jitllm` object, speculative decoding's say: `speculative` (false: none
-    for this request) and `draft_max` (the most tokens it guesses a step)."""
+    for this request; true: draft_max guesses every step, whether or not they pay) and `draft_max` (the most tokens it
+    guesses a step)."""
     out: dict[str, Any] = {"ignore_eos": f.boolean("ignore_eos")}
     options = f.object("jitllm")
     if options is not None and options.has("speculative"):
