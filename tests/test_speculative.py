@@ -120,6 +120,35 @@ def test_a_draft_model_is_calibrated_at_load_on_scratch_kv_that_goes_back(tiny_s
         other.close()
 
 
+def test_a_draft_model_reads_a_few_tokens_as_a_short_feed(tiny_serve_q8_jlm) -> None:
+    """What a draft model catches up on between guesses (the last step's taken guesses and the target's token) runs as
+    decode rows do, a short feed, not as a prompt chunk of a few rows (a GEMM at 2-4 rows: its dearest shape); a
+    prompt longer than a short feed as a prompt."""
+    from jitllmd.engine.draft import draft_of
+
+    spec = _engine(tiny_serve_q8_jlm, "draft", draft_max=3)
+    try:
+        draft = draft_of(spec.speculator)
+        assert draft is not None
+        runner = draft.loaded.runner
+        seen: list[tuple[int, bool, bool]] = []
+        forward = runner.forward
+
+        def spy(tokens, positions, spans, *args, **kw):
+            seen.extend((s.num_tokens, s.prompt, s.short) for s in spans)
+            return forward(tokens, positions, spans, *args, **kw)
+
+        runner.forward = spy  # type: ignore[method-assign]
+        long_prompt = PROMPT * 7  # past FUSED_FEED's 64 tokens
+        _run(spec, long_prompt, n=40, speculative=True)
+        if runner.short_feed:  # the kernels' path (none without a compiler: no short feeds at all)
+            few = [x for x in seen if 1 < x[0] <= runner.short_feed]
+            assert few and all(short for _, _, short in few), seen
+        assert any(n > max(runner.short_feed, 4) and prompt and not short for n, prompt, short in seen), seen  # read at the first guess
+    finally:
+        spec.stop()
+
+
 def test_a_steps_cost_per_token_is_fitted_from_the_steps_it_sees() -> None:
     """Seconds a + b * tokens (with noise): the fit finds b / a once the token counts differ; before, the prior."""
     cost = StepCost(prior=0.5)
