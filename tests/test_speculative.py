@@ -16,7 +16,19 @@ from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import Sampler, SamplingParams
-from jitllmd.engine.speculative import PROBE_EVERY, PROBE_GAIN, Adaptive, NgramIndex, SpecConfig, StepCost, expected_gain, token_cost
+from jitllmd.engine.speculative import (
+    MIN_GAIN,
+    PRIOR,
+    PROBE_EVERY,
+    PROBE_GAIN,
+    PROBE_SHARE,
+    Adaptive,
+    NgramIndex,
+    SpecConfig,
+    StepCost,
+    expected_gain,
+    token_cost,
+)
 from tests.test_engine import collect
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,7 +90,7 @@ def test_adaptive_k_drafts_what_pays_stops_where_nothing_does_and_probes_again()
     b = Adaptive(8)
     for _ in range(30):
         b.record(4, 3)
-    assert b.k(token_cost(0.15, 1)) > b.k(token_cost(0.15, 8)) > 0 and b.k(token_cost(0.15, 32)) <= 1
+    assert b.k(token_cost(0.1, 1)) > b.k(token_cost(0.1, 8)) > 0 and b.k(token_cost(0.1, 32)) <= 1
 
 
 def test_no_probes_where_no_acceptance_rate_could_pay_and_a_forced_row_guesses_every_step() -> None:
@@ -94,10 +106,46 @@ def test_no_probes_where_no_acceptance_rate_could_pay_and_a_forced_row_guesses_e
     assert [a.k(dear) for _ in range(8 * PROBE_EVERY)].count(0) == 8 * PROBE_EVERY
     ks = [a.k(cheap) for _ in range(8 * PROBE_EVERY)]  # the same row where guesses are cheap: a probe after the wait
     assert ks.count(1) == 1 and ks[-1] == 1
+    # a gain the model puts just past a plain step is not taken: below MIN_GAIN what it leaves out eats it
+    assert 1.02 < expected_gain(PRIOR, 1, 0.53) < MIN_GAIN and Adaptive(8).k(0.53) == 0 and Adaptive(8).k(0.3) == 1
     forced = Adaptive(3, forced=True)
     for _ in range(10):
         forced.record(3, 0)
     assert [forced.k(dear) for _ in range(20)] == [3] * 20 and Adaptive(0, forced=True).k(0.0) == 0
+
+
+def test_probes_after_the_first_cost_a_row_at_most_its_share_of_its_steps() -> None:
+    """A probe's drafting is charged to its row (a draft model reads the row's tokens since its last guess first): the
+    first is free, the next waits until what probes cost is within PROBE_SHARE of the row's steps' seconds."""
+    a = Adaptive(8)
+    for _ in range(40):
+        a.record(4, 0)  # a rate that does not pay: probes only, the wait at its longest (8 x PROBE_EVERY)
+    step, cost = 0.05, 0.3
+
+    def probes(n: int, charge: float) -> list[int]:
+        at = []
+        for i in range(n):
+            if a.k(cost, step_s=step):
+                a.charge(charge)
+                a.record(1, 0)
+                at.append(i)
+        return at
+
+    assert len(probes(8 * PROBE_EVERY, 1.0)) == 1 and a.spent == 0.0  # the first probe: free
+    assert len(probes(8 * PROBE_EVERY, 1.0)) == 1 and a.spent == 1.0  # the second's second of drafting is charged
+    before = a.steps
+    later = probes(1000, 1.0)  # a third waits until PROBE_SHARE of the row's steps repays it
+    assert later and before + later[0] + 1 >= 1.0 / (PROBE_SHARE * step) > before + 8 * PROBE_EVERY
+    cheap = Adaptive(8)  # prompt lookup: its probes cost nothing to draft, so the budget never holds one back
+    for _ in range(40):
+        cheap.record(4, 0)
+    ks = []
+    for _ in range(4 * 8 * PROBE_EVERY):
+        ks.append(cheap.k(cost, step_s=step))
+        if ks[-1]:
+            cheap.charge(0.0)
+            cheap.record(1, 0)
+    assert ks.count(1) == 4
 
 
 def test_a_draft_model_is_calibrated_at_load_on_scratch_kv_that_goes_back(tiny_serve_q8_jlm) -> None:

@@ -58,6 +58,9 @@ class Speculator:
         self._passes: deque[float] = deque(maxlen=9)  # a drafter's recent passes (one guess of each drafting row): seconds
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
+        self._plain: float | None = None  # seconds a plain step of one row really takes, draft() to draft() (running mean)
+        self._open: tuple[float, str, Request] | None = None  # the step begun: when, plain or draft, its row
+        self._taken = 0  # guesses its verification took
 
     def row(self, draft_max: int | None, forced: bool = False) -> RowSpec:
         """A new request's state; `draft_max` its own limit (None: the server's); `forced`: it guesses that many every
@@ -77,9 +80,12 @@ class Speculator:
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
         products and attention per token), taking at most `budget` tokens in all."""
+        now = time.perf_counter()
+        self._close(now)
         asks: list[tuple[int, Request, int]] = []
         decoding = sum(1 for r in rows if not r.prompt and r.ids)
         cost = self.cost(decoding)
+        step_s = self.steps.seconds(decoding)
         probe = decoding == 1 or not self.extra  # a draft model's probe reads the row's prompt first: alone, not in a wide step
         for i, row in enumerate(rows):
             req = row.req
@@ -88,16 +94,24 @@ class Speculator:
                 continue
             # never past max_tokens (k + 1 tokens may come of it) nor the session's room
             room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
-            k = min(spec.adaptive.k(cost, probe), room)
+            k = min(spec.adaptive.k(cost, probe, step_s), room)
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k
+        alone = [r.req for r in rows if r.ids and not r.prompt and r.req.spec is not None]
+        if decoding == 1 and len(rows) == 1 and alone and not alone[0].spec.adaptive.probing:  # type: ignore[union-attr]
+            self._open = (now, "draft" if asks else "plain", alone[0])
         if not asks:
             return rows
         t0 = time.perf_counter()
         guesses = self.drafter.propose([(req, k) for _, req, k in asks])
+        took = time.perf_counter() - t0
         if self.extra and not getattr(self.drafter, "caught_up", False):  # a model's forwards: what a pass took (not a prompt's catching up)
-            self._passes.append((time.perf_counter() - t0) / max(k for _, _, k in asks))
+            self._passes.append(took / max(k for _, _, k in asks))
+        verify = self.steps.seconds(decoding + 1) - step_s  # a guessed token's share of the step
+        for _, req, _ in asks:  # a probe's drafting, and its guess in the step, are its row's to pay
+            assert req.spec is not None
+            req.spec.adaptive.charge(took / len(asks) + max(0.0, verify))
         out = list(rows)
         for (i, req, _), guess in zip(asks, guesses):
             if not guess:
@@ -118,8 +132,26 @@ class Speculator:
         if close is not None:
             close()
 
+    def _close(self, now: float) -> None:
+        """The last step of one row, timed to this call: a plain one kept in the running mean, a drafting one checked
+        against it a token at a time (Adaptive.realized). A gap past 4 plain steps a token (the engine idle between
+        requests) says nothing."""
+        if self._open is None:
+            return
+        t0, kind, req = self._open
+        self._open = None
+        per = (now - t0) / (1 + (self._taken if kind == "draft" else 0))
+        self._taken = 0
+        if self._plain is not None and per > 4 * self._plain:
+            return
+        if kind == "plain":
+            self._plain = per if self._plain is None else self._plain + 0.1 * (per - self._plain)
+        elif self._plain is not None and req.spec is not None:
+            req.spec.adaptive.realized(per < self._plain)
+
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         assert req.spec is not None
+        self._taken += accepted
         req.spec.adaptive.record(drafted, accepted)
         req.spec.drafted += drafted
         req.spec.accepted += accepted

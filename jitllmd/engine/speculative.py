@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .config import SPEC_MODES
 
-__all__ = ["PROBE_GAIN", "SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "StepCost", "expected_gain", "token_cost"]
+__all__ = ["MIN_GAIN", "PROBE_GAIN", "PROBE_SHARE", "SPEC_MODES", "Adaptive", "NgramIndex", "RowSpec", "SpecConfig", "StepCost", "expected_gain", "token_cost"]
 
 DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
@@ -29,6 +29,18 @@ DRAFT_STEP = 0.05
 PRIOR = 0.6  # a new row's acceptance rate before it has drafted
 RATE_WEIGHT = 0.15  # weight of the newest observation in a row's running acceptance rate
 PROBE_EVERY = 16  # a row that stopped drafting guesses once again after this many steps (twice as many after a refused probe)
+# A row drafts only where the best k's expected gain reaches this: below it, what the cost model leaves out (sampling
+# each guessed row, noise) eats it (Qwen2.5-Coder-0.5B drafting for the 1.5B in a chat at 61% taken, where 1.02 was
+# asked: 0.91x plain decoding; 1.1 held the same pair's code edit back to 1.07x from 1.29x).
+MIN_GAIN = 1.05
+# What a row's probes may cost after its first: their drafter's seconds (a draft model reads every token since its last
+# guess first, ~5% of a target step a token for the 0.5B beside the 1.5B) within this share of the row's steps so far
+PROBE_SHARE = 0.03
+# A row's drafting steps checked against plain ones (the step, its sampling and the drafter's pass, a token at a time,
+# where the row runs alone): each that lost makes its guesses dearer by PENALTY_UP, each that won cheaper by
+# PENALTY_DOWN, each plain step by PENALTY_EASE, never below the model's own. The model misses what it does not time
+# (sampling k + 1 rows, the draft's Python); Qwen2.5-Coder-0.5B for the 1.5B drafted a chat at 73% taken for 0.93x.
+PENALTY_UP, PENALTY_DOWN, PENALTY_EASE = 1.15, 0.95, 0.99
 # A row probes only where guesses can pay well: `most` of them, every one taken, would yield at least this many plain
 # steps' tokens in a step's time. Each probe of a draft model costs the row's tokens read through it since the last
 # (the prompt too, at the first), and real rates fall short of every guess taken: where the cost model said 1.2-1.3x
@@ -101,26 +113,48 @@ class Adaptive:
         self._idle = 0  # steps since the row last drafted
         self._probe = PROBE_EVERY  # steps between probes: doubling while they fail
         self._run = 0  # the last draft's length where every guess of it was taken, else 0
+        self.steps = 0  # steps the row has asked for its k
+        self.probes = 0  # probes made
+        self.probing = False  # the last k was a probe: its drafter's seconds are charged (charge)
+        self.spent = 0.0  # seconds charged to probes after the first
+        self.penalty = 1.0  # what the row's drafting steps really cost against the model's cost: grows while they lose
 
-    def k(self, cost: float, probe: bool = True) -> int:
+    def k(self, cost: float, probe: bool = True, step_s: float = 0.0) -> int:
         """Guesses are taken in runs (a reply copying its input, a stretch the draft model knows): after a draft taken
         whole, twice as many where drafting pays at all, however many the running rate alone would say. `probe`
-        False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows)."""
+        False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows).
+        `step_s`: a step's seconds now; a probe after the first waits until what probes cost is within PROBE_SHARE of
+        the row's steps."""
+        self.steps += 1
+        self.probing = False
         if self.most <= 0 or self.forced:
             return max(0, self.most)
-        best, gain = 0, 1.0
+        best, gain = 0, MIN_GAIN / 1.02
         for k in range(1, self.most + 1):
-            g = expected_gain(self.rate, k, cost)
+            g = expected_gain(self.rate, k, min(0.95, cost * self.penalty))
             if g > gain * 1.02:  # a longer draft must pay a little more than noise
                 best, gain = k, g
         if self._run and best:
             return max(best, min(self.most, 2 * self._run))
+        if best == 0:
+            self.penalty = max(1.0, self.penalty * PENALTY_EASE)  # drafting is tried again, now and then, where it lost
         if best == 0 and probe and expected_gain(1.0, self.most, cost) >= PROBE_GAIN:
             self._idle += 1
-            if self._idle >= self._probe:
+            if self._idle >= self._probe and (not self.probes or self.spent <= PROBE_SHARE * self.steps * step_s):
                 self._idle = 0
+                self.probes += 1
+                self.probing = True
                 return 1
         return best
+
+    def realized(self, won: bool) -> None:
+        """A drafting step of this row alone really took less time a token than a plain step (won), or not."""
+        self.penalty = max(1.0, self.penalty * PENALTY_DOWN) if won else min(4.0, self.penalty * PENALTY_UP)
+
+    def charge(self, seconds: float) -> None:
+        """What the probe just made cost besides a plain step (its first free: it learns the rate at all)."""
+        if self.probing and self.probes > 1:
+            self.spent += seconds
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verified draft: `accepted` of its first guesses taken, then (if fewer than `drafted`) one refused."""
