@@ -148,6 +148,26 @@ def test_probes_after_the_first_cost_a_row_at_most_its_share_of_its_steps() -> N
     assert ks.count(1) == 4
 
 
+def test_drafting_steps_that_lose_make_a_rows_guesses_dearer_until_it_stops() -> None:
+    """Adaptive.realized: a row whose drafting steps took longer a token than plain ones (the model's cost too low)
+    drafts fewer and then none; steps that won, and plain steps, ease it back to the model's own cost."""
+    a = Adaptive(8)
+    for _ in range(30):
+        a.record(4, 3)  # ~70% taken
+    cost = 0.4
+    drafting = a.k(cost)
+    assert drafting > 0
+    for _ in range(6):
+        a.realized(False)
+    assert a.k(cost) == 0 and a.penalty > 2.0
+    for _ in range(200):  # plain steps ease it until it tries again
+        a.k(cost, probe=False)
+    assert 0 < a.k(cost) <= drafting and a.penalty > 1.0
+    for _ in range(40):  # and steps that win bring it back to the model's cost
+        a.realized(True)
+    assert a.penalty == 1.0 and a.k(cost) == drafting
+
+
 def test_a_draft_model_is_calibrated_at_load_on_scratch_kv_that_goes_back(tiny_serve_q8_jlm) -> None:
     """calibrate: a draft pass against the target's step, both timed on scratch KVs: positive figures, within the
     bounds the cost model takes, and no page left held in either model's pool."""
