@@ -98,9 +98,9 @@ class Speculator:
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k
-        alone = [r.req for r in rows if r.ids and not r.prompt and r.req.spec is not None]
-        if decoding == 1 and len(rows) == 1 and alone and not alone[0].spec.adaptive.probing:  # type: ignore[union-attr]
-            self._open = (now, "draft" if asks else "plain", alone[0])
+        only = rows[0].req if len(rows) == 1 and decoding == 1 else None  # a row decoding alone: its step is timed
+        if only is not None and only.spec is not None and not only.spec.adaptive.probing:
+            self._open = (now, "draft" if asks else "plain", only)
         if not asks:
             return rows
         t0 = time.perf_counter()
