@@ -230,6 +230,29 @@ def test_a_steps_cost_per_token_is_fitted_from_the_steps_it_sees() -> None:
     assert cost.per_token() == pytest.approx(0.2, rel=0.25)
 
 
+def test_each_token_counts_measured_seconds_override_the_fit_and_a_dearer_run_length_is_skipped() -> None:
+    """Steps of 9 tokens that cost a second pass over the weights (the few-row kernel's groups of 8): once measured,
+    a guess at k = 8 is dearer than at k = 7 though the fit is linear, and a row in a run taken whole drafts 7, not 8;
+    where every count costs alike per token, the longest run as before."""
+    cost = StepCost(prior=0.3)
+    assert cost.guess_costs(1, 3) == [token_cost(0.3, 1)] * 3  # nothing seen: the prior's
+    for _ in range(StepCost.MEASURED_LAST):
+        for t in range(1, 10):
+            cost.observe(t, 0.1 + 0.03 * t + (0.1 if t > 8 else 0.0))
+    assert cost.measured(9) == pytest.approx(0.1 + 0.27 + 0.1) and cost.measured(10) is None
+    costs = cost.guess_costs(1, 8)
+    assert costs[6] == pytest.approx(0.21 / (7 * 0.13)) and costs[7] > costs[6] * 1.2
+    run = Adaptive(8)
+    for _ in range(30):
+        run.record(4, 4)  # every guess taken: a run, k doubles up to the most
+    assert run.k(costs) == 7
+    flat = StepCost(prior=0.3)
+    for _ in range(StepCost.MEASURED_LAST):
+        for t in range(1, 10):
+            flat.observe(t, 0.1 + 0.03 * t)
+    assert run.k(flat.guess_costs(1, 8)) == 8
+
+
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from .memory.devices import is_remote
 from .request import Request
 from .scheduler import Row
 from .sessions import Session, common_prefix
-from .speculative import DRAFT_STEP, PRIOR_PER_TOKEN, Adaptive, RowSpec, SpecConfig, StepCost, token_cost
+from .speculative import DRAFT_STEP, PRIOR_PER_TOKEN, Adaptive, RowSpec, SpecConfig, StepCost
 
 __all__ = ["DraftModel", "Drafter", "NgramDrafter", "Speculator", "calibrate", "check_vocabulary", "draft_kv_bytes", "draft_model_for", "draft_of", "speculator_for"]
 
@@ -68,14 +68,14 @@ class Speculator:
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
         return RowSpec(Adaptive(most, forced))
 
-    def cost(self, rows: int) -> float:
-        """A guess's cost in a step of `rows` decode rows (token_cost), and the drafter's own: a draft model's forward,
-        whose share of a one-row step shrinks as the target's step widens."""
-        per_token = self.steps.per_token()
+    def cost(self, rows: int) -> list[float]:
+        """What a guess costs in a step of `rows` decode rows where each guesses k, for k = 1 .. -draft-max
+        (StepCost.guess_costs), with the drafter's own: a draft model's forward, whose share of a one-row step shrinks
+        as the target's step widens."""
         step = self.steps.seconds(rows)
         # the passes' median, once there are a few (a draft model's first passes run cold)
-        extra = statistics.median(self._passes) / step if len(self._passes) >= 3 and step else self.extra / (1.0 + rows * per_token)
-        return min(0.95, token_cost(per_token, rows) + extra)
+        extra = statistics.median(self._passes) / step if len(self._passes) >= 3 and step else self.extra / (1.0 + rows * self.steps.per_token())
+        return [min(0.95, c + extra) for c in self.steps.guess_costs(rows, max(1, self.config.draft_max))]
 
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's

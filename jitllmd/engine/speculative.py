@@ -10,6 +10,9 @@ what followed it) is NgramIndex. engine/draft.py fills a step's guesses (Specula
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import SPEC_MODES
@@ -27,6 +30,9 @@ PRIOR_PER_TOKEN = 0.33
 # fixed work (a step of its own, in Python and the kernels' calls)
 DRAFT_STEP = 0.05
 PRIOR = 0.6  # a new row's acceptance rate before it has drafted
+# After a draft taken whole, each guess's chance to be taken while the run goes on, at least: a run ends somewhere, so
+# where a longer draft costs more a token (StepCost) a shorter one can yield more
+RUN_RATE = 0.9
 RATE_WEIGHT = 0.15  # weight of the newest observation in a row's running acceptance rate
 PROBE_EVERY = 16  # a row that stopped drafting guesses once again after this many steps (twice as many after a refused probe)
 # A row drafts only where the best k's expected gain reaches this: below it, what the cost model leaves out (sampling
@@ -64,20 +70,30 @@ def token_cost(per_token: float, rows: int) -> float:
 
 
 class StepCost:
-    """b / a of a step's seconds fitted as a + b * tokens over the recent steps without prompt tokens (least squares,
-    older steps weighing less); the prior until the steps seen differ enough in their token counts to tell."""
+    """A step's seconds against its tokens, over the recent steps without prompt tokens: each token count's own
+    (the median of its last MEASURED_LAST steps, once it has MEASURED of them), else a + b * tokens fitted by least
+    squares (older steps weighing less), else the prior b / a. A step's seconds are not linear in its tokens where the
+    kernels take rows in groups: on AVX2 a row of 9 tokens costs a pass of 8 and another of 1 over the weights, and
+    the few-row kernel's rows grow dearer past ~5 (Qwen2.5-Coder-1.5B Q4_K_M, 2 Zen 5 cores, avx2+fma forced: prompt
+    lookup on a code edit, medians of 2: at most 5 guesses a step 1.94x plain decoding, at most 8 1.68x); measured
+    counts find that."""
 
     DECAY = 0.99  # weight a step loses per later step: about the last hundred count
     SPREAD = 0.25  # the least variance of the steps' token counts a fit needs
+    MEASURED, MEASURED_LAST = 3, 5  # a token count's own seconds: the median of its last 5 steps, once 3 were seen
+    MOST_TOKENS = 1024  # token counts past this are fitted, never kept
 
     def __init__(self, prior: float = PRIOR_PER_TOKEN):
         self.prior = prior
         self._sums = [0.0] * 5  # weights, and their sums of tokens, tokens^2, seconds, tokens * seconds
+        self._at: dict[int, deque[float]] = {}  # token count -> its last steps' seconds
 
     def observe(self, tokens: int, seconds: float) -> None:
         d = self.DECAY
         for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
             self._sums[i] = self._sums[i] * d + v
+        if tokens <= self.MOST_TOKENS:
+            self._at.setdefault(tokens, deque(maxlen=self.MEASURED_LAST)).append(seconds)
 
     def _fit(self) -> tuple[float, float] | None:
         w, t, t2, y, ty = self._sums
@@ -91,13 +107,36 @@ class StepCost:
         fit = self._fit()
         return min(4.0, fit[1] / fit[0]) if fit is not None else self.prior
 
+    def measured(self, tokens: int) -> float | None:
+        """The median seconds of the last steps of exactly `tokens` tokens, once there are MEASURED of them."""
+        seen = self._at.get(tokens)
+        return statistics.median(seen) if seen is not None and len(seen) >= self.MEASURED else None
+
     def seconds(self, tokens: int) -> float:
-        """A step's seconds at `tokens`: the fit's, else the steps' mean (0 before any)."""
+        """A step's seconds at `tokens`: its own (measured), else the fit's, else the steps' mean (0 before any)."""
+        own = self.measured(tokens)
+        if own is not None:
+            return own
         fit = self._fit()
         if fit is not None:
             return fit[0] + fit[1] * tokens
         w, _, _, y, _ = self._sums
         return y / w if w else 0.0
+
+    def guess_costs(self, rows: int, most: int) -> list[float]:
+        """For k = 1 .. most: what each guess costs, as a fraction of a step of `rows` decode rows, where each row
+        guesses k (the step grows from rows to rows * (k + 1) tokens). Where neither count is measured nor fitted, the
+        prior's linear step (token_cost)."""
+        rows = max(1, rows)
+        base, fitted, own = self.seconds(rows), self._fit() is not None, self.measured(rows) is not None
+        out = []
+        for k in range(1, most + 1):
+            wide = rows * (k + 1)
+            if base > 0 and (fitted or (own and self.measured(wide) is not None)):
+                out.append(max(0.0, (self.seconds(wide) - base) / (k * base)))
+            else:
+                out.append(token_cost(self.prior, rows))
+        return out
 
 
 class Adaptive:
@@ -119,26 +158,32 @@ class Adaptive:
         self.spent = 0.0  # seconds charged to probes after the first
         self.penalty = 1.0  # what the row's drafting steps really cost against the model's cost: grows while they lose
 
-    def k(self, cost: float, probe: bool = True, step_s: float = 0.0) -> int:
-        """Guesses are taken in runs (a reply copying its input, a stretch the draft model knows): after a draft taken
-        whole, twice as many where drafting pays at all, however many the running rate alone would say. `probe`
-        False: no probe this step (a draft model would read a row's whole prompt first, in a step of many rows).
-        `step_s`: a step's seconds now; a probe after the first waits until what probes cost is within PROBE_SHARE of
-        the row's steps."""
+    def k(self, cost: float | Sequence[float], probe: bool = True, step_s: float = 0.0) -> int:
+        """`cost`: what a guess costs as a fraction of a plain step, one for every k or each k's own (cost[k - 1]:
+        the step's seconds need not grow by the same for each token). Guesses are taken in runs (a reply copying its
+        input, a stretch the draft model knows): after a draft taken whole, up to twice as many where drafting pays at
+        all, however many the running rate alone would say (the k of those that yields most at RUN_RATE at least).
+        `probe` False: no probe this step (a draft model would read a row's whole prompt first, in a step of many
+        rows). `step_s`: a step's seconds now; a probe after the first waits until what probes cost is within
+        PROBE_SHARE of the row's steps."""
         self.steps += 1
         self.probing = False
         if self.most <= 0 or self.forced:
             return max(0, self.most)
+        costs = [cost] * self.most if isinstance(cost, (int, float)) else list(cost)[: self.most]
+        costs += [costs[-1] if costs else 0.95] * (self.most - len(costs))
         best, gain = 0, MIN_GAIN / 1.02
         for k in range(1, self.most + 1):
-            g = expected_gain(self.rate, k, min(0.95, cost * self.penalty))
+            g = expected_gain(self.rate, k, min(0.95, costs[k - 1] * self.penalty))
             if g > gain * 1.02:  # a longer draft must pay a little more than noise
                 best, gain = k, g
         if self._run and best:
-            return max(best, min(self.most, 2 * self._run))
+            top = max(best, min(self.most, 2 * self._run))
+            rate = max(self.rate, RUN_RATE)
+            return max(range(best, top + 1), key=lambda k: (expected_gain(rate, k, min(0.95, costs[k - 1] * self.penalty)), k))
         if best == 0:
             self.penalty = max(1.0, self.penalty * PENALTY_EASE)  # drafting is tried again, now and then, where it lost
-        if best == 0 and probe and expected_gain(1.0, self.most, cost) >= PROBE_GAIN:
+        if best == 0 and probe and max(expected_gain(1.0, k, costs[k - 1]) for k in range(1, self.most + 1)) >= PROBE_GAIN:
             self._idle += 1
             if self._idle >= self._probe and (not self.probes or self.spent <= PROBE_SHARE * self.steps * step_s):
                 self._idle = 0
