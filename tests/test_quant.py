@@ -210,8 +210,8 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     bf16 = path != "reference" and ops.bf16_units() is not None  # prompt chunks in bf16
     bf = lambda t: t.bfloat16().float() if bf16 else t
 
-    def checked(self, x, exact, norm=None, gated=False, add=None):
-        y = run(self, x, exact, norm, gated, add)
+    def checked(self, x, exact, norm=None, gated=False, add=None, out=None):
+        y = run(self, x, exact, norm, gated, add, out)
         if path != "reference" and not (exact and bf16):  # bf16 products: checked in bf16_runs, below
             if norm is not None or gated:  # folded into the kernel's quantizing: the same f32 rows the kernels make
                 x = ops.rms_norm_rows(x, *norm) if norm is not None else ops.gated_rows(x, gated)
@@ -225,9 +225,9 @@ def test_rounds_only_where_documented(case, path, feed, monkeypatch) -> None:
     monkeypatch.setattr(q.QuantLinear, "_run", checked)
     bf16_runs, bf16_calls = q.bf16_runs, []
 
-    def checked_bf16(x, runs, n, *, norm=None, gated=False, add=None):
+    def checked_bf16(x, runs, n, *, norm=None, gated=False, add=None, out=None):
         """Every bf16 product (whole projections, and the MLP's column slices) against its bf16-rounded inputs."""
-        y = bf16_runs(x, runs, n, norm=norm, gated=gated, add=add)
+        y = bf16_runs(x, runs, n, norm=norm, gated=gated, add=add, out=out)
         if isinstance(x, ops.BF16Rows):  # rows rounded once for several products (checked in bf16_round, below)
             a = x.data[: x.rows].float()
         else:

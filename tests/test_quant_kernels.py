@@ -190,6 +190,36 @@ def test_quant_rows_adds_a_residual_or_bias_as_torch_would(variant: str, qtype: 
         assert torch.equal(ops.quant_runs(x, runs, N, add=add).view(torch.int32), (add + product).view(torch.int32))
 
 
+@pytest.mark.parametrize("qtype", [8, 12])
+def test_a_projection_writes_a_steps_rows_in_place_with_the_bits_it_returns(variant: str, qtype: int) -> None:
+    """QuantLinear into `out` (a slice of a step's output, as the MLP's row blocks are): a prompt chunk's rows, and a
+    step that mixes them with decode rows on either side, with the residual added in the kernels' sums: the same bits
+    as returned anew and added after, written in `out` itself (no copy after the kernels)."""
+    from jitllmd.engine.layers.quant import QuantLinear, Segment
+
+    k = width(qtype)
+    w = torch.from_numpy(quantized(qtype, N, k, 600 + qtype))
+    lin = QuantLinear(w, [Segment(BY_GGML[qtype], N, k)], None)
+    g = torch.Generator().manual_seed(700 + qtype)
+    T = 11
+    x, residual = torch.randn(T, k, generator=g), torch.randn(T, N, generator=g)
+    for chunk in (torch.ones(T, dtype=torch.bool), torch.tensor([False, False] + [True] * 7 + [False, False]),
+                  torch.tensor([True, False] * 5 + [True])):
+        for res in (None, residual):
+            long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
+            want = torch.empty(T, N)
+            want[long] = lin._run(x[long], True)
+            if short.numel():
+                want[short] = lin._run(x[short], False)
+            if res is not None:
+                want = res + want
+            wide = torch.full((T + 2, N), float("nan"))
+            out = wide[1 : 1 + T]
+            got = lin(x, res, chunk=chunk, out=out)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (chunk.tolist(), res is None)
+            assert got.data_ptr() == out.data_ptr() and wide[0].isnan().all() and wide[-1].isnan().all()
+
+
 @pytest.mark.parametrize("qtype", BY_GGML)
 def test_gemm_rows_within_the_decode_bound_and_row_independent(variant: str, qtype: int) -> None:
     """The int8 GEMM (prompt chunks without bf16 units): x's codes as quant_rows makes them, so the same bound against

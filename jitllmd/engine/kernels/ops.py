@@ -14,7 +14,7 @@ from .build import rows_kernel
 
 __all__ = [
     "BF16_UNITS", "BF16Rows", "GATES", "KV_DTYPES", "MAX_ROWS", "Gate", "QuantLayer", "attend_chunk", "attend_rows", "bf16_attention", "bf16_round",
-    "bf16_runs", "bf16_units", "check_quant_weight", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "quant_rows",
+    "bf16_runs", "bf16_units", "check_quant_weight", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "product_rows", "quant_rows",
     "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear",
 ]
 
@@ -262,26 +262,38 @@ def quant_rows(
 
 
 def quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-               gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
+               gated: Gate = False, add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`quant_rows` over runs of quantized rows stacked along the output, (w, qtype, rows) each, checked once by their
-    owner (`check_quant_weight`): a decode step's projection in one kernel call per run, with no other op. -> [T, n] f32"""
+    owner (`check_quant_weight`): a decode step's projection in one kernel call per run, with no other op. -> [T, n] f32
+    (`out` where given: product_rows)"""
     x = x.float().contiguous()
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    y = product_rows(out, x.shape[0], n)
     if x.shape[0]:
         _quant_runs(x, runs, y, norm, gated, add)
     return y
 
 
 def gemm_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-              gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
+              gated: Gate = False, add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`quant_runs`' product as an int8 GEMM (quant.c's gemm_rows: a prompt chunk's many rows where the CPU has no bf16
     units): x rounded to int8 per 32 inputs exactly as there, the integer sums the same, the f32 steps after them in
-    another order (within f32 rounding of quant_runs'; each row's result its own, whatever the rows beside it). -> [T, n]"""
+    another order (within f32 rounding of quant_runs'; each row's result its own, whatever the rows beside it). -> [T, n]
+    (`out` where given: product_rows)"""
     x = x.float().contiguous()
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    y = product_rows(out, x.shape[0], n)
     if x.shape[0]:
         _quant_runs(x, runs, y, norm, gated, add, gemm=True)
     return y
+
+
+def product_rows(out: torch.Tensor | None, rows: int, n: int) -> torch.Tensor:
+    """Where a product's rows go: `out` (f32 [rows, n], contiguous: rows of a bigger product's output, say) written in
+    place by the kernel, so no copy into it follows (a copy is a parallel torch op: on few cores its threads wait for
+    the cores the kernels' pool has just spun on), else a new tensor."""
+    if out is None:
+        return torch.empty((rows, n), dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (rows, n) and out.is_contiguous(), (out.dtype, tuple(out.shape))
+    return out
 
 
 def _quant_runs(x: torch.Tensor, runs: list[tuple[torch.Tensor, int, int]], y: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
@@ -334,16 +346,17 @@ def bf16_round(x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = Non
 
 
 def bf16_runs(x: torch.Tensor | BF16Rows, runs: list[tuple[torch.Tensor, int, int]], n: int, *, norm: tuple[torch.Tensor, float] | None = None,
-              gated: Gate = False, add: torch.Tensor | None = None) -> torch.Tensor:
+              gated: Gate = False, add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """add + bf16(a) @ bf16(W).T over runs of quantized rows (quant_runs's) side by side, the products summed in f32
     (quant.c's bf16_rows: a prompt chunk's product where `bf16_units()` says the CPU has units for it), one call for
     every run. a is `bf16_round(x, norm=norm, gated=gated)`, or x itself where it is already that. A run's w may be a
-    column slice of wider rows ([rows, K's bytes], rows w.stride(0) bytes apart: `quant_columns`). -> [T, n]"""
+    column slice of wider rows ([rows, K's bytes], rows w.stride(0) bytes apart: `quant_columns`). -> [T, n] (`out`
+    where given: product_rows)"""
     lib = _lib()
     assert not (isinstance(x, BF16Rows) and (norm is not None or gated)), "rows already rounded were made then: no norm or gate to fold"
     xb = x if isinstance(x, BF16Rows) else bf16_round(x, norm=norm, gated=gated)
     T, width = xb.rows, xb.data.shape[1]
-    y = torch.empty((T, n), dtype=torch.float32)
+    y = product_rows(out, T, n)
     ld_add = 0
     if add is not None:
         assert add.dtype == torch.float32 and add.is_contiguous() and add.shape in ((T, n), (n,)), (add.dtype, tuple(add.shape))

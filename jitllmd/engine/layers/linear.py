@@ -25,13 +25,14 @@ _UPCAST_MIN_TOKENS = 8  # below this an emulated bf16 GEMV beats upcasting the w
 class Projection(Protocol):
     """What a block calls: x [T, in] -> [T, out], added to `residual` where given. `panels`: the kernel can fold a
     norm (`norm`) or the MLP's gate (`gated`) into how it packs its input. `chunk` (bool [T], or None): the tokens of
-    prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies by its prompt path (bf16 or the int8 GEMM)."""
+    prompt chunks (layers/quant.py's chunk_tokens), which a quantized projection multiplies by its prompt path (bf16 or the int8 GEMM).
+    `out`: f32 [T, out] the result may be written into (the caller copies one returned elsewhere)."""
 
     panels: bool
     folds: bool  # takes `norm` and `gated`
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor: ...
+                 gated: Gate = False, chunk: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, panels: bool = False, segments: list[Segment] | None = None) -> Projection:
@@ -80,10 +81,11 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: Gate = False, chunk: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where one is given (by the panel kernel, in its first pass). Panels
         only: with `norm` (weight, eps) the product is of RMSNorm(x) * weight, with `gated` of silu(gate) * up of x
-        [T, 2 * in], made as the kernel packs its rows. Every token is multiplied alike: `chunk` changes nothing."""
+        [T, 2 * in], made as the kernel packs its rows. Every token is multiplied alike: `chunk` changes nothing;
+        `out` is not written (a new tensor is returned)."""
         if self.panels:
             y = panel_linear(x, self.weight, residual, norm=norm, gated=gated)
             return y if self.bias is None else y + self.bias

@@ -40,6 +40,7 @@ from ..kernels.ops import (
     dequant_rows,
     gated_rows,
     gemm_runs,
+    product_rows,
     quant_runs,
     rms_norm_rows,
 )
@@ -140,20 +141,24 @@ class QuantLinear:
             check_quant_weight(w, qtype, rows, merged[0].k)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: Gate = False, chunk: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: Gate = False, chunk: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), added to `residual` where given. With `norm` (weight, eps) the product is of RMSNorm(x) *
         weight, with `gated` of act(gate) * up (silu, or `gated` names it) of x [T, 2 * in]: folded into the kernel's reading of x rows for decode
-        rows and for a prompt chunk's product, made first (the same f32 values) where the rows mix or there are no kernels."""
+        rows and for a prompt chunk's product, made first (the same f32 values) where the rows mix or there are no kernels.
+        `out`: an f32 [T, out] the kernel writes the result into where it makes it in one call (else returned anew: the
+        caller copies)."""
         whole = chunk is None or (self.kernel and bool(chunk.all()))  # one kernel call for every row
         if (norm is not None or gated) and not (self.folds and whole):
             x = rms_norm_rows(x.float(), norm[0], norm[1]) if norm is not None else gated_rows(x.float(), gated)
             norm, gated = None, False
         if self.kernel and whole and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())):
             # decode rows, or a prompt chunk: one kernel call per run, the bias or else the residual added in it
-            y = self._run(x.float(), chunk is not None, norm, gated, self.bias if self.bias is not None or residual is None else residual)
+            into = out if residual is None or self.bias is None else None
+            y = self._run(x.float(), chunk is not None, norm, gated, self.bias if self.bias is not None or residual is None else residual, into)
             return y if residual is None or self.bias is None else residual + y
-        y = self.project(x, chunk, norm=norm, gated=gated)
-        return y if residual is None else residual + y.to(residual.dtype)
+        inside = residual is not None and self.kernel and self.bias is None and residual.dtype == torch.float32 and residual.is_contiguous()
+        y = self.project(x, chunk, norm=norm, gated=gated, add=residual if inside else None, out=out if residual is None or inside else None)
+        return y if residual is None or inside else residual + y.to(residual.dtype)
 
     def rows_bf16(self, x: BF16Rows, spans: list[tuple[int, int]]) -> torch.Tensor:
         """A prompt chunk's bf16 product (`bf16_chunks`) of rows made and rounded once (`bf16_round`) with output rows
@@ -178,30 +183,42 @@ class QuantLinear:
         return bf16_runs(x, runs, self.out_features, gated=gated, add=add)
 
     def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                gated: Gate = False) -> torch.Tensor:
+                gated: Gate = False, add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) [T, out] f32, each row by its own path (`chunk`: a prompt chunk's rows), plus `add` (a
+        residual [T, out], with the kernels and no bias only) added in the kernels' sums, into `out` where given. A
+        step's prompt rows side by side (one chunk's) are read and written in place: no torch op copies them between
+        the kernels' calls (a parallel op there waits, on few cores, for the cores the kernels' pool spun on)."""
         x = x.float()
+        assert add is None or (self.kernel and self.bias is None)
+        bias = self.bias if add is None else add
         if chunk is None or not self.kernel:
-            return self._run(x, False, norm, gated, self.bias)
+            return self._run(x, False, norm, gated, bias, out)
         if bool(chunk.all()):  # norm or gated given only where the bf16 product folds them
-            return self._run(x, True, norm, gated, self.bias)
+            return self._run(x, True, norm, gated, bias, out)
+        assert norm is None and not gated  # made before: the rows mix
         long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
-        y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-        y[long] = self._run(x[long], True, add=self.bias)
-        y[short] = self._run(x[short], False, add=self.bias)
+        y = product_rows(out, x.shape[0], self.out_features)
+        lo, hi = int(long[0]), int(long[-1]) + 1
+        if hi - lo == long.numel():
+            self._run(x[lo:hi], True, add=bias if add is None else add[lo:hi], out=y[lo:hi])
+        else:
+            y[long] = self._run(x[long], True, add=bias if add is None else add[long])
+        if short.numel():
+            y[short] = self._run(x[short], False, add=bias if add is None else add[short])  # decode rows: a few
         return y
 
     def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: Gate = False,
-             add: torch.Tensor | None = None) -> torch.Tensor:
+             add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] f32 -> add + x @ W.T [T, out] (`add`: a residual [T, out] or a bias [out], or None): the decode rows'
         integer kernel, or (`exact`: a prompt chunk's rows) the bf16 product where the CPU has bf16 units, else the int8
-        GEMM; each folds `norm` or `gated` into its reading of x and adds `add` in its sums. Without kernels: the
-        reference, given x made."""
+        GEMM; each folds `norm` or `gated` into its reading of x and adds `add` in its sums, into `out` where given.
+        Without kernels: the reference, given x made (a new tensor)."""
         if self.kernel and not exact:
-            return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
+            return quant_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add, out=out)
         if self.bf16_chunks:
-            return bf16_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
+            return bf16_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add, out=out)
         if self.gemm_chunks:
-            return gemm_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add)
+            return gemm_runs(x, self.runs, self.out_features, norm=norm, gated=gated, add=add, out=out)
         y = torch.cat([F.linear(x, dequantize(w, s.fmt, s.rows, s.k)) for s, w in zip(self.segments, self.views)], 1)
         return y if add is None else y.add_(add)  # add + y, in y's own storage
 

@@ -187,7 +187,7 @@ class DecoderBlock:
         if x.shape[0] > MLP_ROWS:  # each row's MLP is its own (a GEMM may round a tile's rows in another order)
             out = torch.empty_like(x)
             for t in range(0, x.shape[0], MLP_ROWS):
-                out[t : t + MLP_ROWS] = self.mlp(x[t : t + MLP_ROWS], None if chunk is None else chunk[t : t + MLP_ROWS])
+                self.mlp(x[t : t + MLP_ROWS], None if chunk is None else chunk[t : t + MLP_ROWS], out=out[t : t + MLP_ROWS])
             return out
         return self.mlp(x, chunk)
 
@@ -211,15 +211,21 @@ class DecoderBlock:
             y = self.down.columns_bf16(gate_up, j, j + c, gated=self.gate, add=y)
         return y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y)
 
-    def mlp(self, x: torch.Tensor, chunk: torch.Tensor | None) -> torch.Tensor:
-        """x + the MLP of x's rows [T, hidden] f32 (`chunk`: which rows are a prompt's, multiplied exactly)."""
+    def mlp(self, x: torch.Tensor, chunk: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x + the MLP of x's rows [T, hidden] f32 (`chunk`: which rows are a prompt's, multiplied exactly), written
+        into `out` where given (by the down projection's kernel where it can: no copy after it)."""
         residual = x if self.mlp_out_norm is None else None
+        into = out if self.mlp_out_norm is None else None
         if self.fold:
             gate_up = self.gate_up(x, norm=(self.post_norm.weight, self.post_norm.eps), chunk=chunk)
-            y = self.down(gate_up, residual=residual, gated=self.gate, chunk=chunk)
+            y = self.down(gate_up, residual=residual, gated=self.gate, chunk=chunk, out=into)
         else:
-            y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk)
-        return y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float())
+            y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk, out=into)
+        y = y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float())
+        if out is not None and y is not out:
+            out.copy_(y)
+            return out
+        return y
 
 
 class Embed:
