@@ -189,13 +189,15 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return y
 
 
-def rms_norm_add_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+def rms_norm_add_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """residual + RMSNorm(x) * weight for f32 rows x and residual [T, D] (D a multiple of 8), written over x (a
-    sublayer's output, no longer needed) and returned: the bits of residual + rms_norm_rows(x, weight, eps)."""
+    sublayer's output, no longer needed), or into `out` (product_rows), and returned: the bits of residual +
+    rms_norm_rows(x, weight, eps)."""
     lib = _lib()
     assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape and x.dtype == residual.dtype == torch.float32
-    lib.rms_norm_add_rows(x.data_ptr(), weight.data_ptr(), residual.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return x
+    y = x if out is None else product_rows(out, x.shape[0], x.shape[1])
+    lib.rms_norm_add_rows(x.data_ptr(), weight.data_ptr(), residual.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return y
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

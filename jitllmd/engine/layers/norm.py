@@ -38,8 +38,9 @@ class RMSNorm:
             return x
         return x.copy_(self(x))
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + RMSNorm(x) * weight, x [T, D] a sublayer's output (written over where the kernel runs)."""
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + RMSNorm(x) * weight, x [T, D] a sublayer's output (written over where the kernel runs, or into
+        `out`, f32 [T, D] contiguous, where given: else a new tensor is returned)."""
         if self.kernel and x.dtype == residual.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
-            return rms_norm_add_rows(x, self.weight, self.eps, residual)
+            return rms_norm_add_rows(x, self.weight, self.eps, residual, out)
         return residual + self(x.to(residual.dtype))

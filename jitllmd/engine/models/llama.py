@@ -221,7 +221,7 @@ class DecoderBlock:
             y = self.down(gate_up, residual=residual, gated=self.gate, chunk=chunk, out=into)
         else:
             y = self.down(self.gated(self.gate_up(self.post_norm(x), chunk=chunk)), residual=residual, chunk=chunk, out=into)
-        y = y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float())
+        y = y if self.mlp_out_norm is None else self.mlp_out_norm.add_to(x, y.float(), out=out)
         if out is not None and y is not out:
             out.copy_(y)
             return out
