@@ -145,15 +145,19 @@ static inline __m256i codes_q6k(const uint8_t *b, int j) {
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
 
-/* Q4_K / Q5_K's eight 6-bit scales and mins (llama.cpp's get_scale_min_k4, unpacked four at a time as it does),
- * times d and dmin: the sub-blocks' d * sc and dmin * m. */
+/* Q4_K / Q5_K's eight 6-bit scales and mins (llama.cpp's get_scale_min_k4: sc j < 4 is q[j] & 63, m j < 4 q[j + 4] & 63;
+ * j >= 4 take their low four bits from q[j + 4]'s nibbles and their top two from q[j - 4]'s, q[j]'s top bits), all
+ * sixteen at once with two byte shuffles, times d and dmin: the sub-blocks' d * sc and dmin * m. (One at a time in
+ * scalar code this was a third of a decode row's work on a Q4_K superblock.) */
 static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
-    uint32_t u[3];
-    memcpy(u, b + 4, 12);
-    const uint32_t sc_lo = u[0] & 0x3f3f3f3f, m_lo = u[1] & 0x3f3f3f3f;
-    const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const __m128i v = _mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* the 12 scale bytes and 4 of the codes after them */
+    /* bytes 0-7 sc0..7, 8-15 m0..7: low bits from q[0..3], q[8..11], q[4..7], q[8..11]'s high nibbles */
+    const __m128i a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i lo = _mm_or_si128(_mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                                    _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    /* the j >= 4 values' top two bits: q[0..3]'s and q[4..7]'s bits 6, 7 moved to 4, 5 */
+    const __m128i h = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i v = _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
     *dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
     *dmin_m = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
 }
@@ -249,6 +253,19 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
     return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* Q6_K without VNNI takes its codes unsigned (0..63) and subtracts 32 * sc * the x codes' sum from each lane (group_dot):
+ * the lanes' sums over a group's codes xg, accumulator 0's in the low int16 of each int32 lane of xc, 1's in the high
+ * (|sum| <= 16 * 127). Q6_K has no offset term, so xc takes the row's xs slot (8 floats: one vector). */
+static inline void q6k_sums(const int8_t *xg, float *xc) {
+    __m256i sum[2];
+    for (int a = 0; a < 2; a++) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int k = a; k < NV; k += 2) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
+        sum[a] = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    }
+    _mm256_storeu_si256((__m256i *)xc, _mm256_or_si256(_mm256_and_si256(sum[0], _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sum[1], 16)));
+}
+
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
@@ -282,15 +299,17 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
         for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 16 + j] = 0.0f;
         for (int a = 0; a < 2; a++)
             for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
+        if (type == Q6_K && !x_biased(type)) q6k_sums(xg, xs + g * np * 16);
     }
 }
 
 /* ---- a group of weights, unpacked once for all the rows ---- */
 
 typedef struct {
-    __m256i w[NV];   /* codes: unsigned (the 4- and 5-bit formats) or signed (Q8_0, Q6_K's q - 32) */
+    __m256i w[NV];   /* codes: unsigned (the 4- and 5-bit formats, Q6_K's q without VNNI) or signed (Q8_0, Q6_K's q - 32) */
     __m256i aw[NV];  /* without VNNI, signed formats: |w|, against x * sign(w) */
     __m256i sc[2];   /* Q6_K: each lane's 16-element scale, per accumulator (int16 pairs; int32 with VNNI) */
+    __m256i sc32[2]; /* without VNNI, Q6_K: 32 * sc in accumulator a's int16 of each lane (q6k_sums' order), 0 in the other */
     __m256 dw[2];    /* d_w (Q4_K, Q5_K: d * sc) per accumulator lane */
     __m256 off;      /* offset coefficient per x-block, in block order: -8 d, m, -16 d, -dmin * m */
     __m256i corr[2]; /* with VNNI, signed formats: 128 * each lane's sum of weights, per accumulator */
@@ -329,14 +348,20 @@ static inline __m256i q5_bits(__m256i h, int v) {
         g->w[2 * (i) + 1] = _mm256_or_si256(g->w[2 * (i) + 1], _mm256_and_si256(_mm256_slli_epi32(s, 3), _mm256_set1_epi8(0x10))); \
     }
 
-/* Q6_K: vectors 2i, 2i + 1 from ql's nibbles and qh's bit pairs (g: qh's dwords for lane L's half), as q - 32 */
+/* Q6_K: vectors 2i, 2i + 1 from ql's nibbles and qh's bit pairs (g: qh's dwords for lane L's half), as q - 32 for VNNI's
+ * dpbusd, as q (0..63) without: maddubs takes them unsigned, and group_dot subtracts the 32s from the sums */
+#ifdef HAVE_VNNI
+#define Q6K_SIGNED(c) _mm256_sub_epi8((c), _mm256_set1_epi8(32))
+#else
+#define Q6K_SIGNED(c) (c)
+#endif
 #define Q6K_CODES(i, G)                                                                                               \
     {                                                                                                                 \
         const __m256i s = _mm256_srlv_epi32(G, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));                            \
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(v[i], low4), _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x30))); \
         const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4), _mm256_and_si256(s, _mm256_set1_epi8(0x30)));  \
-        g->w[2 * (i)] = _mm256_sub_epi8(lo, _mm256_set1_epi8(32));                                                    \
-        g->w[2 * (i) + 1] = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));                                                \
+        g->w[2 * (i)] = Q6K_SIGNED(lo);                                                                               \
+        g->w[2 * (i) + 1] = Q6K_SIGNED(hi);                                                                           \
     }
 
 static const uint8_t zero_block[34]; /* what a row's short last group reads for its missing blocks */
@@ -353,7 +378,7 @@ static inline __attribute__((always_inline)) void sign_parts(const int type, con
         }
     }
 #else
-    if (type == Q8_0 || type == Q6_K)
+    if (type == Q8_0)
         for (int k = 0; k < nv; k++) g->aw[k] = _mm256_abs_epi8(g->w[k]);
 #endif
 }
@@ -411,6 +436,8 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
 #else
         g->sc[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)));
         g->sc[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
+        g->sc32[0] = _mm256_and_si256(_mm256_slli_epi16(g->sc[0], 5), _mm256_set1_epi32(0xffff));
+        g->sc32[1] = _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(g->sc[1], 5));
 #endif
     } else {
         /* eight blocks: their d (and m) lane by lane (eight 2-byte stores read back as a vector would stall store
@@ -460,13 +487,13 @@ static inline __m256i fold(__m256i s, const int nv) {
 
 /* A row's products with the group: per accumulator, each lane's int32 sum -> f32 (exact: under 2^24) * d_w * d_x;
  * the first accumulator's start from the offset term; the two added. xg: the row's codes for the group, d: its
- * d per accumulator lane, os: offset * its d * sum(q). Without VNNI the maddubs pairs add up in int16 as far as they
- * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q6_K's |q - 32| <= 32 4, Q8_0's 1).
+ * d per accumulator lane, os: offset * its d * sum(q), xc: Q6_K's x sums without VNNI (q6k_sums). Without VNNI the maddubs pairs add up in int16 as far as they
+ * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q6_K's q <= 63 2, Q8_0's 1).
  * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
 static inline __attribute__((always_inline)) __m256 group_dot(const int type, const int nv, const group_t *g, const int8_t *xg, const float *d,
-                                                             __m256 os) {
+                                                             __m256 os, const float *xc) {
     const int na = num_acc(type);
 #define X(k) _mm256_loadu_si256((const __m256i *)(xg + XV * (k)))
     __m256 part[2];
@@ -477,6 +504,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
         for (int k = a; k < nv; k += na) s = sign ? _mm256_dpbusd_epi32(s, X(k), g->w[k]) : _mm256_dpbusd_epi32(s, g->w[k], X(k));
         if (sign) s = _mm256_sub_epi32(s, g->corr[a]);
         if (type == Q6_K) s = _mm256_mullo_epi32(s, g->sc[a]);
+        (void)xc;
 #else
         const __m256i ones = _mm256_set1_epi16(1);
         /* each sum a chain, as written: gcc's tree of a row's products, unrolled over the rows, spills */
@@ -485,13 +513,11 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
                 __asm__("" : "+x"(s));
             }
-        } else if (type == Q6_K) {
-            __m256i s16 = _mm256_setzero_si256();
-            for (int k = a; k < nv; k += na) {
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])));
-                __asm__("" : "+x"(s16));
-            }
-            s = _mm256_madd_epi16(s16, g->sc[a]);
+        } else if (type == Q6_K) { /* q (0..63) times x: two vectors' pairs an int16 sum (2 * 2 * 63 * 127 < 2^15) */
+            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a], X(a)), _mm256_maddubs_epi16(g->w[a + 2], X(a + 2)));
+            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a + 4], X(a + 4)), _mm256_maddubs_epi16(g->w[a + 6], X(a + 6)));
+            s = _mm256_add_epi32(_mm256_madd_epi16(lo, g->sc[a]), _mm256_madd_epi16(hi, g->sc[a]));
+            s = _mm256_sub_epi32(s, _mm256_madd_epi16(g->sc32[a], _mm256_loadu_si256((const __m256i *)xc))); /* - 32 sc sum(x) */
         } else {
             const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
             for (int k0 = a; k0 < nv; k0 += run * na) {
@@ -577,7 +603,7 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #pragma GCC unroll 16
     for (; t < n; t++) {
         const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 8, 8))) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os));
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 8, 8)));
     }
 }
 
