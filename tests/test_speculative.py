@@ -253,6 +253,88 @@ def test_each_token_counts_measured_seconds_override_the_fit_and_a_dearer_run_le
     assert run.k(flat.guess_costs(1, 8)) == 8
 
 
+
+def test_a_wide_steps_guess_cost_takes_both_counts_from_one_source() -> None:
+    """A row's verifying step of 8 tokens, measured, costs what the fitted line says of 20 tokens; 8 rows' step with
+    guesses (16 tokens) is not measured: a guess there costs the line's b * 8 / (a + b * 8), not the fit's 16 tokens
+    against the measured 8 (which once made guesses in a wide step look free, and 8 drafting clients 0.7x plain)."""
+    cost = StepCost(prior=0.3)
+    for _ in range(StepCost.MEASURED_LAST):
+        for t in range(1, 10):
+            cost.observe(t, 0.1 + 0.01 * t + (0.12 if t == 8 else 0.0))  # 8 tokens: a dear verifying step
+    a, b = cost._fit()
+    assert cost.measured(8) is not None and cost.measured(16) is None
+    assert cost.guess_costs(8, 2) == pytest.approx([b * 8 / (a + b * 8)] * 2)
+    assert min(cost.guess_costs(8, 2)) > 0.2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Req:
+    """What Speculator.draft reads of a request: its speculation, tokens, limits and session."""
+
+    def __init__(self, spec) -> None:
+        self.spec, self.prompt_ids, self.output_ids = spec, list(PROMPT), []
+        self.max_tokens, self.cancel_requested = 100, False
+        self.session = type("S", (), {"token_ids": list(PROMPT), "kv": type("K", (), {"capacity": 512})()})()
+
+
+def test_drafting_steps_of_many_rows_are_judged_against_plain_steps_of_as_many(monkeypatch) -> None:
+    """Steps of two decode rows, timed draft() to draft() on a clock the test moves: plain ones set what a token costs
+    at two rows; drafting ones that give tokens dearer than that make their rows' guesses dearer (Adaptive.realized)
+    until they stop, ones that give them cheaper leave the rows as they are. A step with a prompt's tokens is not
+    timed."""
+    from jitllmd.engine import draft as draft_mod
+    from jitllmd.engine.draft import NgramDrafter, Speculator
+    from jitllmd.engine.scheduler import Row
+
+    clock = _Clock()
+    monkeypatch.setattr(draft_mod.time, "perf_counter", clock)
+    spec = Speculator(SpecConfig(mode="ngram", draft_max=2), NgramDrafter())
+
+    def step(reqs, seconds: float, taken: int = 0, joining: bool = False) -> list:
+        rows = [Row(req=r, ids=[PROMPT[-1]], pos=len(PROMPT), prompt=False, short=False, many=False, logits=1) for r in reqs]
+        if joining:  # a prompt's tokens beside them
+            rows.append(Row(req=_Req(None), ids=list(PROMPT), pos=0, prompt=True, short=False, many=False, logits=1))
+        out = spec.draft(rows, budget=64)
+        for r, row in zip(reqs, out):
+            if row.draft:
+                spec.verified(r, len(row.draft), min(taken, len(row.draft)))
+                r.session.token_ids[len(PROMPT) :] = []  # what Outputs.verify trims
+        clock.now += seconds
+        return out
+
+    def drafting() -> list:
+        reqs = [_Req(spec.row(None)), _Req(spec.row(None))]
+        for r in reqs:
+            for _ in range(30):
+                r.spec.adaptive.record(2, 2)  # every guess taken so far: they draft
+        return reqs
+
+    for _ in range(5):  # plain steps of two rows: 0.5 s a token
+        step([_Req(None), _Req(None)], 1.0)
+    losing = drafting()
+    assert all(row.draft for row in step(losing, 4.0, taken=2))  # 6 tokens in 4 s: dearer than plain
+    for _ in range(12):
+        step(losing, 4.0, taken=2)
+    assert all(r.spec.adaptive.penalty > 2.0 and r.spec.adaptive.rate > 0.9 for r in losing)
+    assert not any(row.draft for row in step(losing, 1.0))  # they stopped, every guess still taken
+    winning = drafting()
+    for _ in range(10):
+        step(winning, 1.2, taken=2)  # 6 tokens in 1.2 s: cheaper than plain
+    assert all(r.spec.adaptive.penalty == 1.0 for r in winning)
+    slow = drafting()
+    for _ in range(10):
+        assert any(row.draft for row in step(slow, 30.0, taken=2, joining=True))  # beside a prompt: not timed
+    assert all(r.spec.adaptive.penalty == 1.0 for r in slow)
+
+
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------
 
 

@@ -58,8 +58,8 @@ class Speculator:
         self._passes: deque[float] = deque(maxlen=9)  # a drafter's recent passes (one guess of each drafting row): seconds
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
-        self._plain: float | None = None  # seconds a plain step of one row really takes, draft() to draft() (running mean)
-        self._open: tuple[float, str, Request] | None = None  # the step begun: when, plain or draft, its row
+        self._plain: dict[int, float] = {}  # decode rows -> seconds a plain step of that many takes a token, draft() to draft() (running mean)
+        self._open: tuple[float, int, list[Request] | None] | None = None  # the step begun: when, its decode rows, those drafting (None: plain)
         self._taken = 0  # guesses its verification took
 
     def row(self, draft_max: int | None, forced: bool = False) -> RowSpec:
@@ -98,9 +98,11 @@ class Speculator:
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k
-        only = rows[0].req if len(rows) == 1 and decoding == 1 else None  # a row decoding alone: its step is timed
-        if only is not None and only.spec is not None and not only.spec.adaptive.probing:
-            self._open = (now, "draft" if asks else "plain", only)
+        # a step of decode rows only is timed (a prompt's tokens would say nothing of guesses), but one whose only
+        # guesses are probes (their cost is charged to them: Adaptive.charge)
+        judged = [req for _, req, _ in asks if req.spec is not None and not req.spec.adaptive.probing]
+        if decoding and decoding == len(rows) and (judged or not asks):
+            self._open = (now, decoding, judged or None)
         if not asks:
             return rows
         t0 = time.perf_counter()
@@ -133,21 +135,26 @@ class Speculator:
             close()
 
     def _close(self, now: float) -> None:
-        """The last step of one row, timed to this call: a plain one kept in the running mean, a drafting one checked
-        against it a token at a time (Adaptive.realized). A gap past 4 plain steps a token (the engine idle between
-        requests) says nothing."""
+        """The last step of decode rows, timed to this call, a token at a time (each row's own and its taken guesses):
+        a plain one kept in the running mean of steps of as many rows, a drafting one checked against it, its drafting
+        rows told whether it won (Adaptive.realized): in a wide step guesses cost more than the model's line says (on
+        AVX2 16 tokens are two passes of the few-row kernel over the weights where 8 are one). A gap past 4 plain
+        steps a token (the engine idle between requests) says nothing."""
         if self._open is None:
             return
-        t0, kind, req = self._open
+        t0, num, drafting = self._open
         self._open = None
-        per = (now - t0) / (1 + (self._taken if kind == "draft" else 0))
+        per = (now - t0) / (num + (self._taken if drafting else 0))
         self._taken = 0
-        if self._plain is not None and per > 4 * self._plain:
+        plain = self._plain.get(num)
+        if plain is not None and per > 4 * plain:
             return
-        if kind == "plain":
-            self._plain = per if self._plain is None else self._plain + 0.1 * (per - self._plain)
-        elif self._plain is not None and req.spec is not None:
-            req.spec.adaptive.realized(per < self._plain)
+        if drafting is None:
+            self._plain[num] = per if plain is None else plain + 0.1 * (per - plain)
+        elif plain is not None:
+            for req in drafting:
+                if req.spec is not None:
+                    req.spec.adaptive.realized(per < plain)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         assert req.spec is not None

@@ -128,12 +128,17 @@ class StepCost:
         guesses k (the step grows from rows to rows * (k + 1) tokens). Where neither count is measured nor fitted, the
         prior's linear step (token_cost)."""
         rows = max(1, rows)
-        base, fitted, own = self.seconds(rows), self._fit() is not None, self.measured(rows) is not None
+        fit, own = self._fit(), self.measured(rows)
         out = []
         for k in range(1, most + 1):
-            wide = rows * (k + 1)
-            if base > 0 and (fitted or (own and self.measured(wide) is not None)):
-                out.append(max(0.0, (self.seconds(wide) - base) / (k * base)))
+            wide = self.measured(rows * (k + 1))
+            # both counts measured, or both fitted: one count's own seconds beside the other's fitted ones mix two
+            # sources (a row's 8-token verifying step, measured, is dearer than the line says of 8 rows' plain one)
+            if own is not None and wide is not None and own > 0:
+                out.append(max(0.0, (wide - own) / (k * own)))
+            elif fit is not None:
+                a, b = fit
+                out.append(b * rows / (a + b * rows))  # a + b * tokens: each guess adds b * rows
             else:
                 out.append(token_cost(self.prior, rows))
         return out
