@@ -23,17 +23,18 @@ class Command(TyperCommand):
         try:
             return super().parse_args(ctx, args)
         except Exception as exc:
-            typed = _typed_token(exc, given)
+            names = [n for p in self.get_params(ctx) if p.param_type_name == "option" for n in (*p.opts, *p.secondary_opts)]
+            typed = _typed_token(exc, given, set(names))
             if typed is None:
                 raise
-            names = [n for p in self.get_params(ctx) if p.param_type_name == "option" for n in (*p.opts, *p.secondary_opts)]
             close = difflib.get_close_matches(typed, [n for n in names if len(n) > 2 and not n.startswith("--")])
             no_such_option: Any = type(exc)
             raise no_such_option(typed, possibilities=close, ctx=ctx) from None
 
 
-def _typed_token(exc: Exception, args: list[str]) -> str | None:
-    """The single-dash word that Click cut to its first letter (-c of -chta) in a no-such-option error, or None."""
+def _typed_token(exc: Exception, args: list[str], known: set[str]) -> str | None:
+    """The single-dash word that Click cut to its first letter (-c of -chta) in a no-such-option error, or None: the
+    first with that letter that is no option's name (`-model x -max-tokens 5` cuts -max-tokens, not -model)."""
     name = getattr(exc, "option_name", None)
     if type(exc).__name__ != "NoSuchOption" or not isinstance(name, str) or len(name) != 2 or name.startswith("--"):
         return None
@@ -41,6 +42,6 @@ def _typed_token(exc: Exception, args: list[str]) -> str | None:
         if arg == "--":
             break
         word = arg.split("=", 1)[0]
-        if len(word) > 2 and word.startswith(name) and not word.startswith("--"):
+        if len(word) > 2 and word.startswith(name) and not word.startswith("--") and word not in known:
             return word
     return None

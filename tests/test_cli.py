@@ -600,6 +600,7 @@ def httpx_post(url: str, body: dict) -> dict:
     (["serve", "-adr", "x"], "-adr", "-addr"),
     (["place", "-sesion", "S"], "-sesion", "-session"),
     (["convert", "x.gguf", "-dtpye", "f32"], "-dtpye", "-dtype"),
+    (["run", "-model", "x.jlm", "-max-tokens", "5", "hi"], "-max-tokens", "-max-seq"),  # not the valid -model before it
 ])
 def test_a_misspelt_single_dash_flag_is_named_whole_with_a_suggestion(args, typed, suggested) -> None:
     r = cli(*args)
