@@ -409,7 +409,7 @@ def test_a_request_may_turn_it_off_or_cap_its_guesses(tiny_serve_q8_jlm) -> None
         seen: list[int] = []
         draft = spec.speculator.draft
         spec.speculator.draft = lambda rows, budget: [seen.append(len(r.draft)) or r for r in draft(rows, budget)]  # type: ignore[method-assign]
-        _run(spec, draft_max=2)
+        _run(spec, draft_max=2, speculative=True)  # forced: every step guesses, whatever the step times say
         assert max(seen) == 2 and spec.speculator.drafted > 0
     finally:
         spec.stop()
