@@ -286,8 +286,8 @@ class _Req:
 
 
 def test_drafting_steps_of_many_rows_are_judged_against_plain_steps_of_as_many(monkeypatch) -> None:
-    """Steps of two decode rows, timed draft() to draft() on a clock the test moves: plain ones set what a token costs
-    at two rows; drafting ones that give tokens dearer than that make their rows' guesses dearer (Adaptive.realized)
+    """Steps of two decode rows, timed draft() to draft() on a clock the test moves: the first is plain whatever its rows
+    would guess (nothing to judge guesses against yet); plain ones set what a token costs at two rows; drafting ones that give tokens dearer than that make their rows' guesses dearer (Adaptive.realized)
     until they stop, ones that give them cheaper leave the rows as they are. A step with a prompt's tokens is not
     timed."""
     from jitllmd.engine import draft as draft_mod
@@ -317,6 +317,7 @@ def test_drafting_steps_of_many_rows_are_judged_against_plain_steps_of_as_many(m
                 r.spec.adaptive.record(2, 2)  # every guess taken so far: they draft
         return reqs
 
+    assert not any(row.draft for row in step(drafting(), 1.0))  # no plain step of two rows timed yet: this one is
     for _ in range(5):  # plain steps of two rows: 0.5 s a token
         step([_Req(None), _Req(None)], 1.0)
     losing = drafting()

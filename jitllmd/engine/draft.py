@@ -87,10 +87,14 @@ class Speculator:
         cost = self.cost(decoding)
         step_s = self.steps.seconds(decoding)
         probe = decoding == 1 or not self.extra  # a draft model's probe reads the row's prompt first: alone, not in a wide step
+        # a step of decode rows alone is timed (_close); until one of this many rows ran plain, none guesses (but a
+        # forced row): drafting steps need a plain one to be judged against, or guesses whose cost the model misses
+        # (sampling and verifying k + 1 rows: a CUDA device's steps) would go on unjudged
+        unjudged = decoding == len(rows) and decoding not in self._plain
         for i, row in enumerate(rows):
             req = row.req
             spec = req.spec
-            if spec is None or row.prompt or not row.ids or req.cancel_requested:
+            if spec is None or row.prompt or not row.ids or req.cancel_requested or (unjudged and not spec.adaptive.forced):
                 continue
             # never past max_tokens (k + 1 tokens may come of it) nor the session's room
             room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
