@@ -90,7 +90,8 @@ class Speculator:
         # a step of decode rows alone is timed (_close); until one of this many rows ran plain, none guesses (but a
         # forced row): drafting steps need a plain one to be judged against, or guesses whose cost the model misses
         # (sampling and verifying k + 1 rows: a CUDA device's steps) would go on unjudged
-        unjudged = decoding == len(rows) and decoding not in self._plain
+        timed = decoding > 0 and decoding == len(rows)
+        unjudged = timed and decoding not in self._plain
         for i, row in enumerate(rows):
             req = row.req
             spec = req.spec
@@ -105,7 +106,7 @@ class Speculator:
         # a step of decode rows only is timed (a prompt's tokens would say nothing of guesses), but one whose only
         # guesses are probes (their cost is charged to them: Adaptive.charge)
         judged = [req for _, req, _ in asks if req.spec is not None and not req.spec.adaptive.probing]
-        if decoding and decoding == len(rows) and (judged or not asks):
+        if timed and (judged or not asks):
             self._open = (now, decoding, judged or None)
         if not asks:
             return rows

@@ -307,7 +307,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
 
 typedef struct {
     __m256i w[NV];   /* codes: unsigned (the 4- and 5-bit formats, Q6_K's q without VNNI) or signed (Q8_0, Q6_K's q - 32) */
-    __m256i aw[NV];  /* without VNNI, signed formats: |w|, against x * sign(w) */
+    __m256i aw[NV];  /* without VNNI, Q8_0: |w|, against x * sign(w) */
     __m256i sc[2];   /* Q6_K: each lane's 16-element scale, per accumulator (int16 pairs; int32 with VNNI) */
     __m256i sc32[2]; /* without VNNI, Q6_K: 32 * sc in accumulator a's int16 of each lane (q6k_sums' order), 0 in the other */
     __m256 dw[2];    /* d_w (Q4_K, Q5_K: d * sc) per accumulator lane */
