@@ -46,6 +46,22 @@ class NgramDrafter:
         return [req.spec.history(req.prompt_ids, req.output_ids).propose(k) if req.spec is not None else [] for req, k in asks]
 
 
+MISS_WEIGHT = 0.2  # weight of a drafting step's own in the running mean of what the model misses (Speculator._miss), after 5
+MISS_MOST = 4.0  # a step's own, at most (either way): one step held up by the machine's other work weighs no more
+
+
+@dataclass
+class _Open:
+    """A step of decode rows alone, begun at `t0` (Speculator.draft), timed at the next: its guesses (0: a plain
+    step), the fraction of a plain step the model says they add to it, and the rows drafting (not probing) in it."""
+
+    t0: float
+    rows: int
+    guesses: int = 0
+    model: float = 0.0
+    drafting: list[Request] = field(default_factory=list)
+
+
 class Speculator:
     """A model's speculative decoding: each step, the guesses of its decode rows that draft (Speculator.draft)."""
 
@@ -59,8 +75,13 @@ class Speculator:
         self.drafted = 0  # over the engine's life: guesses fed, and those accepted (stats)
         self.accepted = 0
         self._plain: dict[int, float] = {}  # decode rows -> seconds a plain step of that many takes a token, draft() to draft() (running mean)
-        self._open: tuple[float, int, list[Request] | None] | None = None  # the step begun: when, its decode rows, those drafting (None: plain)
+        self._open: _Open | None = None  # the step of decode rows alone begun, timed at the next draft()
         self._taken = 0  # guesses its verification took
+        # decode rows -> what a guess costs beyond the model's cost (cost), as a fraction of a plain step of that many
+        # rows: drafting steps timed whole (_close), a running mean. The model times the target's forward alone; the
+        # rest of a step (sampling and verifying each guessed row, the drafter, the host's Python) grows with guesses
+        # too, and where the forward is a small part of a step (a CUDA device's) it is most of a guess's cost.
+        self._miss: dict[int, tuple[float, int]] = {}  # ... and the steps it is the mean of
 
     def row(self, draft_max: int | None, forced: bool = False) -> RowSpec:
         """A new request's state; `draft_max` its own limit (None: the server's); `forced`: it guesses that many every
@@ -68,14 +89,20 @@ class Speculator:
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
         return RowSpec(Adaptive(most, forced))
 
-    def cost(self, rows: int) -> list[float]:
-        """What a guess costs in a step of `rows` decode rows where each guesses k, for k = 1 .. -draft-max
-        (StepCost.guess_costs), with the drafter's own: a draft model's forward, whose share of a one-row step shrinks
-        as the target's step widens."""
+    def cost(self, rows: int, model: list[float] | None = None) -> list[float]:
+        """What a guess costs in a step of `rows` decode rows where each guesses k, for k = 1 .. -draft-max: the
+        model's (_model_cost, or `model` where it was just taken) and what drafting steps of as many rows, timed
+        whole, showed it misses (_close)."""
+        miss = max(0.0, self._miss.get(rows, (0.0, 0))[0])
+        return [min(0.95, c + miss) for c in (model if model is not None else self._model_cost(rows))]
+
+    def _model_cost(self, rows: int) -> list[float]:
+        """The target's forward (StepCost.guess_costs) with the drafter's own: a draft model's forward, whose share of
+        a one-row step shrinks as the target's step widens."""
         step = self.steps.seconds(rows)
         # the passes' median, once there are a few (a draft model's first passes run cold)
         extra = statistics.median(self._passes) / step if len(self._passes) >= 3 and step else self.extra / (1.0 + rows * self.steps.per_token())
-        return [min(0.95, c + extra) for c in self.steps.guess_costs(rows, max(1, self.config.draft_max))]
+        return [c + extra for c in self.steps.guess_costs(rows, max(1, self.config.draft_max))]
 
     def draft(self, rows: list[Row], budget: int) -> list[Row]:
         """The step's rows with each drafting decode row's guesses after its token (fed as a short feed: decode's
@@ -84,7 +111,8 @@ class Speculator:
         self._close(now)
         asks: list[tuple[int, Request, int]] = []
         decoding = sum(1 for r in rows if not r.prompt and r.ids)
-        cost = self.cost(decoding)
+        model = self._model_cost(decoding)
+        cost = self.cost(decoding, model)
         step_s = self.steps.seconds(decoding)
         probe = decoding == 1 or not self.extra  # a draft model's probe reads the row's prompt first: alone, not in a wide step
         # a step of decode rows alone is timed (_close); until one of this many rows ran plain, none guesses (but a
@@ -99,30 +127,37 @@ class Speculator:
                 continue
             # never past max_tokens (k + 1 tokens may come of it) nor the session's room
             room = min(req.max_tokens - len(req.output_ids) - 1, req.session.kv.capacity - row.pos - 1, budget)
-            k = min(spec.adaptive.k(cost, probe, step_s), room)
+            k = min(spec.adaptive.k(cost, probe, step_s, model), room)
             if k > 0:
                 asks.append((i, row.req, k))
                 budget -= k
-        # a step of decode rows only is timed (a prompt's tokens would say nothing of guesses), but one whose only
-        # guesses are probes (their cost is charged to them: Adaptive.charge)
+        # a step of decode rows only is timed (a prompt's tokens would say nothing of guesses); its probing rows are
+        # not judged on it (their cost is charged to them: Adaptive.charge), but what it shows of guesses counts
         judged = [req for _, req, _ in asks if req.spec is not None and not req.spec.adaptive.probing]
-        if timed and (judged or not asks):
-            self._open = (now, decoding, judged or None)
+        if timed:
+            self._open = _Open(now, decoding)
         if not asks:
             return rows
         t0 = time.perf_counter()
         guesses = self.drafter.propose([(req, k) for _, req, k in asks])
         took = time.perf_counter() - t0
-        if self.extra and not getattr(self.drafter, "caught_up", False):  # a model's forwards: what a pass took (not a prompt's catching up)
+        if getattr(self.drafter, "caught_up", False):  # a draft model read a new prompt first: a step unlike the others
+            self._open = None
+        elif self.extra:  # a model's forwards: what a pass took
             self._passes.append(took / max(k for _, _, k in asks))
         verify = self.steps.seconds(decoding + 1) - step_s  # a guessed token's share of the step
         for _, req, _ in asks:  # a probe's drafting, and its guess in the step, are its row's to pay
             assert req.spec is not None
-            req.spec.adaptive.charge(took / len(asks) + max(0.0, verify))
+            req.spec.adaptive.charge(took / len(asks) + max(0.0, verify) + max(0.0, self._miss.get(decoding, (0.0, 0))[0]) * step_s)
         out = list(rows)
         for (i, req, _), guess in zip(asks, guesses):
             if not guess:
                 continue
+            if self._open is not None:  # what the model says the step's guesses add to it, and who is judged on it
+                self._open.guesses += len(guess)
+                self._open.model += model[len(guess) - 1] * len(guess) / decoding
+                if req in judged:
+                    self._open.drafting.append(req)
             req.session.token_ids.extend(guess)  # the session's tokens are its KV's: Outputs.verify trims what is refused
             row = rows[i]
             out[i] = replace(row, ids=row.ids + list(guess), short=True, logits=1 + len(guess), draft=tuple(guess))
@@ -143,23 +178,30 @@ class Speculator:
         """The last step of decode rows, timed to this call, a token at a time (each row's own and its taken guesses):
         a plain one kept in the running mean of steps of as many rows, a drafting one checked against it, its drafting
         rows told whether it won (Adaptive.realized): in a wide step guesses cost more than the model's line says (on
-        AVX2 16 tokens are two passes of the few-row kernel over the weights where 8 are one). A gap past 4 plain
-        steps a token (the engine idle between requests) says nothing."""
+        AVX2 16 tokens are two passes of the few-row kernel over the weights where 8 are one). What a drafting step
+        took beyond what the model said its guesses add goes into the running mean of the model's miss (a probe's too:
+        probes measure it again where it stopped every row). A gap past 4 plain steps a token (the engine idle
+        between requests) says nothing."""
+        taken, self._taken = self._taken, 0
         if self._open is None:
             return
-        t0, num, drafting = self._open
-        self._open = None
-        per = (now - t0) / (num + (self._taken if drafting else 0))
-        self._taken = 0
+        step, self._open = self._open, None
+        num, seconds = step.rows, now - step.t0
+        per = seconds / (num + (taken if step.guesses else 0))
         plain = self._plain.get(num)
         if plain is not None and per > 4 * plain:
             return
-        if drafting is None:
+        if not step.guesses:
             self._plain[num] = per if plain is None else plain + 0.1 * (per - plain)
         elif plain is not None:
-            for req in drafting:
+            for req in step.drafting:
                 if req.spec is not None:
                     req.spec.adaptive.realized(per < plain)
+            # what each guess cost beyond the model's, as a fraction of the plain step: (step / plain step - 1 - what
+            # the model says the guesses add) over the guesses a row
+            miss = (seconds / (num * plain) - 1.0 - step.model) * num / step.guesses
+            was, seen = self._miss.get(num, (0.0, 0))
+            self._miss[num] = (was + max(MISS_WEIGHT, 1.0 / (seen + 1)) * (min(MISS_MOST, max(-MISS_MOST, miss)) - was), seen + 1)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         assert req.spec is not None

@@ -163,14 +163,16 @@ class Adaptive:
         self.spent = 0.0  # seconds charged to probes after the first
         self.penalty = 1.0  # what the row's drafting steps really cost against the model's cost: grows while they lose
 
-    def k(self, cost: float | Sequence[float], probe: bool = True, step_s: float = 0.0) -> int:
+    def k(self, cost: float | Sequence[float], probe: bool = True, step_s: float = 0.0, model: Sequence[float] | None = None) -> int:
         """`cost`: what a guess costs as a fraction of a plain step, one for every k or each k's own (cost[k - 1]:
         the step's seconds need not grow by the same for each token). Guesses are taken in runs (a reply copying its
         input, a stretch the draft model knows): after a draft taken whole, up to twice as many where drafting pays at
         all, however many the running rate alone would say (the k of those that yields most at RUN_RATE at least).
         `probe` False: no probe this step (a draft model would read a row's whole prompt first, in a step of many
         rows). `step_s`: a step's seconds now; a probe after the first waits until what probes cost is within
-        PROBE_SHARE of the row's steps."""
+        PROBE_SHARE of the row's steps. `model`: the cost the forward's and drafter's times alone give (cost less what
+        drafting steps timed whole showed they miss: Speculator.cost), whether guesses can pay at all: a row probes
+        where they might, and its probes measure the rest again."""
         self.steps += 1
         self.probing = False
         if self.most <= 0 or self.forced:
@@ -188,7 +190,8 @@ class Adaptive:
             return max(range(best, top + 1), key=lambda k: (expected_gain(rate, k, min(0.95, costs[k - 1] * self.penalty)), k))
         if best == 0:
             self.penalty = max(1.0, self.penalty * PENALTY_EASE)  # drafting is tried again, now and then, where it lost
-        if best == 0 and probe and max(expected_gain(1.0, k, costs[k - 1]) for k in range(1, self.most + 1)) >= PROBE_GAIN:
+        could = costs if model is None else list(model)[: self.most] + [model[-1]] * (self.most - len(model))
+        if best == 0 and probe and max(expected_gain(1.0, k, could[k - 1]) for k in range(1, self.most + 1)) >= PROBE_GAIN:
             self._idle += 1
             if self._idle >= self._probe and (not self.probes or self.spent <= PROBE_SHARE * self.steps * step_s):
                 self._idle = 0
