@@ -556,7 +556,10 @@ def served(model: str, bin_dir: Path, threads: int, rounds: int, clients: tuple[
 # -- main -----------------------------------------------------------------------------------------------------------
 
 
-def measure(model: str, st: Settings, bin_dir: Path, rounds: int, quiet: Quiet) -> None:
+MEASUREMENTS = ("prompt", "decode", "batched", "ppl")
+
+
+def measure(model: str, st: Settings, bin_dir: Path, rounds: int, quiet: Quiet, only: tuple[str, ...] = MEASUREMENTS) -> None:
     label, make = MODELS[model]
     try:
         gguf = make()
@@ -572,7 +575,7 @@ def measure(model: str, st: Settings, bin_dir: Path, rounds: int, quiet: Quiet) 
               "batched": lambda: llama_batched(bin_dir, gguf, st), "ppl": lambda: llama_ppl(bin_dir, gguf, st)}
     keys = {k for k, _, _ in rows_for(st, "")}
     for r in range(rounds):
-        for what in ("prompt", "decode", "batched", "ppl"):
+        for what in only:
             if what == "ppl" and r > 0:
                 continue  # deterministic: one round is enough
             order = [("jitllmd", ours), ("llama.cpp", theirs)]
@@ -601,6 +604,8 @@ def main() -> None:
     ap.add_argument("--served-tokens", type=int, default=128, help="served: max_tokens of each request (ignore_eos: all generated)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--measure", default=",".join(MEASUREMENTS),
+                    help=f"offline: which measurements, comma-separated, of: {', '.join(MEASUREMENTS)} (the table's other rows stay empty)")
     ap.add_argument("--quick", action="store_true", help="one round, depth 0 only, fewer tokens, two perplexity windows")
     ap.add_argument("--kernel", default=None, help="force a jitllmd kernel variant (kernels.use_variant)")
     ap.add_argument("--idle-wait", type=float, default=30, help="seconds to wait for other processes to leave the cores before each measurement")
@@ -620,6 +625,9 @@ def main() -> None:
         ap.error(f"--clients {a.clients}: comma-separated counts, as 1,8,16")
     if not all(0 < c <= 16 for c in clients):  # both servers hold 16 sessions
         ap.error(f"--clients {a.clients}: each count 1 to 16")
+    only = tuple(a.measure.split(","))
+    if not only or any(w not in MEASUREMENTS for w in only):
+        ap.error(f"--measure {a.measure}: comma-separated, of: {', '.join(MEASUREMENTS)}")
     if a.served_tokens < 1:
         ap.error(f"--served-tokens {a.served_tokens}: at least 1")
     st = Settings(threads=a.threads, kernel=a.kernel, **(QUICK if a.quick else {}))
@@ -636,7 +644,7 @@ def main() -> None:
     quiet = Quiet(a.idle_wait)
     if a.section != "served":
         for m in models:
-            measure(m, st, bin_dir, rounds, quiet)
+            measure(m, st, bin_dir, rounds, quiet, only)
     if a.section != "offline":
         for m in served_models:
             served(m, bin_dir, st.threads, rounds, clients, a.served_tokens, quiet, a.kernel)
