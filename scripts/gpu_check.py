@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="1b", help="the synthetic Llama's size")
     ap.add_argument("--out", type=Path, default=None, help="where report.md and report.json go (default: $OUT, else ./gpu_check_out)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each speed figure (medians)")
-    ap.add_argument("--only", default="env,correctness,placement,serve,speed", help="sections to run, comma-separated")
+    ap.add_argument("--only", default="env,correctness,placement,serve,speed,spec", help="sections to run, comma-separated")
     a = ap.parse_args(argv)
     import os
 
@@ -487,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             serving(r, a.device, models, work)
         if "speed" in only:
             speed(r, a.device, a.size, work, a.rounds)
+        if "spec" in only:  # speculative decoding on the synthetic model (scripts/gpu_check_spec.py)
+            from gpu_check_spec import speculative
+
+            speculative(r, a.device, work / f"synth-{a.size}-bf16.jlm" if "speed" in only else synthetic(work, a.size)[1], a.rounds, greedy)
     r.write()
     print(f"report: {out / 'report.md'} ({r.failed} failed)")
     return 1 if r.failed else 0

@@ -22,7 +22,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     rows = report["rows"]
-    assert {row["section"] for row in rows} == {"env", "models", "correctness", "placement", "serve", "speed"}
+    assert {row["section"] for row in rows} == {"env", "models", "correctness", "placement", "serve", "speed", "spec"}
     assert not [row for row in rows if row["status"] == "FAIL"]
     assert sum(row["section"] == "correctness" for row in rows) == 8  # seven models, then batching and chunks
     titles = [title for title, _, _ in report["tables"]]
