@@ -537,6 +537,45 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
 #undef X
 }
 
+#ifndef HAVE_VNNI
+/* Q6_K at one x row without VNNI: unpack_group's codes and group_dot's sums a vector pair at a time, each pair's
+ * products taken as it is made (the same integers added in the same groups, then the same f32 steps: the same bits).
+ * Made whole first, the group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
+static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i y[4], v[4];
+    for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
+    transpose4(y, v);
+    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
+    const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
+    __m256i sum[2][2]; /* accumulator a's int16 sums: [a][0] of vectors a and a + 2, [a][1] of a + 4 and a + 6 */
+    for (int i = 0; i < 4; i++) {
+        const __m256i G = i == 0 ? _mm256_shuffle_epi32(ulo, 0x50) : i == 1 ? _mm256_shuffle_epi32(ulo, 0xfa)
+                        : i == 2 ? _mm256_shuffle_epi32(uhi, 0x50) : _mm256_shuffle_epi32(uhi, 0xfa);
+        const __m256i sh = _mm256_srlv_epi32(G, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v[i], low4), _mm256_and_si256(_mm256_slli_epi32(sh, 4), _mm256_set1_epi8(0x30)));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4), _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+        const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
+        const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
+        if (i % 2 == 0) sum[0][i / 2] = p0, sum[1][i / 2] = p1;
+        else sum[0][i / 2] = _mm256_add_epi16(sum[0][i / 2], p0), sum[1][i / 2] = _mm256_add_epi16(sum[1][i / 2], p1);
+    }
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m256 dw = _mm256_set1_ps(f16(b + 208));
+    __m256 part[2];
+    for (int a = 0; a < 2; a++) {
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, a == 0 ? _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)
+                                                                            : _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
+        const __m256i s32 = a == 0 ? _mm256_and_si256(_mm256_slli_epi16(s16, 5), _mm256_set1_epi32(0xffff))
+                                   : _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(s16, 5));
+        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum[a][0], s16), _mm256_madd_epi16(sum[a][1], s16));
+        s = _mm256_sub_epi32(s, _mm256_madd_epi16(s32, _mm256_loadu_si256((const __m256i *)xc)));
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
+    }
+    return _mm256_add_ps(part[0], part[1]);
+}
+#endif
+
 #ifdef HAVE_VNNI
 typedef __m512 pair_acc; /* a pair of x rows' accumulators, the first row's in the low half */
 
@@ -624,6 +663,12 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
     const int64_t gbytes = is_k(type) ? bytes : 8 * bytes;
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
+#ifndef HAVE_VNNI
+        if (type == Q6_K && n == 1) {
+            acc[0] = _mm256_add_ps(acc[0], q6k_one(w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
+            continue;
+        }
+#endif
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, NV, &grp);
         group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
     }
