@@ -574,6 +574,26 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     }
     return _mm256_add_ps(part[0], part[1]);
 }
+
+/* Q8_0 at one x row without VNNI, likewise: eight blocks' d, then each half of their codes transposed and its products
+ * taken (block L's in lane L, summed in int32 in any order: the same integers), then group_dot's f32 steps. */
+static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, int64_t bytes, const int8_t *xg, const float *d) {
+    __m128i hd = _mm_setzero_si128();
+#define LANE(j) hd = _mm_insert_epi16(hd, rd16(b + (j) * bytes), j);
+    LANE(0) LANE(1) LANE(2) LANE(3) LANE(4) LANE(5) LANE(6) LANE(7)
+#undef LANE
+    __m256i s = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i y[4], w[4];
+        for (int p = 0; p < 4; p++) y[p] = load_pair(b + p * bytes + 2 + 16 * h, b + (p + 4) * bytes + 2 + 16 * h);
+        transpose4(y, w);
+        for (int k = 0; k < 4; k++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xg + XV * (4 * h + k)));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(x, w[k])), _mm256_set1_epi16(1)));
+        }
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_cvtph_ps(hd), _mm256_loadu_ps(d)), _mm256_setzero_ps());
+}
 #endif
 
 #ifdef HAVE_VNNI
@@ -666,6 +686,10 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
 #ifndef HAVE_VNNI
         if (type == Q6_K && n == 1) {
             acc[0] = _mm256_add_ps(acc[0], q6k_one(w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
+            continue;
+        }
+        if (type == Q8_0 && n == 1) {
+            acc[0] = _mm256_add_ps(acc[0], q80_one(w + 8 * g * bytes, bytes, xq + g * np * 2 * GB, xd + g * np * 32));
             continue;
         }
 #endif
