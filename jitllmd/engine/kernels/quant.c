@@ -575,6 +575,40 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     return _mm256_add_ps(part[0], part[1]);
 }
 
+/* Q4_K / Q5_K at one x row without VNNI, likewise: each vector pair's codes (and Q5_K's fifth bits) made and their
+ * products added into the accumulator's int16 sum at once, then group_dot's steps (Q5_K's made whole spilled). */
+static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 dsc, dmin_m;
+    k_scales(b, &dsc, &dmin_m);
+    const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
+    __m256i y[4], v[4], sum[2];
+    for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    transpose4(y, v);
+    const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
+        if (type == Q5_K) {
+            const __m256i g = i == 0 ? _mm256_shuffle_epi32(qh, 0x00) : i == 1 ? _mm256_shuffle_epi32(qh, 0x55)
+                            : i == 2 ? _mm256_shuffle_epi32(qh, 0xaa) : _mm256_shuffle_epi32(qh, 0xff);
+            const __m256i sh = _mm256_srlv_epi32(g, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+            w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi32(sh, 4), _mm256_set1_epi8(0x10)));
+            w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi32(sh, 3), _mm256_set1_epi8(0x10)));
+        }
+        const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
+        const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
+        sum[0] = i ? _mm256_add_epi16(sum[0], p0) : p0;
+        sum[1] = i ? _mm256_add_epi16(sum[1], p1) : p1;
+    }
+    const __m256 os = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin_m), _mm256_loadu_ps(xs));
+    const __m256 dw0 = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    const __m256 dw1 = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[0], ones)), _mm256_mul_ps(dw0, _mm256_loadu_ps(d)), os);
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[1], ones)), _mm256_mul_ps(dw1, _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
+    return _mm256_add_ps(part0, part1);
+}
+
 /* Q8_0 at one x row without VNNI, likewise: eight blocks' d, then each half of their codes transposed and its products
  * taken (block L's in lane L, summed in int32 in any order: the same integers), then group_dot's f32 steps. */
 static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, int64_t bytes, const int8_t *xg, const float *d) {
@@ -686,6 +720,10 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
 #ifndef HAVE_VNNI
         if (type == Q6_K && n == 1) {
             acc[0] = _mm256_add_ps(acc[0], q6k_one(w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
+            continue;
+        }
+        if ((type == Q4_K || type == Q5_K) && n == 1) {
+            acc[0] = _mm256_add_ps(acc[0], k45_one(type, w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
             continue;
         }
         if (type == Q8_0 && n == 1) {
