@@ -1,6 +1,9 @@
 """scripts/gpu_check's `spec` section: speculative decoding (prompt lookup) on the device under test, on the synthetic
 Llama. One engine drafting with ngram; each round a greedy request with guesses off, with the adaptive k (the default)
-and with guesses forced every step. It checks the three give the same tokens, and reports each one's decode tok/s,
+and with guesses forced every step. It compares their tokens (the synthetic model's weights are dense bf16: a verifying
+row's products, a GEMM of k + 1 rows, may round apart from a decode row's, and random weights leave near ties, so a
+difference is reported, with where it starts, not failed; quantized weights on the CPU kernels give the same tokens,
+tests/test_speculative.py), and reports each one's decode tok/s,
 guesses taken, and where a step's time goes (drafting steps and plain ones apart): the forward (the runner's own
 clock), sampling and verifying (Outputs.postprocess), the drafter (Speculator.draft), the whole step from one
 draft() to the next; then what the speculator learned: each token count's measured step, and what drafting steps
@@ -49,7 +52,7 @@ def speculative(r: Any, device: str, jlm: Path, rounds: int, greedy: Any) -> Non
         prompt = [(7 * i) % 40 + 3 for i in range(48)]  # repeats: prompt lookup finds what follows
         got: dict[str, list[dict[str, float]]] = {"off": [], "adaptive": [], "forced": []}
         tokens: dict[str, list[int]] = {}
-        with r.check("spec", f"ngram on {device}: greedy tokens with guesses off, adaptive and forced") as row:
+        with r.check("spec", f"ngram on {device}: greedy decoding with guesses off, adaptive and forced") as row:
             greedy(engine, prompt[:16], 8)  # warm-up
             for _ in range(rounds):
                 for name, kw in (("off", {"speculative": False}), ("adaptive", {}), ("forced", {"speculative": True})):
@@ -57,11 +60,17 @@ def speculative(r: Any, device: str, jlm: Path, rounds: int, greedy: Any) -> Non
                     tokens.setdefault(name, ids)
                     f = done.figures
                     got[name].append({"tps": f.decode_tokens_per_second, "drafted": f.drafted_tokens, "accepted": f.accepted_tokens})
-            assert tokens["adaptive"] == tokens["off"] and tokens["forced"] == tokens["off"], "guesses changed the greedy tokens"
-            med = {k: statistics.median(x["tps"] for x in v) for k, v in got.items()}
-            row["detail"] = ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items())
+            row["detail"] = ", ".join(f"{k} {statistics.median(x['tps'] for x in v):.1f} tok/s" for k, v in got.items())
         if not all(got.values()):
             return
+        med = {k: statistics.median(x["tps"] for x in v) for k, v in got.items()}
+        with r.check("spec", "the same greedy tokens with guesses as without") as row:
+            same = [name for name in ("adaptive", "forced") if tokens[name] == tokens["off"]]
+            starts = {name: next((i for i, (a, b) in enumerate(zip(tokens[name], tokens["off"])) if a != b), len(tokens["off"]))
+                      for name in ("adaptive", "forced") if name not in same}
+            row["detail"] = "equal" if not starts else ", ".join(f"{k} differs from token {i}" for k, i in starts.items()) + " (dense weights)"
+            if starts:
+                row["status"] = "INFO"
         rows = []
         for name, runs in got.items():
             drafted, accepted = sum(x["drafted"] for x in runs), sum(x["accepted"] for x in runs)
