@@ -66,11 +66,6 @@ def shim(bin_dir: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
-def llama_bin() -> Path:
-    out = subprocess.run([str(ROOT.parent / "shared" / "tools" / "build-llamacpp")], capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """n rows of k values as random blocks of `fmt` whose f16 scales are 0.01 (Q6_K's int8 scales within +-63)."""
     _, size, per, _, _, _, scales = FORMATS[fmt]
@@ -104,6 +99,8 @@ def main() -> None:
     from jitllmd.engine.kernels import ops
 
     torch.set_num_threads(1)
+    from bench.vs_llamacpp import llama_bin
+
     bin_dir = llama_bin()
     ctypes.CDLL(str(bin_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
     cpu = ctypes.CDLL(str(bin_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)

@@ -89,12 +89,16 @@ class Speculator:
         most = self.config.draft_max if draft_max is None else min(draft_max, self.config.draft_max)
         return RowSpec(Adaptive(most, forced))
 
-    def cost(self, rows: int, model: list[float] | None = None) -> list[float]:
+    def cost(self, rows: int, model: list[float]) -> list[float]:
         """What a guess costs in a step of `rows` decode rows where each guesses k, for k = 1 .. -draft-max: the
-        model's (_model_cost, or `model` where it was just taken) and what drafting steps of as many rows, timed
-        whole, showed it misses (_close)."""
-        miss = max(0.0, self._miss.get(rows, (0.0, 0))[0])
-        return [min(0.95, c + miss) for c in (model if model is not None else self._model_cost(rows))]
+        model's (`model`: _model_cost) and what drafting steps of as many rows, timed whole, showed it misses."""
+        miss = self._missed(rows)
+        return [min(0.95, c + miss) for c in model]
+
+    def _missed(self, rows: int) -> float:
+        """What a guess costs beyond the model's at `rows` decode rows, as a fraction of a plain step (_close); 0 where
+        none was measured or the model overshoots."""
+        return max(0.0, self._miss.get(rows, (0.0, 0))[0])
 
     def _model_cost(self, rows: int) -> list[float]:
         """The target's forward (StepCost.guess_costs) with the drafter's own: a draft model's forward, whose share of
@@ -148,7 +152,7 @@ class Speculator:
         verify = self.steps.seconds(decoding + 1) - step_s  # a guessed token's share of the step
         for _, req, _ in asks:  # a probe's drafting, and its guess in the step, are its row's to pay
             assert req.spec is not None
-            req.spec.adaptive.charge(took / len(asks) + max(0.0, verify) + max(0.0, self._miss.get(decoding, (0.0, 0))[0]) * step_s)
+            req.spec.adaptive.charge(took / len(asks) + max(0.0, verify) + self._missed(decoding) * step_s)
         out = list(rows)
         for (i, req, _), guess in zip(asks, guesses):
             if not guess:

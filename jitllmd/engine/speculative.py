@@ -177,8 +177,7 @@ class Adaptive:
         self.probing = False
         if self.most <= 0 or self.forced:
             return max(0, self.most)
-        costs = [cost] * self.most if isinstance(cost, (int, float)) else list(cost)[: self.most]
-        costs += [costs[-1] if costs else 0.95] * (self.most - len(costs))
+        costs = self._per_k(cost)
         best, gain = 0, MIN_GAIN / 1.02
         for k in range(1, self.most + 1):
             g = expected_gain(self.rate, k, min(0.95, costs[k - 1] * self.penalty))
@@ -190,7 +189,7 @@ class Adaptive:
             return max(range(best, top + 1), key=lambda k: (expected_gain(rate, k, min(0.95, costs[k - 1] * self.penalty)), k))
         if best == 0:
             self.penalty = max(1.0, self.penalty * PENALTY_EASE)  # drafting is tried again, now and then, where it lost
-        could = costs if model is None else list(model)[: self.most] + [model[-1]] * (self.most - len(model))
+        could = costs if model is None else self._per_k(model)
         if best == 0 and probe and max(expected_gain(1.0, k, could[k - 1]) for k in range(1, self.most + 1)) >= PROBE_GAIN:
             self._idle += 1
             if self._idle >= self._probe and (not self.probes or self.spent <= PROBE_SHARE * self.steps * step_s):
@@ -199,6 +198,11 @@ class Adaptive:
                 self.probing = True
                 return 1
         return best
+
+    def _per_k(self, cost: float | Sequence[float]) -> list[float]:
+        """A guess's cost for each k = 1 .. most: one for all, or each k's own (the last repeated where too few)."""
+        costs = [cost] * self.most if isinstance(cost, (int, float)) else list(cost)[: self.most]
+        return costs + [costs[-1] if costs else 0.95] * (self.most - len(costs))
 
     def realized(self, won: bool) -> None:
         """A drafting step of this row alone really took less time a token than a plain step (won), or not."""

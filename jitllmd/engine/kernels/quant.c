@@ -340,29 +340,43 @@ static inline __m256i q5_bits(__m256i h, int v) {
 }
 
 /* Q5_K: the fifth bits for vectors 2i, 2i + 1 (lane L: sub-blocks 2 (L % 4) and 2 (L % 4) + 1, elements l of dword
- * i + 4 (L / 4)): bits 2 (L % 4) and 2 (L % 4) + 1 of qh[l], moved to bit 4. */
-#define Q5K_BITS(i)                                                                                                  \
-    {                                                                                                                \
-        const __m256i s = _mm256_srlv_epi32(_mm256_shuffle_epi32(qh, (i) * 0x55), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)); \
-        g->w[2 * (i)] = _mm256_or_si256(g->w[2 * (i)], _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x10)));    \
-        g->w[2 * (i) + 1] = _mm256_or_si256(g->w[2 * (i) + 1], _mm256_and_si256(_mm256_slli_epi32(s, 3), _mm256_set1_epi8(0x10))); \
-    }
+ * i + 4 (L / 4)): bits 2 (L % 4) and 2 (L % 4) + 1 of qh[l], moved to bit 4 of w0 and w1 */
+static inline __attribute__((always_inline)) void q5k_bits(__m256i qh, const int i, __m256i *w0, __m256i *w1) {
+    const __m256i g = i == 0 ? _mm256_shuffle_epi32(qh, 0x00) : i == 1 ? _mm256_shuffle_epi32(qh, 0x55)
+                    : i == 2 ? _mm256_shuffle_epi32(qh, 0xaa) : _mm256_shuffle_epi32(qh, 0xff);
+    const __m256i s = _mm256_srlv_epi32(g, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    *w0 = _mm256_or_si256(*w0, _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x10)));
+    *w1 = _mm256_or_si256(*w1, _mm256_and_si256(_mm256_slli_epi32(s, 3), _mm256_set1_epi8(0x10)));
+}
 
-/* Q6_K: vectors 2i, 2i + 1 from ql's nibbles and qh's bit pairs (g: qh's dwords for lane L's half), as q - 32 for VNNI's
- * dpbusd, as q (0..63) without: maddubs takes them unsigned, and group_dot subtracts the 32s from the sums */
-#ifdef HAVE_VNNI
-#define Q6K_SIGNED(c) _mm256_sub_epi8((c), _mm256_set1_epi8(32))
-#else
-#define Q6K_SIGNED(c) (c)
+/* Q4_K / Q5_K's d * sc per accumulator lane (accumulator 0: sub-blocks 0 2 4 6, 1: 1 3 5 7) */
+static inline void k_dw(__m256 dsc, __m256 *dw) {
+    dw[0] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    dw[1] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+}
+
+/* Q6_K: vectors 2i, 2i + 1 as q (0..63) from ql's nibbles (v: transposed) and qh's bit pairs (ulo, uhi: qh's two
+ * halves' dwords interleaved; lane L's half its dword pair) */
+static inline __attribute__((always_inline)) void q6k_codes(__m256i v, __m256i ulo, __m256i uhi, const int i, __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i g = i == 0 ? _mm256_shuffle_epi32(ulo, 0x50) : i == 1 ? _mm256_shuffle_epi32(ulo, 0xfa)
+                    : i == 2 ? _mm256_shuffle_epi32(uhi, 0x50) : _mm256_shuffle_epi32(uhi, 0xfa);
+    const __m256i s = _mm256_srlv_epi32(g, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));
+    *lo = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x30)));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(s, _mm256_set1_epi8(0x30)));
+}
+
+#ifndef HAVE_VNNI
+/* Q6_K's 16-element scales (q: the superblock's 16 bytes of them) for accumulator a's lanes (lane L: sub-block
+ * 2 * block + L / 4) as int16 pairs, and 32 * sc in accumulator a's int16 of each lane (q6k_sums' order), 0 in the
+ * other */
+static inline __attribute__((always_inline)) void q6k_scales(__m128i q, const int a, __m256i *sc, __m256i *sc32) {
+    *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(q, a == 0 ? _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)
+                                                          : _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
+    *sc32 = a == 0 ? _mm256_and_si256(_mm256_slli_epi16(*sc, 5), _mm256_set1_epi32(0xffff))
+                   : _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(*sc, 5));
+}
 #endif
-#define Q6K_CODES(i, G)                                                                                               \
-    {                                                                                                                 \
-        const __m256i s = _mm256_srlv_epi32(G, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));                            \
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v[i], low4), _mm256_and_si256(_mm256_slli_epi32(s, 4), _mm256_set1_epi8(0x30))); \
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4), _mm256_and_si256(s, _mm256_set1_epi8(0x30)));  \
-        g->w[2 * (i)] = Q6K_SIGNED(lo);                                                                               \
-        g->w[2 * (i) + 1] = Q6K_SIGNED(hi);                                                                           \
-    }
 
 static const uint8_t zero_block[34]; /* what a row's short last group reads for its missing blocks */
 
@@ -407,8 +421,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         __m256 dsc, dmin_m;
         k_scales(b, &dsc, &dmin_m);
         g->off = _mm256_sub_ps(_mm256_setzero_ps(), dmin_m);
-        g->dw[0] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
-        g->dw[1] = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+        k_dw(dsc, g->dw);
         const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
         for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
         transpose4(y, v);
@@ -418,7 +431,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         }
         if (type == Q5_K) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            Q5K_BITS(0) Q5K_BITS(1) Q5K_BITS(2) Q5K_BITS(3)
+            for (int i = 0; i < 4; i++) q5k_bits(qh, i, &g->w[2 * i], &g->w[2 * i + 1]);
         }
     } else if (type == Q6_K) {
         g->dw[0] = g->dw[1] = _mm256_set1_ps(f16(b + 208));
@@ -426,18 +439,19 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         transpose4(y, v);
         const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
         const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
-        Q6K_CODES(0, _mm256_shuffle_epi32(ulo, 0x50)) Q6K_CODES(1, _mm256_shuffle_epi32(ulo, 0xfa))
-        Q6K_CODES(2, _mm256_shuffle_epi32(uhi, 0x50)) Q6K_CODES(3, _mm256_shuffle_epi32(uhi, 0xfa))
-        /* lane L of accumulator a: sub-block 2 * block + L / 4 */
+        for (int i = 0; i < 4; i++) {
+            q6k_codes(v[i], ulo, uhi, i, &g->w[2 * i], &g->w[2 * i + 1]);
+#ifdef HAVE_VNNI /* as q - 32 for dpbusd; without, maddubs takes them unsigned and group_dot subtracts the 32s from the sums */
+            g->w[2 * i] = _mm256_sub_epi8(g->w[2 * i], _mm256_set1_epi8(32));
+            g->w[2 * i + 1] = _mm256_sub_epi8(g->w[2 * i + 1], _mm256_set1_epi8(32));
+#endif
+        }
+#ifdef HAVE_VNNI /* lane L of accumulator a: sub-block 2 * block + L / 4 */
         const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-#ifdef HAVE_VNNI
         g->sc[0] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 8, 10, 1, 3, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
         g->sc[1] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 6, 12, 14, 5, 7, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
 #else
-        g->sc[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)));
-        g->sc[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
-        g->sc32[0] = _mm256_and_si256(_mm256_slli_epi16(g->sc[0], 5), _mm256_set1_epi32(0xffff));
-        g->sc32[1] = _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(g->sc[1], 5));
+        for (int a = 0; a < 2; a++) q6k_scales(_mm_loadu_si128((const __m128i *)(b + 192)), a, &g->sc[a], &g->sc32[a]);
 #endif
     } else {
         /* eight blocks: their d (and m) lane by lane (eight 2-byte stores read back as a vector would stall store
@@ -542,7 +556,6 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
  * products taken as it is made (the same integers added in the same groups, then the same f32 steps: the same bits).
  * Made whole first, the group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
-    const __m256i low4 = _mm256_set1_epi8(15);
     __m256i y[4], v[4];
     for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
     transpose4(y, v);
@@ -550,26 +563,21 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
     __m256i sum[2][2]; /* accumulator a's int16 sums: [a][0] of vectors a and a + 2, [a][1] of a + 4 and a + 6 */
     for (int i = 0; i < 4; i++) {
-        const __m256i G = i == 0 ? _mm256_shuffle_epi32(ulo, 0x50) : i == 1 ? _mm256_shuffle_epi32(ulo, 0xfa)
-                        : i == 2 ? _mm256_shuffle_epi32(uhi, 0x50) : _mm256_shuffle_epi32(uhi, 0xfa);
-        const __m256i sh = _mm256_srlv_epi32(G, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v[i], low4), _mm256_and_si256(_mm256_slli_epi32(sh, 4), _mm256_set1_epi8(0x30)));
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4), _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+        __m256i lo, hi;
+        q6k_codes(v[i], ulo, uhi, i, &lo, &hi);
         const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
         const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
         if (i % 2 == 0) sum[0][i / 2] = p0, sum[1][i / 2] = p1;
         else sum[0][i / 2] = _mm256_add_epi16(sum[0][i / 2], p0), sum[1][i / 2] = _mm256_add_epi16(sum[1][i / 2], p1);
     }
-    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m256 dw = _mm256_set1_ps(f16(b + 208));
     __m256 part[2];
     for (int a = 0; a < 2; a++) {
-        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, a == 0 ? _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)
-                                                                            : _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
-        const __m256i s32 = a == 0 ? _mm256_and_si256(_mm256_slli_epi16(s16, 5), _mm256_set1_epi32(0xffff))
-                                   : _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(s16, 5));
-        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum[a][0], s16), _mm256_madd_epi16(sum[a][1], s16));
-        s = _mm256_sub_epi32(s, _mm256_madd_epi16(s32, _mm256_loadu_si256((const __m256i *)xc)));
+        __m256i sc, sc32;
+        q6k_scales(scales, a, &sc, &sc32);
+        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum[a][0], sc), _mm256_madd_epi16(sum[a][1], sc));
+        s = _mm256_sub_epi32(s, _mm256_madd_epi16(sc32, _mm256_loadu_si256((const __m256i *)xc)));
         part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
@@ -588,24 +596,18 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
         __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
-        if (type == Q5_K) {
-            const __m256i g = i == 0 ? _mm256_shuffle_epi32(qh, 0x00) : i == 1 ? _mm256_shuffle_epi32(qh, 0x55)
-                            : i == 2 ? _mm256_shuffle_epi32(qh, 0xaa) : _mm256_shuffle_epi32(qh, 0xff);
-            const __m256i sh = _mm256_srlv_epi32(g, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
-            w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi32(sh, 4), _mm256_set1_epi8(0x10)));
-            w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi32(sh, 3), _mm256_set1_epi8(0x10)));
-        }
+        if (type == Q5_K) q5k_bits(qh, i, &w0, &w1);
         const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
         const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
         sum[0] = i ? _mm256_add_epi16(sum[0], p0) : p0;
         sum[1] = i ? _mm256_add_epi16(sum[1], p1) : p1;
     }
     const __m256 os = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin_m), _mm256_loadu_ps(xs));
-    const __m256 dw0 = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
-    const __m256 dw1 = _mm256_permutevar8x32_ps(dsc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+    __m256 dw[2];
+    k_dw(dsc, dw);
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[0], ones)), _mm256_mul_ps(dw0, _mm256_loadu_ps(d)), os);
-    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[1], ones)), _mm256_mul_ps(dw1, _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
+    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[0], ones)), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), os);
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[1], ones)), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
     return _mm256_add_ps(part0, part1);
 }
 
@@ -718,16 +720,11 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
 #ifndef HAVE_VNNI
-        if (type == Q6_K && n == 1) {
-            acc[0] = _mm256_add_ps(acc[0], q6k_one(w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
-            continue;
-        }
-        if ((type == Q4_K || type == Q5_K) && n == 1) {
-            acc[0] = _mm256_add_ps(acc[0], k45_one(type, w + g * bytes, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16));
-            continue;
-        }
-        if (type == Q8_0 && n == 1) {
-            acc[0] = _mm256_add_ps(acc[0], q80_one(w + 8 * g * bytes, bytes, xq + g * np * 2 * GB, xd + g * np * 32));
+        if (n == 1 && (type == Q8_0 || is_k(type))) { /* one x row: the group's products as its codes are made */
+            const uint8_t *b = w + (is_k(type) ? g : 8 * g) * bytes;
+            const int8_t *q = xq + g * np * 2 * GB;
+            const float *d = xd + g * np * 32, *s = xs + g * np * 16;
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s) : type == Q8_0 ? q80_one(b, bytes, q, d) : k45_one(type, b, q, d, s));
             continue;
         }
 #endif
