@@ -1,11 +1,12 @@
 """This tree against another commit on the same weights: prompt and decode tokens/s, interleaved, order alternating.
 
-    python bench/ab.py REV [--dtypes bf16,f32] [--rounds 4]
+    python bench/ab.py REV [--dtypes bf16,f32] [--rounds 4] [--kernel avx512+vnni]
 
 For refactors that must not slow the engine: a worktree of REV is made under a temp dir, SmolLM2-135M-Instruct is
 converted once per dtype, and each round runs one process per tree (the order flipping every round, so neither
 tree always runs first): a 256-token prompt (median of 5) and 64 decode steps of one row. Prints medians per tree
-and the ratio this / REV.
+and the ratio this / REV. `--dtypes auto` keeps the GGUF's quantized weights (Q4_1 and Q8_0); `--kernel` forces one
+of the C kernels' variants in both trees (one this CPU can run: `jitllmd.engine.kernels.variants()`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.loader import load_model
+if sys.argv[3]:
+    from jitllmd.engine.kernels import build
+    build.use_variant(sys.argv[3])
 L = load_model(sys.argv[2], max_seq=1024)
 fwd = L.runner.forward if getattr(L, "runner", None) is not None else L.model.forward
 kv, P = L.new_kv(), list(range(100, 356))
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("rev")
     ap.add_argument("--dtypes", default="bf16,f32")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--kernel", default="", help="a kernel variant both trees use (default: the CPU's best)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from jitllmd.embedded import default_gguf
@@ -67,14 +72,19 @@ def main() -> None:
                 jlm = convert(gguf, d / f"smol-{dtype}.jlm", dtype).path
                 for r in range(a.rounds):
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                        out = subprocess.run([sys.executable, "-c", WORKER, str(trees[name]), str(jlm)], capture_output=True, text=True, cwd=tmp)
+                        cmd = [sys.executable, "-c", WORKER, str(trees[name]), str(jlm), a.kernel]
+                        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
                         if out.returncode:
                             sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
                         p, dec = map(float, out.stdout.split()[-2:])
                         got.setdefault((dtype, name), []).append((p, dec))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    from jitllmd.engine.kernels import build
+
+    kernel = a.kernel or f"{build.variants()[-1]} (the CPU's best)"
     print(f"SmolLM2-135M-Instruct, 256-token prompt (median of 5) and 64 decode steps, {a.rounds} rounds, order alternating")
+    print(f"kernels: {kernel}")
     print("| dtype | tree | prompt tok/s | decode tok/s |")
     print("|---|---|---:|---:|")
     for dtype in a.dtypes.split(","):
