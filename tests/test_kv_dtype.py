@@ -90,7 +90,9 @@ def test_each_dtype_generates_saves_and_restores(wide_heads) -> None:
                     again.stop()
                 wider = engines["f16"].restore_session(saved).result(timeout=60)
                 assert wider.kv.dtype == torch.float16 and torch.equal(wider.kv.read(0, 0, 20)[0], session.kv.read(0, 0, 20)[0].half())
-        assert ids["f16"][:4] == ids["q8_0"][:4] == ids["bf16"][:4]  # a tiny random model's first picks have wide margins
+        # the first pick's margin (0.08-0.12 on every variant) is past what the caches' rounding moves a logit (< 0.04);
+        # a tiny random model's later ones are not (0.004 at the second where AMX runs: q8_0 takes the other token)
+        assert ids["f16"][0] == ids["q8_0"][0] == ids["bf16"][0]
     finally:
         for engine in engines.values():
             engine.stop()

@@ -195,7 +195,7 @@ def test_every_layer_in_one_call_gives_the_bits_of_layer_by_layer(request, monke
         return logits, [tuple(t.clone() for t in kv.read(i, 0, kv.length)) for kv in kvs for i in range(loaded.model.cfg.num_layers)]
 
     by_layer, kv_by_layer = step(False)
-    kernel = variant is not None and ops.bf16_units() != "amx"  # AMX's prompt rows attend on its tiles: layer by layer there
+    kernel = variant is not None and not ops.bf16_attention(loaded.model.cfg.head_dim)  # AMX's prompt rows attend on its tiles: layer by layer
     assert stacked == ([1] * loaded.model.cfg.num_layers if kernel else []), stacked  # a call per layer
     stacked.clear()
     one_call, kv_one_call = step(True)
