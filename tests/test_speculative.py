@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -502,19 +503,46 @@ def _target(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
     ],
     ids=["plain", "top_k", "top_p_min_p", "penalties_bias"],
 )
-def test_a_guess_is_taken_or_refused_so_each_token_follows_the_rows_distribution(params: SamplingParams) -> None:
-    """On a vocabulary of 8, with a likely guess, an unlikely one and (under the filters) an excluded one: drawn
-    6000 times each (seeded: the same draws every run), the tokens' counts against the row's own probabilities."""
+def test_a_guess_is_taken_as_often_as_its_probability_and_each_token_follows_the_rows_distribution(params: SamplingParams) -> None:
+    """On a vocabulary of 8, with a likely guess, an unlikely one and (under the filters) an excluded one: drawn 6000
+    times each (seeded: the same draws every run), the tokens' counts against the row's own probabilities, and the
+    guess taken (the pick is the guess: Outputs.verify) as often as its probability says (speculative sampling's rate
+    for a deterministic guess), within 4.5 standard deviations."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0])
     n = 6000
     s = Sampler(params, prompt_ids=[])
     s.counts = {0: 1}  # a penalty applies to token 0 where one is asked
     want = _target(params, s.penalize(logits))
-    for guess in (None, 0, 5, 7):
-        counts = torch.zeros(8)
+    for guess in (0, 5, 7):
+        counts, taken = torch.zeros(8), 0
         for _ in range(n):
-            counts[s._sample(logits, guess)] += 1
+            token = s.sample(logits)
+            counts[token] += 1
+            taken += token == guess
         assert _chi_square(counts, want) < BOUND, (guess, counts, want * n)
+        p = float(want[guess])
+        assert abs(taken - n * p) <= 4.5 * math.sqrt(n * p * (1 - p)) + 1e-9, (guess, taken, n * p)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_a_seed_gives_the_same_sampled_tokens_with_guesses_and_without(tiny_serve_q8_jlm, drafter: str) -> None:
+    """Sampled with a seed (temperature, top-p, a penalty): the same tokens with guesses as without, a second turn too,
+    guesses taken on the way; each sampled token is one draw of the row's generator whether a guess stood there or not
+    (so how many were made, which timing decides, never moves the stream)."""
+    params = SamplingParams(temperature=0.4, top_p=0.95, presence_penalty=0.2, seed=11)
+    plain, spec = _engine(tiny_serve_q8_jlm, "off"), _engine(tiny_serve_q8_jlm, drafter, draft_max=4)
+    try:
+        a_session, b_session = plain.new_session(), spec.new_session()
+        a = _run(plain, session=a_session, params=params)
+        b = _run(spec, session=b_session, params=params, speculative=True)
+        assert b.ids == a.ids
+        assert spec.speculator is not None and spec.speculator.accepted > 0, "no guess was taken: the test tests nothing"
+        more = a_session.token_ids + [7, 5, 9, 14]
+        again = replace(params, seed=12)
+        assert _run(spec, more, 40, session=b_session, params=again, speculative=True).ids == _run(plain, more, 40, session=a_session, params=again).ids
+    finally:
+        plain.stop()
+        spec.stop()
 
 
 def test_the_wrong_acceptance_rule_fails_the_bound() -> None:

@@ -85,14 +85,15 @@ class Outputs:
             self._accept(req, token)
 
     def verify(self, req: Request, row: Row, logits: torch.Tensor, now: float) -> int:
-        """A drafting row's step: row i of `logits` follows its token and guesses 0..i-1. Each guess the sampler takes
-        (Sampler.sample with the guess) lets the next row's pick count too; the first refused is replaced by the
-        sampler's own pick, and a row whose every guess was taken gets one more. The KV and the session's tokens go
+        """A drafting row's step: row i of `logits` follows its token and guesses 0..i-1. Each guess the sampler's pick
+        equals is taken (Sampler.sample: speculative sampling's rule for these deterministic guesses) and lets the next
+        row's pick count too; the first refused is replaced by that pick, and a row whose every guess was taken gets
+        one more. The KV and the session's tokens go
         back to what those picks followed. Returns the tokens taken."""
         draft, taken, accepted = row.draft, 0, 0
         for i in range(len(draft) + 1):
             guess = draft[i] if i < len(draft) else None
-            token = req.sampler.sample(logits[i], guess)
+            token = req.sampler.sample(logits[i])
             self._stamp(req, now)
             taken += 1
             accepted += token == guess

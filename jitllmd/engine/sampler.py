@@ -230,13 +230,16 @@ class Sampler:
             logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
         return logits
 
-    def sample(self, logits: torch.Tensor, draft: int | None = None) -> int:
+    def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token from f32 logits [V], on their device (and its log probabilities into `last`); a thought
-        whose budget is spent takes its close marker instead. `draft`: a guess (speculative decoding) that the pick
-        takes or refuses, its distribution still this row's own (_sample)."""
+        whose budget is spent takes its close marker instead. A drafting row's guess is taken where the pick is the
+        guess (Outputs.verify): the guesses are deterministic proposals (prompt lookup, a draft model's greedy token),
+        for which speculative sampling's rule takes a guess with probability p(guess) under this row's distribution
+        and else draws from p without it, which is exactly the law of this pick told apart by whether it is the guess.
+        One uniform draw a sampled token either way: a seed gives the same tokens whether or not guesses were made."""
         token = self.thought.forced() if self.thought is not None else None
         if token is None:
-            token = self._sample(self._masked(logits), draft)
+            token = self._sample(self._masked(logits))
         if self.params.logprobs is not None:
             self.last = logprobs_of(logits, token, self.params.logprobs)
         return token
@@ -252,11 +255,9 @@ class Sampler:
             masked[thought.spec.open_id] = logits[thought.spec.open_id]
         return masked
 
-    def _sample(self, logits: torch.Tensor, draft: int | None = None) -> int:
-        """The row's pick. With a `draft` guessed deterministically (prompt lookup, a draft model's greedy token: a
-        proposal q putting all its mass on it), speculative sampling's rule: take it with probability p(draft) under
-        this row's distribution p (temperature, top-k/top-p/min-p, penalties, bias, grammar), else draw from p with
-        the draft left out, renormalized: the token's law is p either way. Greedy takes the argmax whatever the guess."""
+    def _sample(self, logits: torch.Tensor) -> int:
+        """The row's pick under its distribution p (temperature, top-k/top-p/min-p, penalties, bias, grammar), or the
+        argmax where it is greedy."""
         p = self.params
         logits = self.penalize(logits)
         if p.greedy:
@@ -290,16 +291,6 @@ class Sampler:
                 keep &= probs >= p.min_p * probs.max()
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         gen = self.generator(probs.device)
-        if draft is not None:
-            hits = None if ids is None else (ids == draft).nonzero()
-            at = draft if hits is None else int(hits[0]) if len(hits) else -1  # where the guess is among the candidates
-            if at >= 0:
-                mass = float(probs[at] / probs.sum())
-                if float(torch.rand(1, generator=gen, device=probs.device)) < mass:
-                    return draft
-                if mass < 1.0:
-                    probs = probs.clone()
-                    probs[at] = 0.0
         # inverse transform sampling: the first candidate whose cumulative mass passes a uniform draw of their total
         # (torch.multinomial takes ~7 ms over a 262k vocabulary; this is a cumsum and a search)
         cdf = torch.cumsum(probs, dim=-1)
