@@ -77,20 +77,22 @@ def _chunk(q, keys, values, start, key_start, window, bf16=False):
 
 
 @pytest.mark.parametrize("variant", variants())
-def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str) -> None:
-    """A kept-quantized model's f16 K/V: attend_rows rounds the new K/V to f16 as torch's .half() does and reads the
-    cache widened, so its output is bit for bit the f32 kernel's over the same values; attend_chunk likewise."""
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str, narrow: torch.dtype) -> None:
+    """A kept-quantized model's f16 K/V (a bf16 model's bf16 K/V): attend_rows rounds the new K/V as torch's .half()
+    (.bfloat16()) does and reads the cache widened, so its output is bit for bit the f32 kernel's over the same
+    values; attend_chunk likewise (in bf16 too, where AMX runs)."""
     use_variant(variant)
     try:
         g = torch.Generator().manual_seed(3)
         H, Hkv, D, cap = 6, 2, 64, 300
-        keys16 = [torch.randn(Hkv, cap, D, generator=g).half() for _ in range(3)]
-        values16 = [torch.randn(Hkv, cap, D, generator=g).half() for _ in range(3)]
+        keys16 = [torch.randn(Hkv, cap, D, generator=g).to(narrow) for _ in range(3)]
+        values16 = [torch.randn(Hkv, cap, D, generator=g).to(narrow) for _ in range(3)]
         keys32, values32 = [t.float() for t in keys16], [t.float() for t in values16]
         lengths, starts = [12, 300, 1], [0, 150, 0]
         q, k, v = torch.randn(3, H, D, generator=g), torch.randn(3, Hkv, D, generator=g), torch.randn(3, Hkv, D, generator=g)
         out16 = _rows(q, k, v, keys16, values16, lengths, starts)
-        out32 = _rows(q, k.half().float(), v.half().float(), keys32, values32, lengths, starts)
+        out32 = _rows(q, k.to(narrow).float(), v.to(narrow).float(), keys32, values32, lengths, starts)
         assert torch.equal(out16, out32)
         for r in range(3):
             assert torch.equal(keys16[r].float(), keys32[r]) and torch.equal(values16[r].float(), values32[r])
@@ -98,7 +100,10 @@ def test_an_f16_cache_is_an_f32_cache_of_f16_values(variant: str) -> None:
         qc = torch.randn(n, H, D, generator=g)
         for window in (None, 50):
             assert torch.equal(_chunk(qc, keys16[1], values16[1], start, 0, window), _chunk(qc, keys32[1], values32[1], start, 0, window))
-        odd16 = torch.randn(1, 40, 12, generator=g).half()  # a head size that is no multiple of 8: the widening's tail
+        if bf16_attention(D):
+            narrow_bf16, wide_bf16 = (_chunk(qc, ks[1], vs[1], start, 0, None, True) for ks, vs in ((keys16, values16), (keys32, values32)))
+            assert torch.equal(narrow_bf16, wide_bf16)
+        odd16 = torch.randn(1, 40, 12, generator=g).to(narrow)  # a head size that is no multiple of 8: the widening's tail
         qo = torch.randn(9, 2, 12, generator=g)
         assert torch.equal(_chunk(qo, odd16, odd16, 3, 0, None), _chunk(qo, odd16.float(), odd16.float(), 3, 0, None))
     finally:

@@ -42,7 +42,7 @@ static inline __m512 exp16_neg(__m512 x) {
 
 typedef struct {
     const float *q;
-    const void *K, *V; /* [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16, q8_0) */
+    const void *K, *V; /* [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16, bf16, q8_0) */
     const int32_t *table; /* the session's pages (simd.h kv_at) */
     float *out;
     uint16_t *kt, *vt; /* packed: [Hkv][nb][AB * D] each */
@@ -57,6 +57,8 @@ static inline __m512 cache16(const abf_job *j, const void *base, int64_t h, int6
     if (key < j->klo || key >= j->khi) return _mm512_setzero_ps();
     const char *row = (const char *)base + kv_byte(j->table, j->Hkv, h, key, kv_row_bytes(j->kind, j->D));
     if (j->kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+    if (j->kind == KV_BF16) /* an f32's top half */
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))), 16));
     if (j->kind == KV_Q8) { /* 16 values of one block of 32: its scale times each integer */
         const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
         return _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(((const uint16_t *)(row + j->D))[d / 32])), v);

@@ -101,8 +101,8 @@ def panel_linear(
     return y
 
 
-KV_DTYPES = (torch.float32, torch.float16, torch.uint8)  # the caches the attention kernels read (uint8: q8_0 rows, engine/pages.py)
-_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}  # kernels/simd.h KV_F32, KV_F16, KV_Q8
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)  # the caches the attention kernels read (uint8: q8_0 rows, pages.py)
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2, torch.bfloat16: 3}  # kernels/simd.h KV_F32, KV_F16, KV_Q8, KV_BF16
 
 
 def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[int]) -> list[int]:
@@ -113,7 +113,7 @@ def _row_meta(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: lis
 
 
 def _kv_kind(caches: list[torch.Tensor]) -> int:
-    """The caches' kind (all of one dtype in KV_DTYPES): f32, f16 or q8_0 rows (kernels/simd.h)."""
+    """The caches' kind (all of one dtype in KV_DTYPES): f32, f16, bf16 or q8_0 rows (kernels/simd.h)."""
     dtype = caches[0].dtype
     assert dtype in KV_DTYPES and all(t.dtype == dtype for t in caches)
     return _KV_KINDS[dtype]
@@ -135,8 +135,8 @@ def attend_rows(
     tables: list[int],
 ) -> torch.Tensor:
     """Single-token rows' attention in one call. Row r's new k[r], v[r] [Hkv, D] f32 go to position lengths[r] - 1
-    of its session's cache: keys[r], values[r] (a layer's pages [pages, Hkv, PAGE, row] contiguous: f32 or f16 rows of
-    D (rounded to nearest), or uint8 q8_0 rows of D + D / 16 bytes (kernels/simd.h)) through the int32 page table at
+    of its session's cache: keys[r], values[r] (a layer's pages [pages, Hkv, PAGE, row] contiguous: f32, f16 or bf16 rows
+    of D (rounded to nearest), or uint8 q8_0 rows of D + D / 16 bytes (kernels/simd.h)) through the int32 page table at
     address tables[r]; then q[r] [H, D] f32 attends to positions
     starts[r] .. lengths[r] - 1. -> [R, H * D] f32."""
     lib = _lib()
@@ -154,7 +154,7 @@ def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
                  bf16: bool = False) -> torch.Tensor:
     """A chunk's causal attention against its session's cache. q [n, H, D] are the queries at positions start ..
     start + n - 1, whose keys and values are already in the cache: keys, values (a layer's pages [pages, Hkv, PAGE, row]
-    contiguous, f32 or f16 rows (D a multiple of 4) or q8_0 ones (attend_rows)) through the int32 page table at address `table`; query i sees
+    contiguous, f32, f16 or bf16 rows (D a multiple of 4) or q8_0 ones (attend_rows)) through the int32 page table at address `table`; query i sees
     positions max(key_start, start + i - window + 1) .. start + i. -> [n, H * D] f32.
     With `bf16` (where `bf16_attention()`; D a multiple of 32): a bf16 model's rounding on AMX tiles (attend_bf16.c:
     q and the keys rounded for the scores, the softmax's weights and the values for their product, sums in f32)."""

@@ -1254,16 +1254,6 @@ int gemm_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, 
 
 /* ---- dequantization ---- */
 
-/* f32 -> bf16, to nearest even (NaN stays a quiet NaN) */
-static inline __m128i bf16x8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 /* 32 values a * q (+ b where with_b) from signed codes q, a_lo for elements 0..15 and a_hi for 16..31, to out
  * (f32, or bf16 where bf16) at element `at`. */
 static inline void emit32(__m256i q, __m256 a_lo, __m256 a_hi, __m256 b, int with_b, void *out, int64_t at, int bf16) {

@@ -118,10 +118,22 @@ static inline void widen_q8(float *dst, const uint8_t *src, int64_t n, int64_t D
     }
 }
 
-/* n rows of a narrower cache (f16, q8_0) from `src` widened to f32. */
+/* n bf16 values widened to f32 (exactly: a bf16 value is an f32's top half). */
+static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16_wide8(src + i));
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, 4);
+    }
+}
+
+/* n rows of a narrower cache (f16, bf16, q8_0) from `src` widened to f32. */
 static inline void widen_rows(float *dst, const void *src, int64_t n, int64_t D, int kind) {
     if (kind == KV_F16)
         widen_f16(dst, (const uint16_t *)src, n * D);
+    else if (kind == KV_BF16)
+        widen_bf16(dst, (const uint16_t *)src, n * D);
     else
         widen_q8(dst, (const uint8_t *)src, n, D);
 }
@@ -261,11 +273,19 @@ ATTEND_ITEM(1, 128)
 ATTEND_ITEM(2, 0)
 ATTEND_ITEM(2, 64)
 ATTEND_ITEM(2, 128)
+ATTEND_ITEM(3, 0)
+ATTEND_ITEM(3, 64)
+ATTEND_ITEM(3, 128)
 
 /* n f32 values to f16, rounded to nearest even as torch's .half() rounds them. n is a multiple of 8. */
 static inline void to_f16(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 8)
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* n f32 values to bf16, rounded to nearest even as torch's .bfloat16() rounds them. n is a multiple of 8. */
+static inline void to_bf16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) _mm_storeu_si128((__m128i *)(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
 }
 
 /* A row of D f32 values to a q8_0 row (simd.h): per block of 32, scale = amax / 127, each q = value * (1 / scale)
@@ -293,7 +313,7 @@ static inline void to_q8(uint8_t *dst, const float *src, int64_t D) {
 
 /* Decode attention for a step's single-token rows in one call. Row r's new key and value (k_new[r], v_new[r]:
  * [Hkv, D]) are written at position lengths[r] - 1 of its own session's cache (k_ptrs[r], v_ptrs[r]: the layer's pages
- * [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16 rounded to nearest, q8_0); tables[r]: the address of its int32
+ * [pages, Hkv, KV_PAGE] rows of `kind` (simd.h: f32, f16 or bf16 rounded to nearest, q8_0); tables[r]: the address of its int32
  * page table, simd.h kv_byte);
  * then its query heads q[r] [H, D] attend to positions starts[r] .. lengths[r] - 1 (each
  * row and kv head one item on pool.c's threads). Query head j reads kv head j / (H / Hkv), as grouped-query attention
@@ -310,6 +330,9 @@ int attend_rows(const float *q, const float *k_new, const float *v_new, float *o
             if (kind == KV_F16) {
                 to_f16((uint16_t *)kd, ks, D);
                 to_f16((uint16_t *)vd, vs, D);
+            } else if (kind == KV_BF16) {
+                to_bf16((uint16_t *)kd, ks, D);
+                to_bf16((uint16_t *)vd, vs, D);
             } else if (kind == KV_Q8) {
                 to_q8(kd, ks, D);
                 to_q8(vd, vs, D);
@@ -320,9 +343,10 @@ int attend_rows(const float *q, const float *k_new, const float *v_new, float *o
         }
     }
     attend_job job = {q, out, k_ptrs, v_ptrs, lengths, starts, tables, H, H / Hkv, D, scale, 0};
-    static void (*const items[3][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
+    static void (*const items[4][3])(void *, int64_t) = {{attend_item_0_0, attend_item_0_64, attend_item_0_128},
                                                          {attend_item_1_0, attend_item_1_64, attend_item_1_128},
-                                                         {attend_item_2_0, attend_item_2_64, attend_item_2_128}};
+                                                         {attend_item_2_0, attend_item_2_64, attend_item_2_128},
+                                                         {attend_item_3_0, attend_item_3_64, attend_item_3_128}};
     pool_for(R * Hkv, threads, items[kind][D == 64 ? 1 : D == 128 ? 2 : 0], &job);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
 }

@@ -8,13 +8,28 @@
 /* Session K/V in pages (engine/pages.py): a layer's cache is [pages][Hkv][KV_PAGE] rows, and a session's page table
  * (int32, one entry per KV_PAGE positions) names the page each run of KV_PAGE positions is in. The attention kernels
  * take keys a page at a time: within one, a kv head's keys are adjacent rows. A row is one position's D values of one
- * kv head: f32, f16, or q8_0 (KV_Q8: D int8 then D / 32 f16 scales, value i = scale[i / 32] * q[i], llama.cpp's
+ * kv head: f32, f16, bf16, or q8_0 (KV_Q8: D int8 then D / 32 f16 scales, value i = scale[i / 32] * q[i], llama.cpp's
  * block rule: scale amax / 127, q the value / scale rounded to nearest even). */
 #define KV_PAGE 64
-enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 }; /* a cache's kind */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_BF16 = 3 }; /* a cache's kind */
 
 /* Bytes of one row of a cache of `kind`. */
-static inline int64_t kv_row_bytes(int kind, int64_t D) { return kind == KV_F32 ? 4 * D : kind == KV_F16 ? 2 * D : D + D / 16; }
+static inline int64_t kv_row_bytes(int kind, int64_t D) { return kind == KV_F32 ? 4 * D : kind == KV_Q8 ? D + D / 16 : 2 * D; }
+
+/* f32 -> bf16, to nearest even (NaN stays a quiet NaN), as torch's .bfloat16() rounds */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* 8 bf16 values widened to f32 (exactly: a bf16 value is an f32's top half) */
+static inline __m256 bf16_wide8(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
 
 /* The byte where position pos of kv head h starts, rows of row_bytes. */
 static inline int64_t kv_byte(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t row_bytes) {

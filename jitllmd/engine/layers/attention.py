@@ -26,8 +26,10 @@ class Attention:
         self.window = window  # a key at position k is seen from q when q - window < k <= q; None: every earlier key
         self.softcap = softcap  # scores -> tanh(scores / cap) * cap before the softmax: torch's ops, no kernel
         kernels = device.type == "cpu" and rows_kernel() is not None and softcap is None
-        # the kernels take f32 rows and f32 or f16 caches (KV_DTYPES) on the CPU, for the head sizes they vectorise
-        self.decode_kernel = kernels and dtype == torch.float32 and head_dim % 8 == 0  # single-token rows, one call
+        # the kernels take f32 rows and the caches of KV_DTYPES on the CPU, for the head sizes they vectorise; a bf16
+        # model's decode rows widened (its attention then sums in f32, as SDPA's does), its prompt chunks not (SDPA's
+        # bf16 flash attention over them is the faster: 256-token prompts 1.15x the f32 kernel's)
+        self.decode_kernel = kernels and dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0  # decode rows, one call
         self.chunk_kernel = kernels and dtype == torch.float32 and head_dim % 4 == 0  # a prompt chunk, flash-style
         # prompt rows (a chunk, or a prompt's last token alone) on AMX tiles in bf16, the rounding their projections
         # make: decode rows stay f32 wherever they run
@@ -46,8 +48,9 @@ class Attention:
         if T == len(rows) and self.decode_kernel and rows[0].kv.dtype in KV_DTYPES:  # every row feeds one token: one call writes and attends them all
             i = self.layer
             K, V = rows[0].kv.storage(i)  # every row's pages are the model's
-            return attend_rows(q, k, v, [K] * T, [V] * T, [r.kv.length + 1 for r in rows], [r.key_start(self.window) for r in rows],
-                               [r.kv.table(i) for r in rows])
+            out = attend_rows(q.float(), k.float(), v.float(), [K] * T, [V] * T, [r.kv.length + 1 for r in rows],
+                              [r.key_start(self.window) for r in rows], [r.kv.table(i) for r in rows])
+            return out.to(self.dtype)
         if len(rows) == 1:
             return self.attend(q, k, v, rows[0])
         out = torch.empty((T, self.num_heads * self.head_dim), dtype=self.dtype, device=q.device)
@@ -75,9 +78,13 @@ class Attention:
             return torch.cat([self.attend_one(q[i], kv, p + i, ks, bf16, kernel) for i in only]) if only else q.new_empty((0, H * D))
         if kernel:
             return attend_chunk(q, *kv.storage(layer), kv.table(layer), p, ks, self.window, bf16)
-        kc, vc = kv.read(layer, ks, p + n)  # [Hkv, keys, D]
-        kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a cast where the cache is narrower (f16 beside f32): SDPA takes one dtype
-        if p == 0 and ks == 0 and (self.window is None or n <= self.window):
+        first = p == 0 and ks == 0 and (self.window is None or n <= self.window)
+        if first and kv.dtype == q.dtype:  # its own keys are what the cache holds: not read back
+            kc, vc = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            kc, vc = kv.read(layer, ks, p + n)  # [Hkv, keys, D]
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a cast where the cache is narrower (f16 beside f32): SDPA takes one dtype
+        if first:
             # A prompt's first chunk: plain causal attention over its own keys, no mask to build or read.
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True, enable_gqa=True)
             return out[0].transpose(0, 1).reshape(n, H * D)
