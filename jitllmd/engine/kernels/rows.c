@@ -121,7 +121,7 @@ static inline void widen_q8(float *dst, const uint8_t *src, int64_t n, int64_t D
 /* n bf16 values widened to f32 (exactly: a bf16 value is an f32's top half). */
 static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16_wide8(src + i));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(src + i));
     for (; i < n; i++) {
         const uint32_t bits = (uint32_t)src[i] << 16;
         memcpy(dst + i, &bits, 4);

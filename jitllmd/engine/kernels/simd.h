@@ -26,11 +26,6 @@ static inline __m128i bf16x8(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-/* 8 bf16 values widened to f32 (exactly: a bf16 value is an f32's top half) */
-static inline __m256 bf16_wide8(const uint16_t *src) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
-}
-
 /* The byte where position pos of kv head h starts, rows of row_bytes. */
 static inline int64_t kv_byte(const int32_t *table, int64_t Hkv, int64_t h, int64_t pos, int64_t row_bytes) {
     return (((int64_t)table[pos / KV_PAGE] * Hkv + h) * KV_PAGE + pos % KV_PAGE) * row_bytes;
