@@ -303,10 +303,11 @@ def test_packed_rows_equal_rows_alone(case, path) -> None:
         assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1])
 
 
-def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) -> None:
-    """A prompt chunk's logits are the same bits whether its step holds it alone or beside another session's decode
-    row (a bf16 chunk's MLP by column slices either way, here two of them; its attention in bf16 where AMX runs and
-    the heads are 64 wide, while the decode row's stays f32)."""
+def test_a_prompt_chunk_and_decode_rows_are_the_same_beside_each_other(case, path, monkeypatch) -> None:
+    """A step holding a prompt chunk, a decode row and a row with guesses (a short feed: decode's products) gives each
+    the bits it has alone: the chunk's (a bf16 chunk's MLP by column slices either way, here two of them; its
+    attention in bf16 where AMX runs and the heads are 64 wide), and the decode rows' (their attention the decode
+    kernel's token by token, as layer.c's one call attends them alone, not the chunk kernel's)."""
     name, result, _ = case
     if path == "reference":
         pytest.skip("torch's GEMM may sum rows in another order beside others")
@@ -314,11 +315,19 @@ def test_a_prompt_chunk_is_the_same_beside_decode_rows(case, path, monkeypatch) 
     loaded = load_model(result.path, max_seq=64)
     blocks = [loaded.runner.placement.pager.resident[f"blocks.{i}"] for i in range(loaded.runner.model.cfg.num_layers)]
     assert all(b.attn.bf16 == (ops.bf16_units() == "amx" and name != "gguf-mix") for b in blocks)  # gguf-mix: heads of 16
-    alone = loaded.runner.forward(torch.tensor(PROMPT[:9]), torch.arange(9), [RowSpan(0, 9, loaded.new_kv())])
-    other = loaded.new_kv()
-    loaded.runner.forward(torch.tensor(PROMPT[10:14]), torch.arange(4), [RowSpan(0, 4, other)])
-    mixed = loaded.runner.forward(torch.tensor([PROMPT[20], *PROMPT[:9]]), torch.tensor([4, *range(9)]), [RowSpan(0, 1, other), RowSpan(1, 9, loaded.new_kv())])
-    assert torch.equal(mixed[1:].view(torch.int32), alone.view(torch.int32))
+    forward = loaded.runner.forward
+    alone = forward(torch.tensor(PROMPT[:9]), torch.arange(9), [RowSpan(0, 9, loaded.new_kv())])
+    kvs = [loaded.new_kv() for _ in range(6)]  # a decode row's and a guessing row's sessions, three times
+    for kv in kvs:
+        forward(torch.tensor(PROMPT[10:14]), torch.arange(4), [RowSpan(0, 4, kv)])
+    decode = forward(torch.tensor([PROMPT[20]]), torch.tensor([4]), [RowSpan(0, 1, kvs[0])])
+    guesses = forward(torch.tensor(PROMPT[21:24]), torch.arange(4, 7), [RowSpan(0, 3, kvs[1], short=True)])
+    bits = lambda t: t.view(torch.int32)
+    for a, b, at in ((2, 3, None), (4, 5, torch.tensor([0, 1, 2, 3, 12]))):  # every token's logits; a step's (the last layer's `keep`)
+        mixed = forward(torch.tensor([PROMPT[20], *PROMPT[21:24], *PROMPT[:9]]), torch.tensor([4, 4, 5, 6, *range(9)]),
+                        [RowSpan(0, 1, kvs[a]), RowSpan(1, 3, kvs[b], short=True), RowSpan(4, 9, loaded.new_kv())], at)
+        chunk = alone if at is None else alone[-1:]
+        assert torch.equal(bits(mixed[4:]), bits(chunk)) and torch.equal(bits(mixed[:1]), bits(decode)) and torch.equal(bits(mixed[1:4]), bits(guesses))
 
 
 def decode_both_ways(loaded, ids: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,27 +37,43 @@ class Attention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowSpan], keep: list[int] | None = None) -> torch.Tensor:
         """With `keep` (ascending token indices) only those tokens' outputs [len(keep), H*D]; every token's K/V is
-        still written."""
-        T = q.shape[0]
-        if keep is not None:
-            return torch.cat([
-                self.attend(q[r.start : r.start + r.num_tokens], k[r.start : r.start + r.num_tokens], v[r.start : r.start + r.num_tokens], r,
-                            [i - r.start for i in keep if r.start <= i < r.start + r.num_tokens])
-                for r in rows
-            ])
-        if T == len(rows) and self.decode_kernel and rows[0].kv.dtype in KV_DTYPES:  # every row feeds one token: one call writes and attends them all
-            i = self.layer
-            K, V = rows[0].kv.storage(i)  # every row's pages are the model's
-            out = attend_rows(q.float(), k.float(), v.float(), [K] * T, [V] * T, [r.kv.length + 1 for r in rows],
-                              [r.key_start(self.window) for r in rows], [r.kv.table(i) for r in rows])
-            return out.to(self.dtype)
-        if len(rows) == 1:
-            return self.attend(q, k, v, rows[0])
-        out = torch.empty((T, self.num_heads * self.head_dim), dtype=self.dtype, device=q.device)
-        for row in rows:
-            s, n = row.start, row.num_tokens
-            out[s : s + n] = self.attend(q[s : s + n], k[s : s + n], v[s : s + n], row)
-        return out
+        still written. Decode rows, short feeds and guesses attend token by token through the decode kernel whatever
+        else the step holds (a token's bits are its own row's: layer.c's fused call attends them so too); prompt
+        chunks chunk by chunk."""
+        flat = [self.as_rows(r) for r in rows]
+        if all(flat) and keep is None:  # one call writes and attends them all
+            return self.attend_tokens(q, k, v, rows)
+        tokens = iter(())  # the decode-row tokens' outputs, row by row
+        if any(flat):
+            ids = [i for r, f in zip(rows, flat) if f for i in range(r.start, r.start + r.num_tokens)]
+            at = torch.tensor(ids, device=q.device)
+            tokens = iter(self.attend_tokens(q[at], k[at], v[at], [r for r, f in zip(rows, flat) if f]).split([r.num_tokens for r, f in zip(rows, flat) if f]))
+        parts = []
+        for r, f in zip(rows, flat):
+            s, n = r.start, r.num_tokens
+            only = None if keep is None else [i - s for i in keep if s <= i < s + n]
+            if f:
+                out = next(tokens)
+                parts.append(out if only is None else out[only])
+            else:
+                parts.append(self.attend(q[s : s + n], k[s : s + n], v[s : s + n], r, only))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def as_rows(self, row: RowSpan) -> bool:
+        """Whether the row's tokens attend as decode rows (attend_tokens): those that are not a prompt chunk's (nor a
+        prompt's on AMX's bf16 attention), where the decode kernel reads the cache."""
+        return self.decode_kernel and row.kv.dtype in KV_DTYPES and not row.exact and not (row.prompt and self.bf16)
+
+    def attend_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowSpan]) -> torch.Tensor:
+        """The rows' tokens (q [T, H, D], k and v [T, Hkv, D]: the rows' tokens in order) each a row of attend_rows:
+        every K/V written first, then each token attends up to its own position. -> [T, H*D]"""
+        i = self.layer
+        K, V = rows[0].kv.storage(i)  # every row's pages are the model's
+        pos = [p for r in rows for p in range(r.kv.length, r.kv.length + r.num_tokens)]
+        tables = [r.kv.table(i) for r in rows for _ in range(r.num_tokens)]
+        starts = [max(0, p - self.window + 1) for p in pos] if self.window else [0] * len(pos)
+        out = attend_rows(q.float(), k.float(), v.float(), [K] * len(pos), [V] * len(pos), [p + 1 for p in pos], starts, tables)
+        return out.to(self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowSpan, only: list[int] | None = None) -> torch.Tensor:
         """Write this chunk's K/V at the row's position and attend over its whole history. -> [n, H*D], or with
