@@ -27,6 +27,7 @@ from jitllmd.engine.kernels.ops import (
     rms_norm_rows,
     rope_rows,
     rows_linear,
+    top_k,
 )
 from jitllmd.engine.pages import PAGE, dequantize_q8, quantize_q8
 
@@ -394,6 +395,33 @@ def test_panel_linear_adds_a_residual() -> None:
     for rows in (1, 6, 200):
         x, r = torch.randn(rows, 300, generator=g), torch.randn(rows, 72, generator=g)
         torch.testing.assert_close(panel_linear(x, packed, r), r + F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", variants())
+def test_top_k_is_torch_topk_with_the_lower_id_first_among_equals(variant: str) -> None:
+    """The sampler's candidates: the k largest in torch.topk's order, on every variant; equal values keep id order
+    (torch leaves their order open: logits rounded to a few values tie often), -inf counts as a value, NaN does not."""
+    use_variant(variant)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for n, k in ((5, 1), (7, 7), (49152, 40), (49152, 1), (1000, 999), (33, 20)):
+            x = torch.randn(n, generator=g) * 3
+            values, ids = top_k(x, k)
+            want = torch.topk(x, k)
+            assert torch.equal(values, want.values) and torch.equal(ids, want.indices), (n, k)
+        x = torch.randint(0, 6, (4000,), generator=g).float()  # ties everywhere: among equals, the lower id
+        values, ids = top_k(x, 50)
+        order = sorted(range(4000), key=lambda i: (-x[i].item(), i))[:50]
+        assert ids.tolist() == order and torch.equal(values, x[ids])
+        x = torch.full((300,), float("-inf"))
+        x[[7, 200]] = torch.tensor([1.0, 2.0])
+        assert top_k(x, 4)[1].tolist() == [200, 7, 0, 1]  # grammar-masked logits: the allowed first, then -inf in id order
+        x[[3, 250]] = float("nan")
+        values, ids = top_k(x, 4)
+        assert ids.tolist() == [200, 7, 0, 1] and not values.isnan().any()
+        assert top_k(torch.full((10,), float("nan")), 3)[0].numel() == 0  # no numbers: none found
+    finally:
+        use_variant(None)
 
 
 def test_describe_names_the_variant_and_its_build() -> None:

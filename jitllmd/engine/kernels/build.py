@@ -22,7 +22,7 @@ __all__ = ["configure", "describe", "rows_kernel", "use_variant", "variant", "va
 
 log = logging.getLogger("jitllmd.kernels")
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c", "layer.c", "attend_bf16.c", "pool.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("rows.c", "panels.c", "quant.c", "layer.c", "attend_bf16.c", "sample.c", "pool.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "pool.h")]  # included by the sources: part of a build's identity
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mprfchw", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]  # prefetchw: a NOP where absent
 _BASE_CPU = ("avx2", "fma", "f16c")  # what _FLAGS need
@@ -164,6 +164,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.rows_f32, lib.rows_bf16):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         fn.restype = None
+    lib.top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.top_k.restype = ctypes.c_int64
     lib.attend_rows.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attend_rows.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]

@@ -15,7 +15,7 @@ from .build import rows_kernel
 __all__ = [
     "BF16_UNITS", "BF16Rows", "GATES", "KV_DTYPES", "MAX_ROWS", "Gate", "QuantLayer", "attend_chunk", "attend_rows", "bf16_attention", "bf16_round",
     "bf16_runs", "bf16_units", "check_quant_weight", "decode_stack", "dequant_rows", "gated_rows", "gemm_runs", "pack_panels", "panel_linear", "product_rows", "quant_rows",
-    "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear",
+    "quant_runs", "rms_norm_add_rows", "rms_norm_heads", "rms_norm_rows", "rope_rows", "rows_linear", "top_k",
 ]
 
 MAX_ROWS = 16  # beyond this many rows a step's projections are GEMMs, which torch runs well
@@ -471,3 +471,12 @@ def decode_stack(layers: list[QuantLayer], x: torch.Tensor, rope: list[tuple[tor
                         torch.get_num_threads()):
         raise MemoryError("decode_stack: no memory for its buffers")
     return y
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of f32 x [V] on the CPU (0 < k <= V), descending, the lower id first among equals -> (values f32,
+    ids int64), k of each, or fewer where x holds fewer numbers (NaNs are passed over)."""
+    x = x.contiguous()
+    values, ids = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.long)
+    have = _lib().top_k(x.data_ptr(), x.shape[0], k, values.data_ptr(), ids.data_ptr())
+    return (values, ids) if have == k else (values[:have], ids[:have])
