@@ -65,6 +65,10 @@ def test_dequant_rows_is_gguf_bit_for_bit(variant: str, qtype: int) -> None:
     assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), ref.view(torch.int32))
     bf = dequant_rows(w.reshape(-1), qtype, N, width(qtype), out=torch.empty(N, width(qtype), dtype=torch.bfloat16))
     assert torch.equal(bf.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+    ids = torch.tensor([N - 1, 0, 3, 3])  # a lookup's rows, gathered as they are read: repeats, any order
+    assert torch.equal(dequant_rows(w, qtype, N, width(qtype), ids=ids).view(torch.int32), ref[ids].view(torch.int32))
+    with pytest.raises(IndexError, match="row ids"):
+        dequant_rows(w, qtype, N, width(qtype), ids=torch.tensor([N]))
 
 
 def f32_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

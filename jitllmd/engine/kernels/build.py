@@ -192,7 +192,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_rows.restype = ctypes.c_int
     lib.gemm_rows.argtypes = lib.quant_rows.argtypes
     lib.gemm_rows.restype = ctypes.c_int
-    lib.dequant_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
+    lib.dequant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.dequant_rows.restype = ctypes.c_int
     lib.bf16_round.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.bf16_round.restype = ctypes.c_int

@@ -378,16 +378,24 @@ def bf16_runs(x: torch.Tensor | BF16Rows, runs: list[tuple[torch.Tensor, int, in
     return y
 
 
-def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
     """W's n rows of ggml type `qtype` (uint8 bytes) -> [n, k] f32 as gguf.quants.dequantize gives them, or into
-    `out` ([n, k] contiguous, f32 or bf16: rounded to nearest even)."""
+    `out` ([n, k] contiguous, f32 or bf16: rounded to nearest even). With `ids` (int64 [m], each < n): rows ids
+    only -> [m, k], gathered as they are read (a torch index would wake torch's own threads, which then spin beside
+    the kernels' on the step's cores)."""
     lib = _lib()
     check_quant_weight(w, qtype, n, k)
+    rows = n if ids is None else ids.shape[0]
+    if ids is not None:
+        ids = ids.to(torch.long).contiguous()
+        if rows and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+            raise IndexError(f"dequant_rows: row ids must lie in [0, {n})")
     if out is None:
-        out = torch.empty((n, k), dtype=torch.float32)
-    assert out.dtype in (torch.float32, torch.bfloat16) and out.device.type == "cpu" and out.is_contiguous() and out.shape == (n, k)
-    if n:
-        lib.dequant_rows(w.data_ptr(), out.data_ptr(), n, k, qtype, int(out.dtype == torch.bfloat16), torch.get_num_threads())
+        out = torch.empty((rows, k), dtype=torch.float32)
+    assert out.dtype in (torch.float32, torch.bfloat16) and out.device.type == "cpu" and out.is_contiguous() and out.shape == (rows, k)
+    if rows:
+        lib.dequant_rows(w.data_ptr(), None if ids is None else ids.data_ptr(), out.data_ptr(), rows, k, qtype, int(out.dtype == torch.bfloat16),
+                         torch.get_num_threads())
     return out
 
 

@@ -1306,6 +1306,7 @@ static inline __attribute__((always_inline)) void dequant_row(const int type, co
 
 typedef struct {
     const uint8_t *W;
+    const int64_t *ids;
     void *out;
     int64_t K, row_bytes;
     int type, bf16;
@@ -1313,7 +1314,7 @@ typedef struct {
 
 static void dequant_item(void *arg, int64_t o) {
     const dequant_job *j = arg;
-    const uint8_t *w = j->W + o * j->row_bytes;
+    const uint8_t *w = j->W + (j->ids ? j->ids[o] : o) * j->row_bytes;
     const int64_t K = j->K, bf16 = j->bf16;
     switch (j->type) {
     case Q4_0: dequant_row(Q4_0, w, K, j->out, o * K, bf16); break;
@@ -1328,10 +1329,11 @@ static void dequant_item(void *arg, int64_t o) {
 }
 
 /* W's N rows of `type` (K a multiple of its block) -> out [N, K] f32, or bf16 where bf16, row by row on pool.c's
- * threads. Returns 0, or -2 for a type it does not know. */
-int dequant_rows(const uint8_t *W, void *out, int64_t N, int64_t K, int type, int bf16, int threads) {
+ * threads; with ids, W's rows ids[0 .. N) (a token embedding's lookup: gathered here, not by a torch index of its own
+ * threads). Returns 0, or -2 for a type it does not know. */
+int dequant_rows(const uint8_t *W, const int64_t *ids, void *out, int64_t N, int64_t K, int type, int bf16, int threads) {
     if (!block_bytes(type)) return -2;
-    dequant_job job = {.W = W, .out = out, .K = K, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .bf16 = bf16};
+    dequant_job job = {.W = W, .ids = ids, .out = out, .K = K, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .bf16 = bf16};
     pool_for(N, threads, dequant_item, &job);
     return 0;
 }

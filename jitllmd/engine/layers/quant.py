@@ -233,9 +233,13 @@ class QuantTable:
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids [T] -> [T, hidden] f32."""
+        kernel = rows_kernel() is not None
+        if not self.paged and kernel and self.table.device.type == "cpu" and self.table.is_contiguous():  # gathered as they are read
+            table = self.table.reshape(-1, self.fmt.row_bytes(self.k))
+            return dequant_rows(table, self.fmt.ggml, table.shape[0], self.k, ids=token_ids)
         raw = self.table.rows(token_ids) if self.paged else self.table.reshape(-1, self.fmt.row_bytes(self.k))[token_ids]  # [T, row bytes]
         n = raw.shape[0]
-        if raw.device.type == "cpu" and rows_kernel() is not None:
+        if raw.device.type == "cpu" and kernel:
             return dequant_rows(raw.contiguous(), self.fmt.ggml, n, self.k)
         return dequantize(raw, self.fmt, n, self.k)
 
