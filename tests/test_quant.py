@@ -330,6 +330,43 @@ def test_a_prompt_chunk_and_decode_rows_are_the_same_beside_each_other(case, pat
         assert torch.equal(bits(mixed[4:]), bits(chunk)) and torch.equal(bits(mixed[:1]), bits(decode)) and torch.equal(bits(mixed[1:4]), bits(guesses))
 
 
+class _Indexes(torch.overrides.TorchFunctionMode):
+    """Records the torch ops that index a tensor by a tensor (getitem, setitem): on the CPU their kernel starts
+    torch's own threads whatever their size, which then spin beside the kernels' pool on the same cores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in ("__getitem__", "__setitem__") and any(isinstance(i, torch.Tensor) for i in _flat(args[1:2])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(items) -> list:
+    return [j for i in items for j in (i if isinstance(i, (tuple, list)) else (i,))]
+
+
+def test_a_step_of_decode_rows_and_a_prompt_indexes_no_tensor_by_a_tensor(case, path) -> None:
+    """A decode step and a step mixing a prompt chunk with decode rows, as the engine runs them (logits of the rows'
+    last tokens): the embedding's rows gathered by the dequant kernel, the head's and attention's rows by slices."""
+    name, result, _ = case
+    if path == "reference":
+        pytest.skip("torch's own ops throughout")
+    loaded = load_model(result.path, max_seq=64)
+    forward = loaded.runner._forward
+    kvs = [loaded.new_kv() for _ in range(3)]
+    for kv in kvs:
+        forward(PROMPT[10:14], list(range(4)), [RowSpan(0, 4, kv)], [3])
+    with _Indexes() as seen:
+        forward(PROMPT[20:23], [4, 4, 4], [RowSpan(i, 1, kv) for i, kv in enumerate(kvs)], [0, 1, 2])
+        forward([PROMPT[23], *PROMPT[:9], PROMPT[22]], [5, *range(9), 5], [RowSpan(0, 1, kvs[0]), RowSpan(1, 9, loaded.new_kv(), prompt=True),
+                RowSpan(10, 1, kvs[1])], [0, 9, 10])
+    assert seen.seen == []
+
+
 def decode_both_ways(loaded, ids: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of decode rows through every layer in one kernel call (layer.c) and through the same layers call by
     call from Python, as (fused, call by call): three sessions prefilled from `ids`, one row alone, then `steps` steps

@@ -163,10 +163,11 @@ class ModelRunner:
             for row in rows:
                 row.kv.length += row.num_tokens
             chunk = chunk_tokens(rows, token_ids.shape[0], many=False)  # a prompt chunk's tokens: the quantized head's prompt path
-            if logits_at is not None and keep is None:
-                x = x[logits_at.to(x.device)]
-            if chunk is not None and logits_at is not None:
-                chunk = chunk[logits_at.cpu()]
+            if logits_at is not None and keep is None and at != list(range(x.shape[0])):  # every token's, in order: x itself (a torch
+                x = x[logits_at.to(x.device)]  # index would wake torch's threads, which then spin beside the kernels' a while)
+            if chunk is not None and at is not None and at != list(range(chunk.shape[0])):  # the logits' tokens' flags
+                flags = chunk.tolist()
+                chunk = torch.tensor([flags[i] for i in at])
             head, dev = next(walk)
             return head(x.to(dev), chunk=chunk)
         finally:

@@ -45,9 +45,9 @@ class Attention:
             return self.attend_tokens(q, k, v, rows)
         tokens = iter(())  # the decode-row tokens' outputs, row by row
         if any(flat):
-            ids = [i for r, f in zip(rows, flat) if f for i in range(r.start, r.start + r.num_tokens)]
-            at = torch.tensor(ids, device=q.device)
-            tokens = iter(self.attend_tokens(q[at], k[at], v[at], [r for r, f in zip(rows, flat) if f]).split([r.num_tokens for r, f in zip(rows, flat) if f]))
+            mine = [r for r, f in zip(rows, flat) if f]
+            take = lambda t: torch.cat([t[r.start : r.start + r.num_tokens] for r in mine])  # slices, not a torch index (its threads)
+            tokens = iter(self.attend_tokens(take(q), take(k), take(v), mine).split([r.num_tokens for r in mine]))
         parts = []
         for r, f in zip(rows, flat):
             s, n = r.start, r.num_tokens

@@ -24,6 +24,7 @@ int8 GEMM, as above), decided from that row's own feed. A token's path depends o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from ..kernels.ops import (
 from ..kv import RowSpan
 from .formats import FORMATS, QFormat, dequantize
 
-__all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "segments_for", "short_feed"]
+__all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "flag_runs", "segments_for", "short_feed"]
 
 
 # The most new tokens a short feed may have, per kernel variant: a feed of at most this many runs through each
@@ -101,6 +102,16 @@ def chunk_tokens(rows: list[RowSpan], num_tokens: int, many: bool = True) -> tor
     for r in long:
         mask[r.start : r.start + r.num_tokens] = True
     return mask
+
+
+def flag_runs(flags: torch.Tensor) -> Iterator[tuple[int, int, bool]]:
+    """bool [T] -> its runs of equal flags as (start, end, flag): a step's prompt rows and decode rows, each run taken
+    by slices (a torch index would wake torch's own threads, which then spin beside the kernels' pool)."""
+    kinds, lo = flags.tolist(), 0
+    for hi in range(1, len(kinds) + 1):
+        if hi == len(kinds) or kinds[hi] != kinds[lo]:
+            yield lo, hi, kinds[lo]
+            lo = hi
 
 
 class QuantLinear:
@@ -185,9 +196,10 @@ class QuantLinear:
     def project(self, x: torch.Tensor, chunk: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                 gated: Gate = False, add: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) [T, out] f32, each row by its own path (`chunk`: a prompt chunk's rows), plus `add` (a
-        residual [T, out], with the kernels and no bias only) added in the kernels' sums, into `out` where given. A
-        step's prompt rows side by side (one chunk's) are read and written in place: no torch op copies them between
-        the kernels' calls (a parallel op there waits, on few cores, for the cores the kernels' pool spun on)."""
+        residual [T, out], with the kernels and no bias only) added in the kernels' sums, into `out` where given. Each
+        run of a step's prompt rows, or of its decode rows, is read and written in place: no torch op copies them
+        between the kernels' calls (a parallel op there waits, on few cores, for the cores the kernels' pool spun on,
+        and its threads then spin beside the pool's)."""
         x = x.float()
         assert add is None or (self.kernel and self.bias is None)
         bias = self.bias if add is None else add
@@ -196,15 +208,9 @@ class QuantLinear:
         if bool(chunk.all()):  # norm or gated given only where the bf16 product folds them
             return self._run(x, True, norm, gated, bias, out)
         assert norm is None and not gated  # made before: the rows mix
-        long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
         y = product_rows(out, x.shape[0], self.out_features)
-        lo, hi = int(long[0]), int(long[-1]) + 1
-        if hi - lo == long.numel():
-            self._run(x[lo:hi], True, add=bias if add is None else add[lo:hi], out=y[lo:hi])
-        else:
-            y[long] = self._run(x[long], True, add=bias if add is None else add[long])
-        if short.numel():
-            y[short] = self._run(x[short], False, add=bias if add is None else add[short])  # decode rows: a few
+        for lo, hi, exact in flag_runs(chunk):
+            self._run(x[lo:hi], exact, add=bias if add is None else add[lo:hi], out=y[lo:hi])
         return y
 
     def _run(self, x: torch.Tensor, exact: bool, norm: tuple[torch.Tensor, float] | None = None, gated: Gate = False,

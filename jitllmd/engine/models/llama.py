@@ -16,7 +16,7 @@ from ..layers.activation import GatedAct
 from ..layers.attention import Attention
 from ..layers.linear import make_linear
 from ..layers.norm import RMSNorm
-from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, segments_for
+from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, flag_runs, segments_for
 from ..layers.rope import Rope, RopeCache, RopeTables, rope_inv_freq
 from ..memory.devices import bf16_matmul_native
 from ..pages import PagePool
@@ -179,10 +179,12 @@ class DecoderBlock:
         if self.bf16_chunks and chunk is not None:  # a prompt row's MLP the same way whatever rows share its step
             if bool(chunk.all()):
                 return self.mlp_columns(x)
-            long, short = chunk.nonzero().squeeze(1), (~chunk).nonzero().squeeze(1)
             out = torch.empty_like(x)
-            out[long] = self.mlp_columns(x[long])
-            out[short] = self.mlp(x[short], None)  # decode rows: the integer kernel
+            for lo, hi, long in flag_runs(chunk):
+                if long:
+                    out[lo:hi] = self.mlp_columns(x[lo:hi])
+                else:
+                    self.mlp(x[lo:hi], None, out=out[lo:hi])  # decode rows: the integer kernel
             return out
         if x.shape[0] > MLP_ROWS:  # each row's MLP is its own (a GEMM may round a tile's rows in another order)
             out = torch.empty_like(x)
