@@ -331,7 +331,7 @@ def test_a_prompt_chunk_and_decode_rows_are_the_same_beside_each_other(case, pat
 
 
 class _Indexes(torch.overrides.TorchFunctionMode):
-    """Records the torch ops that index a tensor by a tensor (getitem, setitem): on the CPU their kernel starts
+    """Records the torch ops that index a tensor by a tensor or a list (getitem, setitem): on the CPU their kernel starts
     torch's own threads whatever their size, which then spin beside the kernels' pool on the same cores."""
 
     def __init__(self) -> None:
@@ -340,13 +340,14 @@ class _Indexes(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        if name in ("__getitem__", "__setitem__") and any(isinstance(i, torch.Tensor) for i in _flat(args[1:2])):
+        if name in ("__getitem__", "__setitem__") and any(isinstance(i, (torch.Tensor, list)) for i in _flat(args[1:2], lists=False)):
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
 
 
-def _flat(items) -> list:
-    return [j for i in items for j in (i if isinstance(i, (tuple, list)) else (i,))]
+def _flat(items, lists: bool = True) -> list:
+    """An index's parts: a tuple's items (and a list's where `lists`)."""
+    return [j for i in items for j in (i if isinstance(i, (tuple, list) if lists else tuple) else (i,))]
 
 
 def test_a_step_of_decode_rows_and_a_prompt_indexes_no_tensor_by_a_tensor(case, path) -> None:

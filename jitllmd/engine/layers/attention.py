@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..kernels import rows_kernel
 from ..kernels.ops import KV_DTYPES, attend_chunk, attend_rows, bf16_attention
 from ..kv import RowSpan, SessionKV
+from .quant import take_rows
 
 __all__ = ["Attention"]
 
@@ -54,7 +55,7 @@ class Attention:
             only = None if keep is None else [i - s for i in keep if s <= i < s + n]
             if f:
                 out = next(tokens)
-                parts.append(out if only is None else out[only])
+                parts.append(out if only is None else take_rows(out, only))
             else:
                 parts.append(self.attend(q[s : s + n], k[s : s + n], v[s : s + n], r, only))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -89,7 +90,7 @@ class Attention:
         if self.softcap is not None:
             kc, vc = kv.read(layer, ks, p + n)
             out = self.capped(q, kc, vc, row.mask_on(kc.device, 1, self.window))
-            return out if only is None else out[only]
+            return out if only is None else take_rows(out, only)
         if only is not None:
             return torch.cat([self.attend_one(q[i], kv, p + i, ks, bf16, kernel) for i in only]) if only else q.new_empty((0, H * D))
         if kernel:

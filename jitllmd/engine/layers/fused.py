@@ -12,6 +12,7 @@ import torch
 
 from ..kernels.ops import QuantLayer, decode_stack
 from ..kv import RowSpan
+from .quant import take_rows
 from .rope import RopeTables
 
 __all__ = ["FusedBlock", "run", "stack"]
@@ -44,7 +45,7 @@ def run(blocks: Sequence[FusedBlock], x: torch.Tensor, rope: tuple[RopeTables, .
         tables.append([kv.table(i) for kv, _ in tokens])
     y = decode_stack(layers, x.contiguous(), [rope[b.rope_index].on(x.device) for b in blocks], keys, values, lengths, starts,
                      tables, many)
-    return y if keep is None else y[keep]
+    return y if keep is None else take_rows(y, keep)
 
 
 def stack(blocks: Sequence[Any], rows: list[RowSpan]) -> Callable[[torch.Tensor, tuple[RopeTables, ...], list[int] | None], torch.Tensor] | None:

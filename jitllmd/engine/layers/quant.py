@@ -48,7 +48,7 @@ from ..kernels.ops import (
 from ..kv import RowSpan
 from .formats import FORMATS, QFormat, dequantize
 
-__all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "flag_runs", "segments_for", "short_feed"]
+__all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "flag_runs", "segments_for", "take_rows", "short_feed"]
 
 
 # The most new tokens a short feed may have, per kernel variant: a feed of at most this many runs through each
@@ -112,6 +112,17 @@ def flag_runs(flags: torch.Tensor) -> Iterator[tuple[int, int, bool]]:
         if hi == len(kinds) or kinds[hi] != kinds[lo]:
             yield lo, hi, kinds[lo]
             lo = hi
+
+
+def take_rows(t: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """t's rows `ids` (a new tensor, as t[ids] gives them) by slices, a run of consecutive ids each: no torch index
+    (see flag_runs)."""
+    runs, lo = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            runs.append(t[ids[lo] : ids[j - 1] + 1])
+            lo = j
+    return torch.cat(runs) if len(runs) > 1 else (runs[0] if runs else t[:0]).clone()
 
 
 class QuantLinear:

@@ -16,7 +16,7 @@ from ..layers.activation import GatedAct
 from ..layers.attention import Attention
 from ..layers.linear import make_linear
 from ..layers.norm import RMSNorm
-from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, flag_runs, segments_for
+from ..layers.quant import QuantLinear, QuantTable, Segment, chunk_tokens, flag_runs, segments_for, take_rows
 from ..layers.rope import Rope, RopeCache, RopeTables, rope_inv_freq
 from ..memory.devices import bf16_matmul_native
 from ..pages import PagePool
@@ -170,8 +170,8 @@ class DecoderBlock:
         qk = self.rope(qk, *tables.on(x.device))  # q and k rotated in one pass (in qkv's own rows where it can)
         attn = self.attn(qk[:, :H], qk[:, H:], v, rows, keep)  # [T or len(keep), H*D]
         if keep is not None:
-            x = x[keep]
-            chunk = None if chunk is None else chunk[keep]
+            x = take_rows(x, keep)
+            chunk = None if chunk is None else take_rows(chunk, keep)
         if self.attn_out_norm is None:
             x = self.o(attn, residual=x, chunk=chunk)  # [T, hidden] f32: the stream
         else:
