@@ -4,6 +4,8 @@ layer whose prompt chunks multiply in bf16 (`bf16`) attends them in bf16 too whe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ class Attention:
         flat = [self.as_rows(r) for r in rows]
         if all(flat) and keep is None:  # one call writes and attends them all
             return self.attend_tokens(q, k, v, rows)
-        tokens = iter(())  # the decode-row tokens' outputs, row by row
+        tokens: Iterator[torch.Tensor] = iter(())  # the decode-row tokens' outputs, row by row
         if any(flat):
             mine = [r for r, f in zip(rows, flat) if f]
             take = lambda t: torch.cat([t[r.start : r.start + r.num_tokens] for r in mine])  # slices, not a torch index (its threads)
