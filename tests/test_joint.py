@@ -35,6 +35,27 @@ def test_auto_alternates_then_keeps_the_faster():
     assert 5 not in policy.timings or not policy.timings[5].joint_ms
 
 
+def test_auto_learns_a_rows_time_once_and_decides_later_counts_from_joint_steps_alone():
+    """The rows one after another cost a row's forward times the rows: after one row count's sequential steps (or
+    one-row steps) teach that, a new row count runs jointly only, and is decided on its joint steps' median."""
+    policy = JointSteps("auto")
+    for _ in range(2 * SAMPLES):  # 2 rows: 12 ms jointly, 14 one after another (7 a row)
+        joint = policy.joint(2, decode_only=True)
+        policy.record(2, joint, 0.012 if joint else 0.014, decode_only=True)
+    assert policy.choices()[2][0] == "joint" and policy.row_ms == [7.0] * SAMPLES
+    asked = [policy.joint(16, decode_only=True) for _ in range(SAMPLES)]
+    for joint in asked:
+        policy.record(16, joint, 0.032, decode_only=True)
+    assert all(asked) and policy.choices()[16] == ("joint", 32.0, 112.0)  # never 16 rows one after another (112 ms)
+    fresh = JointSteps("auto")
+    for _ in range(SAMPLES):
+        fresh.record(1, True, 0.0015, decode_only=True)  # one-row steps: a row's forward alone
+    assert all(fresh.joint(8, decode_only=True) for _ in range(3))
+    for _ in range(SAMPLES):
+        fresh.record(8, True, 0.020, decode_only=True)
+    assert fresh.choices()[8] == ("sequential", 20.0, 12.0)  # 8 x 1.5 ms <= 3/4 of 20: one after another
+
+
 def _decide(joint_ms: list[float], sequential_ms: list[float]) -> str:
     """Feed auto these step times (ms) in the order it asks for them; its choice for 4 rows."""
     policy, joint_left, sequential_left = JointSteps("auto"), list(joint_ms), list(sequential_ms)
@@ -77,8 +98,8 @@ def test_four_rows_match_alone_in_every_mode(tiny, mode: str) -> None:
             t.join(TIMEOUT)
         for k, (p, n) in enumerate(wants):
             assert results[k].ids == hf_greedy(hf_model, p, n, eos=()), (mode, k)
-        if mode == "auto":  # both kinds of step were timed on the decode-only steps
-            assert any(t.joint_ms and t.sequential_ms for t in e.joint.timings.values())
+        if mode == "auto":  # joint steps timed, and a row's forward alone (one-row steps, or a sequential step's rows)
+            assert e.joint.row_ms and any(t.joint_ms for t in e.joint.timings.values())
     finally:
         e.stop()
 

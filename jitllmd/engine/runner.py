@@ -3,8 +3,9 @@ state crossing each seam), and times joint steps against the rows one after anot
 
 Joint steps (JointSteps): whether a step runs its rows as one packed forward or one after another, per row count.
 
-`auto` times both for each row count it meets (decode-only steps, a few of each, interleaved) and runs the rows one
-after another only where that is clearly faster: a joint step reads the weights once for every row, so it wins
+`auto` times the joint step for each row count it meets (decode-only steps, a few of each) against the rows one after
+another, reckoned from a row's forward alone (learned once), and runs the rows one after another only where that is
+clearly faster: a joint step reads the weights once for every row, so it wins
 wherever a step is bound by its weights, and a noisy second on a shared machine must not turn a server's batching off
 for good. `always` and `never` force it. One row is always a single forward.
 """
@@ -47,16 +48,22 @@ class Timing:
 
 
 class JointSteps:
-    """Per row count, whether a step runs its rows jointly: forced (`always`, `never`) or timed (`auto`, above)."""
+    """Per row count, whether a step runs its rows jointly: forced (`always`, `never`) or timed (`auto`, above).
+
+    The rows one after another cost about a row's forward alone times the rows, so auto learns that one figure (a
+    one-row step's time, or a sequential step's over its rows) once, from SAMPLES steps, and then decides each row count
+    from its joint steps alone: a new row count costs no sequential steps (16 rows one after another cost ~4 joint
+    steps of 16 on the CPU, and a server meets every count from 2 to its width)."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in ("auto", "always", "never"):
             raise ValueError(f"joint_steps must be auto, always or never, got {mode!r}")
         self.mode = mode
         self.timings: dict[int, Timing] = {}
+        self.row_ms: list[float] = []  # a row's forward alone (ms): one-row decode steps, sequential steps over their rows
 
     def joint(self, num_rows: int, decode_only: bool) -> bool:
-        """Run this step's rows jointly? Undecided row counts alternate while auto measures decode-only steps."""
+        """Run this step's rows jointly? While auto has too few rows' times, undecided row counts alternate."""
         if num_rows <= 1 or self.mode == "always":
             return True
         if self.mode == "never":
@@ -67,24 +74,35 @@ class JointSteps:
         if not decode_only:
             return True  # prompt chunks make a step's time incomparable; measure on plain decode steps
         t = self.timings.setdefault(num_rows, Timing())
-        return len(t.joint_ms) <= len(t.sequential_ms)
+        return len(self.row_ms) >= SAMPLES or len(t.joint_ms) <= len(t.sequential_ms)
 
     def record(self, num_rows: int, joint: bool, seconds: float, decode_only: bool) -> None:
-        """A step's wall time; auto decides once it has SAMPLES of each kind for this row count: joint unless the rows
-        one after another took at most SEQUENTIAL_WINS of its median."""
-        if self.mode != "auto" or num_rows <= 1 or not decode_only:
+        """A step's wall time. auto decides a row count once it has SAMPLES of its joint steps and SAMPLES rows' times:
+        joint unless the rows one after another (the rows times a row's median) take at most SEQUENTIAL_WINS of the
+        joint step's median."""
+        if self.mode != "auto" or not decode_only:
+            return
+        if num_rows <= 1:
+            self.row_ms = [*self.row_ms[-(4 * SAMPLES - 1) :], seconds * 1000]  # the latest: a row's cost moves with its depth
             return
         t = self.timings.setdefault(num_rows, Timing())
         if t.choice:
             return
-        (t.joint_ms if joint else t.sequential_ms).append(seconds * 1000)
-        if len(t.joint_ms) >= SAMPLES and len(t.sequential_ms) >= SAMPLES:
-            joint_ms, sequential_ms = t.summary()
-            t.choice = "sequential" if sequential_ms <= SEQUENTIAL_WINS * joint_ms else "joint"
+        if joint:
+            t.joint_ms.append(seconds * 1000)
+        else:
+            t.sequential_ms.append(seconds * 1000)
+            self.row_ms = [*self.row_ms[-(4 * SAMPLES - 1) :], seconds * 1000 / num_rows]
+        if len(t.joint_ms) >= SAMPLES and len(self.row_ms) >= SAMPLES:
+            t.choice = "sequential" if self.sequential_ms(num_rows) <= SEQUENTIAL_WINS * statistics.median(t.joint_ms) else "joint"
+
+    def sequential_ms(self, num_rows: int) -> float:
+        """The rows one after another, as auto reckons them: the rows times a row's median (0 before any)."""
+        return num_rows * statistics.median(self.row_ms) if self.row_ms else 0.0
 
     def choices(self) -> dict[int, tuple[str, float, float]]:
-        """Row count -> (choice or "measuring", joint ms, sequential ms)."""
-        return {n: (t.choice or "measuring", *t.summary()) for n, t in sorted(self.timings.items())}
+        """Row count -> (choice or "measuring", joint ms, sequential ms reckoned)."""
+        return {n: (t.choice or "measuring", t.summary()[0], self.sequential_ms(n)) for n, t in sorted(self.timings.items())}
 
 
 @dataclass
