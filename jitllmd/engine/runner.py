@@ -21,7 +21,7 @@ import torch
 
 from .cluster.remote import RemoteRun
 from .kv import PAGE, RowSpan, SessionKV
-from .layers.quant import chunk_tokens
+from .layers.quant import chunk_tokens, take_rows
 from .memory.placement import Placement
 from .pages import pages_for
 from .request import RequestState
@@ -39,12 +39,11 @@ class Timing:
     """What auto measured for one row count (ms per step), and what it chose."""
 
     joint_ms: list[float] = field(default_factory=list)
-    sequential_ms: list[float] = field(default_factory=list)
+    sequential_ms: list[float] = field(default_factory=list)  # steps run one after another (while a row's time is learned)
     choice: str = ""  # "joint" or "sequential" once decided
 
-    def summary(self) -> tuple[float, float]:
-        med = lambda xs: statistics.median(xs) if xs else 0.0
-        return med(self.joint_ms), med(self.sequential_ms)
+    def joint_median(self) -> float:
+        return statistics.median(self.joint_ms) if self.joint_ms else 0.0
 
 
 class JointSteps:
@@ -94,7 +93,7 @@ class JointSteps:
             t.sequential_ms.append(seconds * 1000)
             self.row_ms = [*self.row_ms[-(4 * SAMPLES - 1) :], seconds * 1000 / num_rows]
         if len(t.joint_ms) >= SAMPLES and len(self.row_ms) >= SAMPLES:
-            t.choice = "sequential" if self.sequential_ms(num_rows) <= SEQUENTIAL_WINS * statistics.median(t.joint_ms) else "joint"
+            t.choice = "sequential" if self.sequential_ms(num_rows) <= SEQUENTIAL_WINS * t.joint_median() else "joint"
 
     def sequential_ms(self, num_rows: int) -> float:
         """The rows one after another, as auto reckons them: the rows times a row's median (0 before any)."""
@@ -102,7 +101,7 @@ class JointSteps:
 
     def choices(self) -> dict[int, tuple[str, float, float]]:
         """Row count -> (choice or "measuring", joint ms, sequential ms reckoned)."""
-        return {n: (t.choice or "measuring", t.summary()[0], self.sequential_ms(n)) for n, t in sorted(self.timings.items())}
+        return {n: (t.choice or "measuring", t.joint_median(), self.sequential_ms(n)) for n, t in sorted(self.timings.items())}
 
 
 @dataclass
@@ -181,11 +180,9 @@ class ModelRunner:
             for row in rows:
                 row.kv.length += row.num_tokens
             chunk = chunk_tokens(rows, token_ids.shape[0], many=False)  # a prompt chunk's tokens: the quantized head's prompt path
-            if logits_at is not None and keep is None and at != list(range(x.shape[0])):  # every token's, in order: x itself (a torch
-                x = x[logits_at.to(x.device)]  # index would wake torch's threads, which then spin beside the kernels' a while)
-            if chunk is not None and at is not None and at != list(range(chunk.shape[0])):  # the logits' tokens' flags
-                flags = chunk.tolist()
-                chunk = torch.tensor([flags[i] for i in at])
+            if at is not None and at != list(range(token_ids.shape[0])):  # the logits' tokens (all, in order: as they are)
+                x = x if keep is not None else take_rows(x, at)  # the last block kept only these
+                chunk = None if chunk is None else take_rows(chunk, at)
             head, dev = next(walk)
             return head(x.to(dev), chunk=chunk)
         finally:

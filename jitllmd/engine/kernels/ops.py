@@ -388,7 +388,7 @@ def dequant_rows(w: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor 
     rows = n if ids is None else ids.shape[0]
     if ids is not None:
         ids = ids.to(torch.long).contiguous()
-        if rows and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        if rows and not 0 <= int((bounds := ids.aminmax()).min) <= int(bounds.max) < n:
             raise IndexError(f"dequant_rows: row ids must lie in [0, {n})")
     if out is None:
         out = torch.empty((rows, k), dtype=torch.float32)
