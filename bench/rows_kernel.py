@@ -1,9 +1,10 @@
-"""quant.c's quant_rows before and after a change to it: T = 1 .. 16 x rows against the real models' projection shapes,
-per kernel variant, the two builds interleaved round by round in one process (medians), their results compared bit
-for bit.
+"""quant.c's quant_rows (or, with --gemm, its int8 GEMM gemm_rows) before and after a change to it: T = 1 .. 16 x rows
+(--gemm: 64 and 512) against the real models' projection shapes, per kernel variant, the two builds interleaved round
+by round in one process (medians), their results compared bit for bit.
 
     python bench/rows_kernel.py                                  # HEAD's quant.c against the working tree's
     python bench/rows_kernel.py --before /tmp/quant.c --variants avx512+vnni --rounds 9 --threads 1
+    python bench/rows_kernel.py --gemm --variants avx2+fma,avx2+vnni --shapes Q8_0,Q6_K
 
 Each build is every kernel source as the tree has it, with quant.c swapped for the version named, compiled with the
 variant's flags as kernels/build.py compiles them.
@@ -32,9 +33,9 @@ from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
 from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16)
-# (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square, Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896
+# (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square and SmolLM2 Q8_0's gate_up, Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896
 # is no multiple of 256) and down (Q4_K, Q6_K)
-SHAPES = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 576, 576), ("Q5_0", 9728, 896), ("Q4_K", 896, 4864), ("Q6_K", 896, 4864))
+SHAPES = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 576, 576), ("Q8_0", 3072, 576), ("Q5_0", 9728, 896), ("Q4_K", 896, 4864), ("Q6_K", 896, 4864))
 
 
 def build(quant_c: str, variant: str, out: Path) -> ctypes.CDLL:
@@ -51,10 +52,11 @@ def build(quant_c: str, variant: str, out: Path) -> ctypes.CDLL:
     return lib
 
 
-def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, qtype: int, threads: int) -> None:
+def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, qtype: int, threads: int, gemm: bool = False) -> None:
     T, K = x.shape
     N = y.shape[1]
-    assert lib.quant_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), T, K, N, N, qtype, 0, None, 0.0, None, 0, threads) == 0
+    fn = lib.gemm_rows if gemm else lib.quant_rows
+    assert fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), T, K, N, N, qtype, 0, None, 0.0, None, 0, threads) == 0
 
 
 def per_call(fn, budget: float) -> float:
@@ -78,9 +80,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--budget", type=float, default=0.02, help="seconds of calls per timing")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--tokens", default=None, help=f"x rows per call (default {','.join(map(str, TOKENS))}; --gemm: 64,512)")
+    p.add_argument("--gemm", action="store_true", help="time gemm_rows, a prompt chunk's int8 GEMM, instead of quant_rows")
     p.add_argument("--least", action="store_true", help="each build's least time of its rounds, not the median (a busy machine's noise only adds)")
     args = p.parse_args()
+    tokens = args.tokens or ("64,512" if args.gemm else ",".join(map(str, TOKENS)))
     before = Path(args.before).read_text() if args.before else subprocess.check_output(
         ["git", "show", "HEAD:jitllmd/engine/kernels/quant.c"], cwd=ROOT, text=True)
     after = Path(args.after).read_text()
@@ -90,24 +94,25 @@ def main() -> None:
         for variant in args.variants.split(","):
             libs = (build(before, variant, Path(tmp) / "before"), build(after, variant, Path(tmp) / "after"))
             stat = min if args.least else statistics.median
-            print(f"\n## {variant}, {args.threads} threads, {stat.__name__} of {args.rounds} interleaved rounds\n")
-            print("| format | N x K | T | before us | after us | after / before | after / its T=1 |")
+            kind = "gemm_rows" if args.gemm else "quant_rows"
+            print(f"\n## {kind}, {variant}, {args.threads} threads, {stat.__name__} of {args.rounds} interleaved rounds\n")
+            print("| format | N x K | T | before us | after us | after / before | after / its first T |")
             print("|---|---|---:|---:|---:|---:|---:|")
             for fmt, n, k in SHAPES:
                 if keep and fmt not in keep:
                     continue
                 qtype, w = FORMATS[fmt].ggml, weight(fmt, n, k, gen)
                 one = None
-                for T in map(int, args.tokens.split(",")):
+                for T in map(int, tokens.split(",")):
                     x = torch.randn(T, k, generator=gen)
                     ys = [torch.empty(T, n) for _ in libs]
                     times: list[list[float]] = [[], []]
                     for r in range(args.rounds):
                         for i in (0, 1) if r % 2 == 0 else (1, 0):
-                            times[i].append(per_call(lambda: call(libs[i], x, w, ys[i], qtype, args.threads), args.budget))
+                            times[i].append(per_call(lambda: call(libs[i], x, w, ys[i], qtype, args.threads, args.gemm), args.budget))
                     assert torch.equal(ys[0], ys[1]), f"{variant} {fmt} T={T}: the builds' results differ"
                     b, a = (1e6 * stat(t) for t in times)
-                    one = a if T == 1 else one
+                    one = a if one is None else one
                     print(f"| {fmt} | {n} x {k} | {T} | {b:.1f} | {a:.1f} | {a / b:.2f} | {a / one:.2f} |", flush=True)
 
 

@@ -30,6 +30,8 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 # variant -> (flags added to _FLAGS, /proc/cpuinfo flags it needs beyond _BASE_CPU); worst first, the best runnable is used
 _VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx2+fma": ([], ()),
+    # AVX-VNNI: dpbusd on 256-bit vectors without AVX-512 (Intel's client cores since Alder Lake; Zen 5 has it too)
+    "avx2+vnni": (["-mavxvnni"], ("avx_vnni",)),
     "avx512+vnni": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"], (*_AVX512, "avx512_vnni")),
     # and bf16 units: a quantized model's prompt chunks multiply in bf16 (quant.c's bf16_rows), with vdpbf16ps or AMX
     "avx512+bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"], (*_AVX512, "avx512_vnni", "avx512_bf16")),

@@ -228,8 +228,8 @@ def _quant_q4_k(x: torch.Tensor) -> torch.Tensor:
 # -- the records -----------------------------------------------------------------------------------------------------
 
 
-def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
-    return {"avx2+fma": avx2, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
+def _short(avx2: int, avx_vnni: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
+    return {"avx2+fma": avx2, "avx2+vnni": avx_vnni, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
 
 
 # `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-02:
@@ -241,14 +241,14 @@ def _short(avx2: int, vnni: int, bf16: int, amx: int) -> dict[str, int]:
 # path (bf16 attention), whose many-row product is AMX's bf16 tiles, which crossed the few-row kernel at 8 tokens (a
 # Sapphire Rapids session, 2026-11).
 _RECORDS = (
-    QFormat("Q4_0", 2, 32, 18, _short(4, 8, 24, 8), _dequant_q4_0, _quant_q4_0),
-    QFormat("Q4_1", 3, 32, 20, _short(4, 8, 24, 8), _dequant_q4_1),
-    QFormat("Q5_0", 6, 32, 22, _short(16, 12, 24, 8), _dequant_q5_0, _quant_q5_0),
-    QFormat("Q5_1", 7, 32, 24, _short(8, 0, 16, 8), _dequant_q5_1),
-    QFormat("Q8_0", 8, 32, 34, _short(8, 32, 32, 8), _dequant_q8_0, _quant_q8_0),
-    QFormat("Q4_K", 12, 256, 144, _short(8, 8, 32, 8), _dequant_q4_k, _quant_q4_k),
-    QFormat("Q5_K", 13, 256, 176, _short(8, 12, 32, 8), _dequant_q5_k),
-    QFormat("Q6_K", 14, 256, 210, _short(16, 64, 32, 8), _dequant_q6_k),
+    QFormat("Q4_0", 2, 32, 18, _short(4, 8, 8, 24, 8), _dequant_q4_0, _quant_q4_0),
+    QFormat("Q4_1", 3, 32, 20, _short(4, 8, 8, 24, 8), _dequant_q4_1),
+    QFormat("Q5_0", 6, 32, 22, _short(16, 8, 12, 24, 8), _dequant_q5_0, _quant_q5_0),
+    QFormat("Q5_1", 7, 32, 24, _short(8, 8, 0, 16, 8), _dequant_q5_1),
+    QFormat("Q8_0", 8, 32, 34, _short(8, 32, 32, 32, 8), _dequant_q8_0, _quant_q8_0),
+    QFormat("Q4_K", 12, 256, 144, _short(8, 8, 8, 32, 8), _dequant_q4_k, _quant_q4_k),
+    QFormat("Q5_K", 13, 256, 176, _short(8, 12, 12, 32, 8), _dequant_q5_k),
+    QFormat("Q6_K", 14, 256, 210, _short(16, 48, 64, 32, 8), _dequant_q6_k),
 )
 FORMATS: dict[str, QFormat] = {f.name: f for f in _RECORDS}
 BY_GGML: dict[int, QFormat] = {f.ggml: f for f in _RECORDS}

@@ -58,7 +58,7 @@ __all__ = ["QuantLinear", "QuantTable", "Segment", "chunk_tokens", "flag_runs", 
 # chunks' path wins (attention a chunk at a time). From bench/short_prompt.py --followup, see docs/performance.md.
 # AMX: its prompt rows attend in bf16 on the Python path, so a short feed is only the few-row kernel's (0 here:
 # QFormat.short alone).
-FUSED_FEED = {"avx2+fma": 64, "avx512+vnni": 64, "avx512+bf16": 64, "avx512+amx": 0}
+FUSED_FEED = {"avx2+fma": 64, "avx2+vnni": 64, "avx512+vnni": 64, "avx512+bf16": 64, "avx512+amx": 0}
 
 
 def short_feed(types: set[str] | list[str], variant: str | None) -> tuple[int, int]:
