@@ -591,8 +591,12 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     return _mm256_add_ps(part[0], part[1]);
 }
 
-/* Q4_K / Q5_K at one x row without VNNI, likewise: each vector pair's codes (and Q5_K's fifth bits) made and their
- * products added into the accumulator's int16 sum at once, then group_dot's steps (Q5_K's made whole spilled). */
+#endif
+
+#ifndef HAVE_VNNI512
+/* Q4_K / Q5_K at one x row without AVX-512, likewise: each vector pair's codes (and Q5_K's fifth bits) made and their
+ * products added into the accumulator's sum at once (int16 without VNNI, int32 with AVX-VNNI's dpbusd), then
+ * group_dot's steps (Q5_K's made whole spilled). */
 static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs) {
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256 dsc, dmin_m;
@@ -605,19 +609,29 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     for (int i = 0; i < 4; i++) {
         __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
         if (type == Q5_K) q5k_bits(qh, i, &w0, &w1);
-        const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
-        const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))), x1 = _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1)));
+#ifdef HAVE_VNNI
+        sum[0] = dpbusd256(i ? sum[0] : _mm256_setzero_si256(), w0, x0);
+        sum[1] = dpbusd256(i ? sum[1] : _mm256_setzero_si256(), w1, x1);
+#else
+        const __m256i p0 = _mm256_maddubs_epi16(w0, x0), p1 = _mm256_maddubs_epi16(w1, x1);
         sum[0] = i ? _mm256_add_epi16(sum[0], p0) : p0;
         sum[1] = i ? _mm256_add_epi16(sum[1], p1) : p1;
+#endif
     }
+#ifndef HAVE_VNNI
+    for (int a = 0; a < 2; a++) sum[a] = _mm256_madd_epi16(sum[a], _mm256_set1_epi16(1));
+#endif
     const __m256 os = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin_m), _mm256_loadu_ps(xs));
     __m256 dw[2];
     k_dw(dsc, dw);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[0], ones)), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), os);
-    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[1], ones)), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
+    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), os);
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
     return _mm256_add_ps(part0, part1);
 }
+#endif
+
+#ifndef HAVE_VNNI
 
 /* Q8_0 at one x row without VNNI, likewise: eight blocks' d, then each half of their codes transposed and its products
  * taken (block L's in lane L, summed in int32 in any order: the same integers), then group_dot's f32 steps. */
@@ -675,29 +689,6 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
         part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
-}
-
-static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 dsc, dmin_m;
-    k_scales(b, &dsc, &dmin_m);
-    const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
-    __m256i y[4], v[4], sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-    transpose4(y, v);
-    const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
-        if (type == Q5_K) q5k_bits(qh, i, &w0, &w1);
-        sum[0] = dpbusd256(sum[0], w0, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
-        sum[1] = dpbusd256(sum[1], w1, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
-    }
-    const __m256 os = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin_m), _mm256_loadu_ps(xs));
-    __m256 dw[2];
-    k_dw(dsc, dw);
-    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), os);
-    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
-    return _mm256_add_ps(part0, part1);
 }
 
 #endif
