@@ -274,12 +274,23 @@ static inline void q6k_sums(const int8_t *xg, float *xc) {
     _mm256_storeu_si256((__m256i *)xc, _mm256_or_si256(_mm256_and_si256(sum[0], _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sum[1], 16)));
 }
 
+/* x16 (Q8_0 without VNNI, several rows): a group's 8 code vectors as int16 pairs whose madd sums each 32-bit lane's
+ * four products, as maddubs + madd do: even bytes (sign-extended) then odd, vector v's at 2 XV v, the row's slab as
+ * xq's with every offset doubled (a pair's other row 64 bytes on). */
+static inline void x16_group(const int8_t *xg, int8_t *out) {
+    for (int v = 0; v < NV; v++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(xg + XV * v));
+        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v), _mm256_srai_epi16(_mm256_slli_epi16(c, 8), 8));
+        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v + 32), _mm256_srai_epi16(c, 8));
+    }
+}
+
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
  * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
 static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np, int8_t *xq,
-                         float *xd, float *xs) {
+                         float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
@@ -308,6 +319,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
         for (int a = 0; a < 2; a++)
             for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
         if (type == Q6_K && !x_biased(type)) q6k_sums(xg, xs + g * np * 16);
+        if (x16) x16_group(xg, x16 + 2 * g * np * 2 * GB);
     }
 }
 
@@ -739,11 +751,39 @@ static inline __attribute__((always_inline)) __m512 pair_dot(const int type, con
 typedef __m256 pair_acc; /* unused: without AVX-512 each row goes alone */
 #endif
 
+#ifndef HAVE_VNNI
+/* From this many rows a chunk takes q80_rows; fewer keep the sign trick, whose x needs no second copy (rows_kernel.py,
+ * Zen 5, avx2+fma: 2 and 4 rows 5-10% slower through q80_rows, 8 and 16 rows 12% faster) */
+#define Q80_WIDE_MIN 6
+/* Q8_0 without VNNI, n <= GROUP x rows against a group, from x's int16 pairs (x16_group): vector by vector, each
+ * vector's codes made int16 pairs once for all n rows, whose int32 sums stay in registers. Two madds a vector and row
+ * where the sign trick takes sign + maddubs + madd, all three on the two pipes that multiply on AMD Zen (a pair of
+ * rows' product 1.57 -> 1.23 cycles per 32 codes there). The same integers, then group_dot's f32 steps: the same bits. */
+static inline __attribute__((always_inline)) void q80_rows(const int n, const int nv, const group_t *g, const int8_t *x16, const float *xd,
+                                                           __m256 *acc) {
+    __m256i s[GROUP];
+    for (int t = 0; t < n; t++) s[t] = _mm256_setzero_si256();
+    for (int k = 0; k < nv; k++) {
+        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(g->w[k], 8), 8), odd = _mm256_srai_epi16(g->w[k], 8);
+        for (int t = 0; t < n; t++) {
+            const int8_t *x = x16 + 2 * x_slot(t, GB, 32) + 2 * XV * k;
+            s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256((const __m256i *)x)),
+                                                           _mm256_madd_epi16(odd, _mm256_loadu_si256((const __m256i *)(x + 32)))));
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        const __m256i f = nv < NV ? fold(s[t], nv) : s[t];
+        acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(_mm256_cvtepi32_ps(f), _mm256_mul_ps(g->dw[0], _mm256_loadu_ps(xd + x_slot(t, 16, 8))),
+                                                       _mm256_setzero_ps()));
+    }
+}
+#endif
+
 /* The n rows (n, type constants; the first of a pair) against group g, added to their accumulators: with VNNI a
  * pair at a time into acc2 (row 2p's in the low half of acc2[p]), an odd last row alone into acc[n - 1]; without,
  * each row alone into acc[t]. Row t's x at its x_slot. */
 static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const int nv, const group_t *grp, const int8_t *xq,
-                                                             const float *xd, const float *xs, __m256 *acc, pair_acc *acc2) {
+                                                             const float *xd, const float *xs, const int8_t *x16, __m256 *acc, pair_acc *acc2) {
     int t = 0;
 #ifdef HAVE_VNNI512
     if (n >= 2) {
@@ -756,6 +796,15 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #else
     (void)acc2;
 #endif
+#ifndef HAVE_VNNI
+    if (type == Q8_0 && n >= Q80_WIDE_MIN) {
+        if (n > GROUP) q80_rows(GROUP, nv, grp, x16, xd, acc), q80_rows(n - GROUP, nv, grp, x16 + 2 * x_slot(GROUP, GB, 32), xd + x_slot(GROUP, 16, 8), acc + GROUP);
+        else q80_rows(n, nv, grp, x16, xd, acc);
+        return;
+    }
+#else
+    (void)x16;
+#endif
 #pragma GCC unroll 16
     for (; t < n; t++) {
         const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 8, 8))) : _mm256_setzero_ps();
@@ -767,8 +816,8 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
  * unroll): y[t * ldy] for t < n, plus r[t * ldr] where r is given. The next rows' bytes are prefetched PF_DIST ahead:
  * the hardware's prefetcher alone leaves a row's loads waiting on memory while the integer work waits on them. */
 static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng, int64_t np,
-                                                           const int8_t *xq, const float *xd, const float *xs, float *y, int64_t ldy,
-                                                           const float *r, int64_t ldr) {
+                                                           const int8_t *xq, const float *xd, const float *xs, const int8_t *x16, float *y,
+                                                           int64_t ldy, const float *r, int64_t ldr) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
     __m256 acc[WIDE_GROUP];
     pair_acc acc2[WIDE_GROUP / 2];
@@ -794,16 +843,17 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
         }
 #endif
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, NV, &grp);
-        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, acc, acc2);
+        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, x16 ? x16 + 2 * g * np * 2 * GB : NULL, acc, acc2);
     }
     if (full < ng) { /* a 32-format row's short last group, packed where it fits fewer vectors */
         const int m = (int)(nb - 8 * full), nv = tail_vectors(m);
         const int8_t *q = xq + full * np * 2 * GB;
         const float *d = xd + full * np * 32, *s = xs + full * np * 16;
+        const int8_t *q16 = x16 ? x16 + 2 * full * np * 2 * GB : NULL;
         const uint8_t *b = w + 8 * full * bytes;
-        if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, acc, acc2);
-        else if (nv == 4) unpack_group(type, b, bytes, m, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, acc, acc2);
-        else unpack_group(type, b, bytes, m, NV, &grp), group_rows(type, n, NV, &grp, q, d, s, acc, acc2);
+        if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, q16, acc, acc2);
+        else if (nv == 4) unpack_group(type, b, bytes, m, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, q16, acc, acc2);
+        else unpack_group(type, b, bytes, m, NV, &grp), group_rows(type, n, NV, &grp, q, d, s, q16, acc, acc2);
     }
 #ifdef HAVE_VNNI512
     for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
@@ -814,30 +864,31 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
         for (int t = 0; t < n; t++) y[t * ldy] = hsum(acc[t]);
 }
 
-typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *, int64_t, const float *, int64_t,
-                       int64_t);
+typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, const int8_t *, float *, int64_t,
+                       const float *, int64_t, int64_t);
 
 /* One weight row against all T x rows: WIDE_GROUP at a time while as many are left, then GROUP at a time. */
 #define ROW_FN(NAME, TYPE)                                                                                                 \
-    static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs, float *y, \
-                     int64_t ldy, const float *r, int64_t ldr, int64_t T) {                                                \
+    static void NAME(const uint8_t *w, int64_t nb, int64_t ng, const int8_t *xq, const float *xd, const float *xs,         \
+                     const int8_t *x16, float *y, int64_t ldy, const float *r, int64_t ldr, int64_t T) {                   \
         const int64_t np = (T + 1) / 2;                                                                                    \
         for (int64_t t0 = 0, n; t0 < T; t0 += n) {                                                                         \
             const int8_t *q = xq + x_slot(t0, GB, 32); /* t0 even: a pair's first row */                                  \
             const float *d = xd + x_slot(t0, 16, 8), *s = xs + x_slot(t0, 8, 8);                                           \
+            const int8_t *q16 = x16 ? x16 + 2 * x_slot(t0, GB, 32) : NULL;                                                \
             float *yt = y + t0 * ldy;                                                                                      \
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
             n = T - t0 >= WIDE_GROUP ? WIDE_GROUP : T - t0 < GROUP ? T - t0 : GROUP;                    \
             switch (n) {                                                                                                   \
-            case 1: dot_rows(TYPE, 1, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 2: dot_rows(TYPE, 2, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 3: dot_rows(TYPE, 3, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 4: dot_rows(TYPE, 4, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 5: dot_rows(TYPE, 5, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 6: dot_rows(TYPE, 6, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 7: dot_rows(TYPE, 7, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            case 8: dot_rows(TYPE, 8, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;                                              \
-            default: dot_rows(TYPE, WIDE_GROUP, w, nb, ng, np, q, d, s, yt, ldy, rt, ldr); break;              \
+            case 1: dot_rows(TYPE, 1, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 2: dot_rows(TYPE, 2, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 3: dot_rows(TYPE, 3, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 4: dot_rows(TYPE, 4, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 5: dot_rows(TYPE, 5, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 6: dot_rows(TYPE, 6, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 7: dot_rows(TYPE, 7, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            case 8: dot_rows(TYPE, 8, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
+            default: dot_rows(TYPE, WIDE_GROUP, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;              \
             }                                                                                                              \
         }                                                                                                                  \
     }
@@ -874,7 +925,7 @@ typedef struct {
     const float *x, *norm_w, *r;
     const uint8_t *W;
     float *y;
-    int8_t *xq;
+    int8_t *xq, *x16; /* x16: Q8_0's x as int16 pairs (x16_group), where several rows go without VNNI; else NULL */
     float *xd, *xs, eps;
     int64_t T, K, N, ldy, ldr, nb, ng, row_bytes;
     int type, input;
@@ -886,14 +937,14 @@ typedef struct {
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
     quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
-                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 8, 8));
+                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 8, 8), j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
 
 static void rows_item(void *arg, int64_t i) {
     const rows_job *j = arg;
     const int64_t end = (i + 1) * ROWS_PER_ITEM < j->N ? (i + 1) * ROWS_PER_ITEM : j->N;
     for (int64_t o = i * ROWS_PER_ITEM; o < end; o++)
-        j->fn(j->W + o * j->row_bytes, j->nb, j->ng, j->xq, j->xd, j->xs, j->y + o, j->ldy, j->r ? j->r + o : NULL, j->ldr, j->T);
+        j->fn(j->W + o * j->row_bytes, j->nb, j->ng, j->xq, j->xd, j->xs, j->x16, j->y + o, j->ldy, j->r ? j->r + o : NULL, j->ldr, j->T);
 }
 
 /* y[t * ldy + o] = (r[t * ldr + o] +) a[t] . W[o] for W N rows of `type` (K a multiple of its block), y's rows ldy
@@ -907,12 +958,19 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     if (!fn) return -2;
     const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
     const int64_t slots = (T + 1) / 2 * 2 * ng; /* rows' groups, T rounded up to pairs */
-    char *buf = malloc((size_t)slots * (GB + 24 * sizeof(float)));
+#ifdef HAVE_VNNI
+    const int wide = 0;
+#else
+    const int wide = type == Q8_0 && T >= Q80_WIDE_MIN;
+#endif
+    /* 64-byte aligned: x's 32-byte vectors never straddle two cache lines (slots * GB, xd's and xs's sizes are multiples of 32) */
+    char *buf = aligned_alloc(64, ((size_t)slots * (GB + 24 * sizeof(float) + (wide ? 2 * GB : 0)) + 63) / 64 * 64);
     if (!buf) return -1;
     rows_job job = {.fn = fn, .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps, .T = T, .K = K, .N = N,
                     .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
     job.xd = (float *)(buf + slots * GB);
     job.xs = job.xd + slots * 16;
+    job.x16 = wide ? (int8_t *)(job.xs + slots * 8) : NULL;
     /* up to 31 rows quantized by the caller alone: a hand-off and its barrier cost more than the rows (a step of 8 or 16
      * decode rows +7%, SmolLM2 Q8_0 avx2+fma, 2 threads; was 8) */
     pool_for(T, T >= 32 ? threads : 1, quantize_item, &job);
