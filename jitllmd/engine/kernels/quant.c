@@ -769,6 +769,7 @@ static inline __attribute__((always_inline)) void q80_rows(const int n, const in
             const int8_t *x = x16 + 2 * x_slot(t, GB, 32) + 2 * XV * k;
             s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256((const __m256i *)x)),
                                                            _mm256_madd_epi16(odd, _mm256_loadu_si256((const __m256i *)(x + 32)))));
+            __asm__("" : "+x"(s[t])); /* s[t] one register: else GCC 12 keeps a sum and its copy, and spills two sums (-4%) */
         }
     }
     for (int t = 0; t < n; t++) {
