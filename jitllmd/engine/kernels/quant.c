@@ -1025,6 +1025,18 @@ static inline int gm_biased(int type) {
 #endif
 }
 static inline int gm_bias(int type) { return type == Q8_0 ? 128 : 32; }
+/* Q8_0 without VNNI multiplies int16 pairs instead (gm_wide): the panel's codes sign-extended at unpacking, each step
+ * an even vector (a row's codes 4s and 4s + 2 in its dword) and an odd one (4s + 1, 4s + 3), x's codes kept as int16
+ * in that order (x16); a step and row is then two vpmaddwd where the sign trick takes vpsignb, vpmaddubsw, vpmaddwd,
+ * all on the pipes that multiply (AMD Zen). The same integer sums: the same bits. */
+static inline int gm_wide(int type) {
+#ifdef HAVE_VNNI
+    (void)type;
+    return 0;
+#else
+    return type == Q8_0;
+#endif
+}
 
 /* 8 rows' dwords transposed: r[s] holds dword s of each of the 8 rows, row i in dword i */
 static inline void transpose8_epi32(__m256i *r) {
@@ -1058,6 +1070,7 @@ typedef struct {
     const float *xd;  /* [T][nb] d */
     const float *xs;  /* [T][nb] d * sum(q) */
     const int32_t *xc; /* gm_biased: [T][nb * gm_scales] bias * sum(q) over each scale's inputs */
+    const int16_t *x16; /* gm_wide: [T][K] codes as int16, each 4 in the order 0, 2, 1, 3 */
     const float *x, *norm_w;
     float eps;
     int64_t T, K, N, ldy, ld_add, nb, row_bytes;
@@ -1078,6 +1091,14 @@ static void gemm_quantize_item(void *arg, int64_t t) {
         const __m256i q = quantize_block(v, &xd[b], &sum);
         _mm256_storeu_si256((__m256i *)(xq + b * QB), q);
         xs[b] = xd[b] * (float)sum;
+        if (gm_wide(j->type)) {
+            const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15, 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12,
+                                                   14, 13, 15);
+            const __m256i o = _mm256_shuffle_epi8(q, order);
+            int16_t *x16 = (int16_t *)j->x16 + t * j->K + b * QB;
+            _mm256_storeu_si256((__m256i *)x16, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o)));
+            _mm256_storeu_si256((__m256i *)(x16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o, 1)));
+        }
         if (gm_biased(j->type)) {
             const int per = QB / gm_scales(j->type);
             int32_t *xc = (int32_t *)j->xc + (t * j->nb + b) * gm_scales(j->type);
@@ -1144,7 +1165,13 @@ static inline __attribute__((always_inline)) void gemm_unpack(const int type, co
             off[b * GM_NR + r] = m;
         }
         transpose8_epi32(c);
-        for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 32), c[s]);
+        if (gm_wide(type))
+            for (int s = 0; s < 8; s++) {
+                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64), _mm256_srai_epi16(_mm256_slli_epi16(c[s], 8), 8));
+                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64 + 32), _mm256_srai_epi16(c[s], 8));
+            }
+        else
+            for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 32), c[s]);
     }
 }
 
@@ -1184,8 +1211,25 @@ static inline __attribute__((always_inline)) void gemm_tile(const int type, cons
     (void)s16;
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i *c = (const __m256i *)(codes + b * 256);
+        const __m256i *c = (const __m256i *)(codes + b * 256 * (gm_wide(type) ? 2 : 1));
         for (int r = 0; r < m; r++) s32[r] = s16[r] = _mm256_setzero_si256();
+        if (gm_wide(type)) { /* Q8_0 without VNNI: one scale a block */
+            for (int s = 0; s < 8; s++) {
+                const __m256i we = _mm256_load_si256(c + 2 * s), wo = _mm256_load_si256(c + 2 * s + 1);
+                for (int r = 0; r < m; r++) {
+                    const int16_t *x = j->x16 + (t0 + r) * K + b * QB + 4 * s;
+                    int32_t e, o;
+                    memcpy(&e, x, 4), memcpy(&o, x + 2, 4);
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_set1_epi32(e)),
+                                                                       _mm256_madd_epi16(wo, _mm256_set1_epi32(o))));
+                    __asm__("" : "+x"(s32[r]));
+                }
+            }
+            const __m256 dw = _mm256_loadu_ps(sc + b * GM_NR);
+            for (int r = 0; r < m; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * nb + b)), acc[r]);
+            continue;
+        }
         for (int s = 0; s < 8; s++) {
             const __m256i w = _mm256_loadu_si256(c + s);
             const __m256i aw = sgn ? _mm256_abs_epi8(w) : w;
@@ -1325,13 +1369,53 @@ static inline __attribute__((always_inline)) void gemm_tile2(const int type, con
     }
 }
 
+/* gm_wide's two panels at once: each x broadcast feeds both panels' products (the 16 registers: 2 x 2 weight vectors,
+ * 2 x m int32 sums, the f32 accumulators spill and come back once a block). Per output gemm_tile's integer sums and f32
+ * steps: the same bits. */
+static inline __attribute__((always_inline)) void gemm_tile2w(const int m, const gemm_job *j, int64_t t0, int64_t o0, const uint8_t *codes,
+                                                              const float *sc, const uint8_t *codes1, const float *sc1) {
+    const int64_t K = j->K, nb = j->nb;
+    const float *xd = j->xd + t0 * nb;
+    __m256 a0[GM_MR2], a1[GM_MR2];
+    for (int r = 0; r < m; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i *c0 = (const __m256i *)(codes + b * 512), *c1 = (const __m256i *)(codes1 + b * 512);
+        __m256i h0[GM_MR2], h1[GM_MR2];
+        for (int r = 0; r < m; r++) h0[r] = h1[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i e0 = _mm256_load_si256(c0 + 2 * s), o0v = _mm256_load_si256(c0 + 2 * s + 1);
+            const __m256i e1 = _mm256_load_si256(c1 + 2 * s), o1v = _mm256_load_si256(c1 + 2 * s + 1);
+            for (int r = 0; r < m; r++) {
+                const int16_t *x = j->x16 + (t0 + r) * K + b * QB + 4 * s;
+                int32_t e, o;
+                memcpy(&e, x, 4), memcpy(&o, x + 2, 4);
+                const __m256i xe = _mm256_set1_epi32(e), xo = _mm256_set1_epi32(o);
+                h0[r] = _mm256_add_epi32(h0[r], _mm256_add_epi32(_mm256_madd_epi16(e0, xe), _mm256_madd_epi16(o0v, xo)));
+                h1[r] = _mm256_add_epi32(h1[r], _mm256_add_epi32(_mm256_madd_epi16(e1, xe), _mm256_madd_epi16(o1v, xo)));
+                __asm__("" : "+x"(h0[r]), "+x"(h1[r]));
+            }
+        }
+        const __m256 d0 = _mm256_loadu_ps(sc + b * GM_NR), d1 = _mm256_loadu_ps(sc1 + b * GM_NR);
+        for (int r = 0; r < m; r++) {
+            const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
+            a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0[r]), _mm256_mul_ps(d0, dx), a0[r]);
+            a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1[r]), _mm256_mul_ps(d1, dx), a1[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        gemm_store(j, t0 + r, o0, a0[r]);
+        gemm_store(j, t0 + r, o0 + GM_NR, a1[r]);
+    }
+}
+
 static __thread uint8_t *gm_scratch;
 static __thread size_t gm_scratch_bytes;
 
 static inline __attribute__((always_inline)) void gemm_panel(const int type, const gemm_job *j, int64_t p) {
-    const int pairs = gm_pairs(type), panels = pairs ? 2 : 1;
+    const int pairs = gm_pairs(type) || gm_wide(type), panels = pairs ? 2 : 1;
     const int64_t nb = j->nb, o0 = p * GM_NR * panels;
-    const size_t one = (size_t)nb * (256 + (gm_scales(type) + 1) * GM_NR * sizeof(float)), need = one * panels;
+    const size_t cb = gm_wide(type) ? 512 : 256; /* a block's unpacked codes */
+    const size_t one = (size_t)nb * (cb + (gm_scales(type) + 1) * GM_NR * sizeof(float)), need = one * panels;
     if (need > gm_scratch_bytes) {
         free(gm_scratch);
         gm_scratch = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -1342,13 +1426,22 @@ static inline __attribute__((always_inline)) void gemm_panel(const int type, con
         }
     }
     uint8_t *codes = gm_scratch;
-    float *sc = (float *)(codes + nb * 256), *off = sc + nb * gm_scales(type) * GM_NR;
+    float *sc = (float *)(codes + nb * cb), *off = sc + nb * gm_scales(type) * GM_NR;
     gemm_unpack(type, j, o0, codes, sc, off);
     int64_t t = 0;
     if (pairs) {
-        uint8_t *codes1 = gm_scratch + one; /* one is a multiple of 32: nb * (256 + 64) */
-        float *sc1 = (float *)(codes1 + nb * 256), *off1 = sc1 + nb * GM_NR;
+        uint8_t *codes1 = gm_scratch + one; /* one is a multiple of 64: nb * (cb + 64) */
+        float *sc1 = (float *)(codes1 + nb * cb), *off1 = sc1 + nb * GM_NR;
         gemm_unpack(type, j, o0 + GM_NR, codes1, sc1, off1);
+        if (gm_wide(type)) {
+            for (; t + GM_MR2 <= j->T; t += GM_MR2) gemm_tile2w(GM_MR2, j, t, o0, codes, sc, codes1, sc1);
+            switch (j->T - t) {
+            case 2: gemm_tile2w(2, j, t, o0, codes, sc, codes1, sc1); break;
+            case 1: gemm_tile2w(1, j, t, o0, codes, sc, codes1, sc1); break;
+            default: break;
+            }
+            return;
+        }
         if (gm_mr2(type) == GM_MR2) {
             for (; t + GM_MR2 <= j->T; t += GM_MR2) gemm_tile2(type, GM_MR2, j, t, o0, codes, sc, off, codes1, sc1, off1);
         } else {
@@ -1398,16 +1491,17 @@ int gemm_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, 
     default: return -2;
     }
     const int64_t nb = K / QB;
-    const size_t xbytes = (size_t)T * K;
-    char *buf = malloc(xbytes + (size_t)T * (2 * nb * sizeof(float) + nb * gm_scales(type) * sizeof(int32_t)) + 64);
+    const size_t xbytes = (size_t)T * K, x16bytes = gm_wide(type) ? (size_t)T * K * sizeof(int16_t) : 0;
+    char *buf = malloc(xbytes + (size_t)T * (2 * nb * sizeof(float) + nb * gm_scales(type) * sizeof(int32_t)) + 64 + x16bytes);
     if (!buf) return -1;
     gemm_job job = {.W = W, .y = y, .add = r, .xq = (int8_t *)buf, .x = x, .norm_w = norm_w, .eps = eps, .T = T, .K = K, .N = N, .ldy = ldy,
                     .ld_add = ldr, .nb = nb, .row_bytes = K / block_elems(type) * block_bytes(type), .type = type, .input = input};
     job.xd = (float *)(buf + (xbytes + 63) / 64 * 64);
     job.xs = job.xd + T * nb;
     job.xc = (const int32_t *)(job.xs + T * nb);
+    job.x16 = x16bytes ? (const int16_t *)(job.xc + T * nb * gm_scales(type)) : NULL; /* 4-byte aligned */
     pool_for(T, T >= 8 ? threads : 1, gemm_quantize_item, &job);
-    const int64_t rows = GM_NR * (gm_pairs(type) ? 2 : 1); /* weight rows per item */
+    const int64_t rows = GM_NR * (gm_pairs(type) || gm_wide(type) ? 2 : 1); /* weight rows per item */
     pool_for((N + rows - 1) / rows, threads, fn, &job);
     free(buf);
     return atomic_load_explicit(&job.failed, memory_order_relaxed) ? -1 : 0;
