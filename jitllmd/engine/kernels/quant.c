@@ -274,14 +274,18 @@ static inline void q6k_sums(const int8_t *xg, float *xc) {
     _mm256_storeu_si256((__m256i *)xc, _mm256_or_si256(_mm256_and_si256(sum[0], _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sum[1], 16)));
 }
 
+/* int8 codes as int16 pairs: a dword's bytes 0 and 2 (even) and 1 and 3 (odd), sign-extended */
+static inline __m256i even16(__m256i c) { return _mm256_srai_epi16(_mm256_slli_epi16(c, 8), 8); }
+static inline __m256i odd16(__m256i c) { return _mm256_srai_epi16(c, 8); }
+
 /* x16 (Q8_0 without VNNI, several rows): a group's 8 code vectors as int16 pairs whose madd sums each 32-bit lane's
  * four products, as maddubs + madd do: even bytes (sign-extended) then odd, vector v's at 2 XV v, the row's slab as
  * xq's with every offset doubled (a pair's other row 64 bytes on). */
 static inline void x16_group(const int8_t *xg, int8_t *out) {
     for (int v = 0; v < NV; v++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(xg + XV * v));
-        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v), _mm256_srai_epi16(_mm256_slli_epi16(c, 8), 8));
-        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v + 32), _mm256_srai_epi16(c, 8));
+        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v), even16(c));
+        _mm256_storeu_si256((__m256i *)(out + 2 * XV * v + 32), odd16(c));
     }
 }
 
@@ -764,7 +768,7 @@ static inline __attribute__((always_inline)) void q80_rows(const int n, const in
     __m256i s[GROUP];
     for (int t = 0; t < n; t++) s[t] = _mm256_setzero_si256();
     for (int k = 0; k < nv; k++) {
-        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(g->w[k], 8), 8), odd = _mm256_srai_epi16(g->w[k], 8);
+        const __m256i even = even16(g->w[k]), odd = odd16(g->w[k]);
         for (int t = 0; t < n; t++) {
             const int8_t *x = x16 + 2 * x_slot(t, GB, 32) + 2 * XV * k;
             s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256((const __m256i *)x)),
@@ -1167,8 +1171,8 @@ static inline __attribute__((always_inline)) void gemm_unpack(const int type, co
         transpose8_epi32(c);
         if (gm_wide(type))
             for (int s = 0; s < 8; s++) {
-                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64), _mm256_srai_epi16(_mm256_slli_epi16(c[s], 8), 8));
-                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64 + 32), _mm256_srai_epi16(c[s], 8));
+                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64), even16(c[s]));
+                _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 64 + 32), odd16(c[s]));
             }
         else
             for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(codes + (b * 8 + s) * 32), c[s]);
@@ -1211,25 +1215,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const int type, cons
     (void)s16;
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i *c = (const __m256i *)(codes + b * 256 * (gm_wide(type) ? 2 : 1));
+        const __m256i *c = (const __m256i *)(codes + b * 256);
         for (int r = 0; r < m; r++) s32[r] = s16[r] = _mm256_setzero_si256();
-        if (gm_wide(type)) { /* Q8_0 without VNNI: one scale a block */
-            for (int s = 0; s < 8; s++) {
-                const __m256i we = _mm256_load_si256(c + 2 * s), wo = _mm256_load_si256(c + 2 * s + 1);
-                for (int r = 0; r < m; r++) {
-                    const int16_t *x = j->x16 + (t0 + r) * K + b * QB + 4 * s;
-                    int32_t e, o;
-                    memcpy(&e, x, 4), memcpy(&o, x + 2, 4);
-                    s32[r] = _mm256_add_epi32(s32[r], _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_set1_epi32(e)),
-                                                                       _mm256_madd_epi16(wo, _mm256_set1_epi32(o))));
-                    __asm__("" : "+x"(s32[r]));
-                }
-            }
-            const __m256 dw = _mm256_loadu_ps(sc + b * GM_NR);
-            for (int r = 0; r < m; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + r * nb + b)), acc[r]);
-            continue;
-        }
         for (int s = 0; s < 8; s++) {
             const __m256i w = _mm256_loadu_si256(c + s);
             const __m256i aw = sgn ? _mm256_abs_epi8(w) : w;
