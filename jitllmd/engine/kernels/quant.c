@@ -953,31 +953,23 @@ ONE_FN(one_q4_k, Q4_K)
 ONE_FN(one_q5_k, Q5_K)
 ONE_FN(one_q6_k, Q6_K)
 
-static one_fn one_kernel(int type) {
-    switch (type) {
-    case Q4_0: return one_q4_0;
-    case Q4_1: return one_q4_1;
-    case Q5_0: return one_q5_0;
-    case Q5_1: return one_q5_1;
-    case Q8_0: return one_q8_0;
-    case Q4_K: return one_q4_k;
-    case Q5_K: return one_q5_k;
-    case Q6_K: return one_q6_k;
-    default: return NULL;
-    }
-}
+/* A format's kernels: rows (any T) and one (T = 1); both NULL for a type quant_rows does not know. */
+typedef struct {
+    row_fn rows;
+    one_fn one;
+} row_kernels;
 
-static row_fn row_kernel(int type) {
+static row_kernels row_kernel(int type) {
     switch (type) {
-    case Q4_0: return row_q4_0;
-    case Q4_1: return row_q4_1;
-    case Q5_0: return row_q5_0;
-    case Q5_1: return row_q5_1;
-    case Q8_0: return row_q8_0;
-    case Q4_K: return row_q4_k;
-    case Q5_K: return row_q5_k;
-    case Q6_K: return row_q6_k;
-    default: return NULL;
+    case Q4_0: return (row_kernels){row_q4_0, one_q4_0};
+    case Q4_1: return (row_kernels){row_q4_1, one_q4_1};
+    case Q5_0: return (row_kernels){row_q5_0, one_q5_0};
+    case Q5_1: return (row_kernels){row_q5_1, one_q5_1};
+    case Q8_0: return (row_kernels){row_q8_0, one_q8_0};
+    case Q4_K: return (row_kernels){row_q4_k, one_q4_k};
+    case Q5_K: return (row_kernels){row_q5_k, one_q5_k};
+    case Q6_K: return (row_kernels){row_q6_k, one_q6_k};
+    default: return (row_kernels){NULL, NULL};
     }
 }
 
@@ -1025,8 +1017,8 @@ static void rows_item(void *arg, int64_t i) {
  * for x's codes, -2 for a type it does not know. */
 int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K, int64_t N, int64_t ldy, int type, int input, const float *norm_w,
                float eps, const float *r, int64_t ldr, int threads) {
-    const row_fn fn = row_kernel(type);
-    if (!fn) return -2;
+    const row_kernels kern = row_kernel(type);
+    if (!kern.rows) return -2;
     const int64_t nb = K / QB, ng = (nb + 7) / 8, row_bytes = K / block_elems(type) * block_bytes(type);
     const int64_t slots = (T + 1) / 2 * 2 * ng; /* rows' groups, T rounded up to pairs */
 #ifdef HAVE_VNNI
@@ -1037,8 +1029,8 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     /* 64-byte aligned: x's 32-byte vectors never straddle two cache lines (slots * GB, xd's and xs's sizes are multiples of 32) */
     char *buf = aligned_alloc(64, ((size_t)slots * (GB + 24 * sizeof(float) + (wide ? 2 * GB : 0)) + 63) / 64 * 64);
     if (!buf) return -1;
-    rows_job job = {.fn = fn, .one = one_kernel(type), .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps, .T = T, .K = K, .N = N,
-                    .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
+    rows_job job = {.fn = kern.rows, .one = kern.one, .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps,
+                    .T = T, .K = K, .N = N, .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
     job.xd = (float *)(buf + slots * GB);
     job.xs = job.xd + slots * 16;
     job.x16 = wide ? (int8_t *)(job.xs + slots * 8) : NULL;
