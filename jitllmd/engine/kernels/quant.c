@@ -441,6 +441,22 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
 #define BLK(j) ((j) < m ? b + (j) * bytes : zero_block)
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256i y[4], v[4];
+    if (type == Q8_0 && nv < NV) { /* a last group of 1 .. 4 blocks: pack_tail's vectors made from those blocks alone */
+        __m128i hd = _mm_setzero_si128();
+        for (int j = 0; j < nv; j++) hd = _mm_insert_epi16(hd, rd16(BLK(j)), j);
+        g->dw[0] = _mm256_cvtph_ps(hd);
+        if (nv == 4) { /* vector k: chunk k (codes 4k .. 4k + 3) of blocks 0-3, then chunk k + 4 of each */
+            for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(BLK(c) + 2));
+            transpose4(y, g->w);
+        } else { /* each block's chunks in the order 0 2 1 3 per 128-bit half, the two blocks' interleaved: vector 0
+                  * [b0 c0, b1 c0, b0 c2, b1 c2 | the same of c4, c6], vector 1 the odd chunks */
+            const __m256i c0 = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(BLK(0) + 2)), 0xd8);
+            const __m256i c1 = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(BLK(1) + 2)), 0xd8);
+            g->w[0] = _mm256_unpacklo_epi32(c0, c1), g->w[1] = _mm256_unpackhi_epi32(c0, c1);
+        }
+        sign_parts(type, nv, g);
+        return;
+    }
     if (type == Q4_K || type == Q5_K) {
         __m256 dsc, dmin_m;
         k_scales(b, &dsc, &dmin_m);
