@@ -33,8 +33,8 @@ from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
 from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16)
-# (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square and SmolLM2 Q8_0's gate_up, Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896
-# is no multiple of 256) and down (Q4_K, Q6_K)
+# (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square and SmolLM2 Q8_0's gate_up and down, Gemma 3's Q8_0 head's K (640: a
+# last group of 4 blocks), Qwen2.5-0.5B Q4_K_M's gate_up (Q5_0: K = 896 is no multiple of 256) and down (Q4_K, Q6_K)
 SHAPES = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 576, 576), ("Q8_0", 3072, 576), ("Q8_0", 576, 1536), ("Q8_0", 2048, 640), ("Q5_0", 9728, 896), ("Q4_K", 896, 4864), ("Q6_K", 896, 4864))
 
 
