@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,f32")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--kernel", default="", help="a kernel variant both trees use (default: the CPU's best)")
+    ap.add_argument("--each", action="store_true", help="also print every round's figures as they come (to stderr)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from jitllmd.embedded import default_gguf
@@ -78,6 +79,8 @@ def main() -> None:
                             sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
                         p, dec = map(float, out.stdout.split()[-2:])
                         got.setdefault((dtype, name), []).append((p, dec))
+                        if a.each:
+                            print(f"round {r + 1} {dtype} {name}: prompt {p:.0f} decode {dec:.1f}", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     from jitllmd.engine.kernels import build
