@@ -78,12 +78,31 @@ def test_the_prefix_cache_finds_a_prompt_by_its_tokens_up_to_each_page() -> None
     b = SessionKV(pool, 1000)
     assert b.adopt(prompt, 0) == 192 and b.pages[0] == a.pages[0][:3] and _keys(b, 1) == _keys(a, 1, 0, 192)
     c = SessionKV(pool, 1000)
-    assert c.adopt(prompt[:150] + [7] * 100, 0) == 128  # a different third page
-    assert c.adopt(prompt[:129], 0) == 128 and c.adopt(prompt[:128], 0) == 64  # at least the last token is fed
+    assert c.adopt(prompt[:150] + [7] * 100, 0) == 150  # a different third page: the start of the cached one copied
+    assert c.pages[0][:2] == a.pages[0][:2] and c.pages[0][2] != a.pages[0][2] and _keys(c, 1) == _keys(a, 1, 0, 150)
+    assert c.adopt(prompt[:140] + [7] * 100, 0) == 128  # a start shorter than PART: fed again
+    assert c.adopt(prompt[:129], 0) == 128 and c.adopt(prompt[:128], 0) == 127  # at least the last token is fed
     assert c.adopt([1] + prompt[1:], 0) == 0  # the first page's tokens differ: nothing after it counts
-    assert pool.hits == 192 + 128 + 128 + 64 and pool.queries == 300 + 250 + 129 + 128 + 300
+    assert pool.hits == 192 + 150 + 128 + 128 + 127 and pool.queries == 300 + 250 + 240 + 129 + 128 + 300
     b.publish(prompt[:192])
     assert len(pool.prefixes) == 3  # the same pages: nothing new
+
+
+def test_a_cached_start_goes_with_its_page() -> None:
+    """The index of pages' starts follows the cache: a page let go is no longer found by its first tokens, and
+    nothing of it is left behind; the starts of the pages kept still are."""
+    pool = _pool()
+    a = SessionKV(pool, 1000)
+    _fill(a, 0, 128)
+    a.publish(list(range(128)))
+    b = SessionKV(pool, 1000)
+    assert b.adopt(list(range(40)) + [999] * 30, 0) == 40 and b.adopt(list(range(100)) + [999] * 30, 0) == 100
+    del a
+    b.reset()
+    gc.collect()
+    pool.clear_cache()
+    assert not pool.prefixes and not pool._starts
+    assert b.adopt(list(range(40)) + [999] * 30, 0) == 0
 
 
 def test_cached_pages_outlive_their_session_until_wanted() -> None:

@@ -11,6 +11,7 @@ import torch
 from jitllmd.engine import kernels
 from jitllmd.engine.engine import Engine
 from jitllmd.engine.kv import PAGE
+from jitllmd.engine.pages import PART
 from jitllmd.engine.request import Generation
 from jitllmd.engine.sampler import SamplingParams
 from tests.test_engine import collect
@@ -61,6 +62,41 @@ def test_a_shared_prefix_is_found_and_its_tokens_are_those_fed(request, variant,
                     assert torch.equal(x, y), layer
         pages = cached.loaded.kv_pages()
         assert pages.hit_tokens == 2 * 3 * PAGE and pages.held > 0
+    finally:
+        cached.stop()
+        plain.stop()
+
+
+@pytest.mark.parametrize("model", ["tiny_serve_q8_jlm", "tiny_gemma_q8_jlm", "tiny_serve_jlm"])
+def test_a_start_shorter_than_a_page_is_copied_from_the_page_that_has_it(request, variant, model: str) -> None:
+    """A system prompt shorter than a page (SmolLM2's default is 26 tokens of its chat template): a prompt that shares
+    only the first 40 tokens of another's first page takes a copy of those 40 positions and feeds the rest; its tokens
+    are an engine's without the cache, its K/V there the bits the first request made, and the first page, still the
+    first request's and the cache's, is left as it was. A start shorter than pages.PART is fed again."""
+    path = request.getfixturevalue(model)
+    cached, plain = _engine(path), _engine(path, prefix_cache=False)
+    system = SHARED[:40]
+    try:
+        first = cached.new_session()
+        _ask(cached, system + _question(0) * 4, first)  # 76 prompt tokens: its first page full, entered
+        page = [first.kv.read(layer, 0, PAGE) for layer in range(cached.loaded.model.cfg.num_layers)]
+        for seed in (1, 2):
+            session, alone = cached.new_session(), plain.new_session()
+            # token 40 differs from the others' (_question's are 3..89); the rest past a short feed's 64 tokens, so that
+            # it is a prompt chunk's, as the whole prompt is without the cache (a short feed runs as decode rows)
+            prompt = system + [seed] + _question(seed) * 8
+            got, want = _ask(cached, prompt, session), _ask(plain, prompt, alone)
+            assert got.done.fed_tokens == len(prompt) - 40 and want.done.fed_tokens == len(prompt)
+            assert got.ids == want.ids
+            assert session.kv.pages[0][0] != first.kv.pages[0][0]  # a copy: the session writes on past position 40
+            for layer in range(cached.loaded.model.cfg.num_layers):
+                for x, y in zip(session.kv.read(layer, 0, 40), alone.kv.read(layer, 0, 40)):
+                    assert torch.equal(x, y), layer
+                for x, y in zip(first.kv.read(layer, 0, PAGE), page[layer]):
+                    assert torch.equal(x, y), layer
+        short = _ask(cached, SHARED[:12] + [2] + _question(3) * 8, cached.new_session())
+        assert short.done.fed_tokens == 12 + 1 + 72
+        assert cached.loaded.kv_pages().hit_tokens == 2 * 40
     finally:
         cached.stop()
         plain.stop()
@@ -142,10 +178,14 @@ def _chat(url: str, system: str, question: str, session: str | None = None) -> d
     return r.json()
 
 
+FIRST = "What is a page? " * 8  # long enough that the first request's page past the shared ones is full: entered
+
+
 def test_served_a_new_session_starts_from_the_prefix_another_request_left(serve, served_models) -> None:
     """serve: after one request, a fresh session (sessions -new) asking with the same long system prompt feeds only
-    what follows its last full page: usage's cached_tokens, the same reply as with -prefix-cache off (where it feeds
-    everything), and stats, GetStats and /metrics count what the cache found."""
+    what follows the shared tokens (the full pages, and the start of the next where it is pages.PART or more): usage's
+    cached_tokens, the same reply as with -prefix-cache off (where it feeds everything), and stats, GetStats and
+    /metrics count what the cache found."""
     import httpx
 
     from tests.serving import jitllmd
@@ -154,9 +194,16 @@ def test_served_a_new_session_starts_from_the_prefix_another_request_left(serve,
     replies = {}
     for mode in ("on", "off"):
         server = serve("-models", str(served_models), "-load", "tiny.jlm", "-id", "tiny", "-devices", "cpu", "-sessions", "2", "-prefix-cache", mode)
-        _chat(server.url, system, "What is a page?")
+        _chat(server.url, system, FIRST)
         sid = httpx.post(server.url + "/jitllm.v1.SessionService/CreateSession", json={"model": "tiny"}, timeout=60).json()["session"]["id"]
         replies[mode] = _chat(server.url, system, "And a table?", session=sid)
+        if mode == "on":  # what the two prompts share: the full pages, and the next page's start where it is PART or more
+            ids = [httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": [{"role": "system", "content": system},
+                                                                                          {"role": "user", "content": q}]}, timeout=60).json()["tokens"]
+                   for q in (FIRST, "And a table?")]
+            same = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
+            shared = same if same % PAGE >= PART else same // PAGE * PAGE
+            assert shared % PAGE >= PART and len(ids[0]) >= (same // PAGE + 1) * PAGE  # the start of a page shared; that page full
         stats = httpx.post(server.url + "/jitllm.v1.TelemetryService/GetStats", json={}, timeout=60).json()["models"][0]
         shown = jitllmd("stats", "-addr", server.url.removeprefix("http://"))
         if mode == "on":
@@ -170,7 +217,7 @@ def test_served_a_new_session_starts_from_the_prefix_another_request_left(serve,
     on, off = replies["on"], replies["off"]
     assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
     found = on["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert found >= PAGE and found % PAGE == 0 and off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert found == shared and off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     r = jitllmd("serve", "-models", str(served_models), "-load", "tiny.jlm", "-prefix-cache", "maybe")
     assert r.returncode != 0 and "-prefix-cache 'maybe': give on or off" in r.stderr and "Traceback" not in r.stderr
 

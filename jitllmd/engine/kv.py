@@ -368,7 +368,9 @@ class SessionKV:
 
     def adopt(self, prompt_ids: list[int], own: int) -> int:
         """Take the longest cached prefix of `prompt_ids` (but its last token) where it is longer than `own` (what this
-        session already holds of it): its pages, shared. -> the positions held of the prompt now."""
+        session already holds of it): its full pages, shared, and where the prompt goes on from the first tokens of a
+        cached page but not its whole (at least pages.PART of them: a system prompt shorter than a page, the start
+        of a page two prompts share), a copy of those positions. -> the positions held of the prompt now."""
         pool = self.pool
         entries: list[Prefix] = []
         parent = None
@@ -380,22 +382,32 @@ class SessionKV:
                 break
             entries.append(entry)
             parent = entry
-        # a window group needs the pages its last query sees: fewer entries where it let them go
-        while entries and not all(self._sees(g, w, entries) for g, w in enumerate(pool.group_windows) if w is not None):
-            entries.pop()
         length = len(entries) * PAGE
+        start = pool.lookup_start(parent, tuple(prompt_ids[length : len(prompt_ids) - 1]))
+        if start is not None and self._sees_all(entries + [start[0]], length + start[1]):
+            entries.append(start[0])
+            length += start[1]
+        # a window group needs the pages its last query sees: fewer entries where it let them go
+        while entries and not self._sees_all(entries, length):
+            entries.pop()
+            length = len(entries) * PAGE
         pool.queries += len(prompt_ids)
         if length <= own:
             return own
         pool.hits += length
         self.reset()
         pool.bring_back(entries)  # cold ones the store kept
-        self.map([[e.pages[g] for e in entries] for g in range(len(self.pages))], length, entries)
+        with pool.keeping(entries[length // PAGE :]):  # a start to copy from: not let go for the copy's page
+            self.map([[e.pages[g] for e in entries] for g in range(len(self.pages))], length, entries)
         return length
 
+    def _sees_all(self, entries: list[Prefix], length: int) -> bool:
+        """Whether every window group still has the pages of `entries` that a query at `length` sees."""
+        return all(self._sees(g, w, entries, length) for g, w in enumerate(self.pool.group_windows) if w is not None)
+
     @staticmethod
-    def _sees(g: int, window: int, entries: list[Prefix]) -> bool:
-        first = max(0, len(entries) * PAGE - window + 1) // PAGE
+    def _sees(g: int, window: int, entries: list[Prefix], length: int) -> bool:
+        first = max(0, length - window + 1) // PAGE
         return all((e.pages if e.away is None else e.away)[g] >= 0 for e in entries[first:])
 
 

@@ -1,5 +1,6 @@
 """One model's K/V pages: a pool of fixed-size pages per group of layers that keep the same positions, their reference
-counts, and the prefix cache (full pages found again by the tokens up to their end)."""
+counts, and the prefix cache (full pages found again by the tokens up to their end, or the start of one by its first
+tokens)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 PAGE = 64  # positions per page: the attention kernels' blocks of keys (kernels/simd.h KV_PAGE)
 META = torch.device("meta")  # a layer held by another rank: its shapes are kept here, its K/V there
 _IDS = itertools.count(1)
+# A prompt that goes on from a cached page's first tokens but not its whole takes a copy of that page's start, at least
+# this many positions (vLLM's block: shorter starts, a chat template's opening tokens, are not worth a page's copy). The
+# cache finds such a start by the page's first 16, 32 or 48 tokens, then the longest among the few entries found.
+PART = 16
+_PART_LOOKS = 8  # entries compared a lookup, the most recently used first
 Q8_0 = torch.uint8  # a q8_0 cache's storage: rows of D int8 then D / 32 f16 scales (kernels/simd.h)
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8_0}  # -kv-dtype's names
 
@@ -112,6 +118,7 @@ class PagePool:
         self._free = [list(range(c)) for c in self.capacity]  # heaps: the lowest page first, so what is touched stays compact
         self._entry: list[dict[int, Prefix]] = [{} for _ in kinds]  # page -> the cache entry holding it
         self.prefixes: dict[tuple[int, tuple[int, ...]], Prefix] = {}
+        self._starts: dict[tuple[int, tuple[int, ...]], dict[int, Prefix]] = {}  # (parent id, first PART * j tokens) -> entries
         self._lru: OrderedDict[int, Prefix] = OrderedDict()  # entries by last use, oldest first
         if dtype == Q8_0 and head_dim % 32:
             raise ValueError(f"a q8_0 KV cache takes blocks of 32 values: this model's head size is {head_dim}")
@@ -236,6 +243,29 @@ class PagePool:
                 self._lru.move_to_end(entry.id)
             return entry
 
+    def lookup_start(self, parent: Prefix | None, tokens: tuple[int, ...]) -> tuple[Prefix, int] | None:
+        """The cache entry after `parent` whose page's first tokens are most of `tokens` (at least PART of them, fewer
+        than a page), and how many, marked used; None where none starts so."""
+        with self._lock:
+            pid = parent.id if parent is not None else 0
+            for n in range(min(len(tokens), PAGE - 1) // PART * PART, 0, -PART):
+                found = self._starts.get((pid, tokens[:n]))
+                if not found:
+                    continue
+                best, most = None, 0
+                for entry in itertools.islice(reversed(found.values()), _PART_LOOKS):
+                    same = n
+                    page = entry.key[1]
+                    while same < len(tokens) and same < PAGE - 1 and page[same] == tokens[same]:
+                        same += 1
+                    if same > most:
+                        best, most = entry, same
+                assert best is not None
+                self._lru.move_to_end(best.id)
+                found[best.id] = found.pop(best.id)  # the most recently used last
+                return best, most
+            return None
+
     def enter(self, parent: Prefix | None, tokens: tuple[int, ...], pages: list[int]) -> Prefix:
         """Cache a full page (each group's, -1 where dropped) under its tokens after `parent`; an entry already there
         for them is returned instead (another session made the same page: its own stays its)."""
@@ -248,6 +278,8 @@ class PagePool:
             entry = Prefix(key, list(pages), parent)
             self.prefixes[key] = entry
             self._lru[entry.id] = entry
+            for n in range(PART, PAGE, PART):
+                self._starts.setdefault((key[0], tokens[:n]), {})[entry.id] = entry
             if parent is not None:
                 parent.children += 1
             for g, page in enumerate(pages):
@@ -324,6 +356,12 @@ class PagePool:
     def _drop(self, entry: Prefix) -> None:
         del self.prefixes[entry.key]
         del self._lru[entry.id]
+        for n in range(PART, PAGE, PART):
+            start = (entry.key[0], entry.key[1][:n])
+            found = self._starts[start]
+            del found[entry.id]
+            if not found:
+                del self._starts[start]
         if entry.parent is not None:
             entry.parent.children -= 1
         if entry.away is not None:
