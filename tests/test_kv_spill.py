@@ -130,7 +130,8 @@ def test_named_sessions_past_kv_mem_take_turns(tiny_serve_jlm) -> None:
 def test_cold_prefixes_leave_the_pool_and_a_prompt_brings_them_back(tiny_serve_jlm) -> None:
     """-kv-mem for three pages: a long prompt's cached pages, pushed out by another prompt's, go to the store rather
     than being dropped; a third prompt with the first's start finds them there (counted as hits) with the tokens of an
-    engine that feeds it all."""
+    engine that feeds it all; and, out again, a fourth that shares only the start of the first page copies it from
+    the page brought back."""
     limited = Engine.load(tiny_serve_jlm, max_batch=1, sessions=1, max_seq=1024, kv_mem=100_000)
     plain = Engine.load(tiny_serve_jlm, max_batch=1, sessions=1, max_seq=1024, prefix_cache=False)
     pool = limited.loaded.runner.kv_pool
@@ -143,6 +144,12 @@ def test_cold_prefixes_leave_the_pool_and_a_prompt_brings_them_back(tiny_serve_j
         got, want = _ask(limited, asked), _ask(plain, asked)
         assert got.ids == want.ids and got.done.fed_tokens == len(asked) - 2 * PAGE
         assert pool.hits == 2 * PAGE and pool.used_bytes() <= pool.limit
+        _ask(limited, _prompt(5, 2 * PAGE + 20))  # out again
+        assert pool.prefixes[(0, tuple(shared[:PAGE]))].away is not None
+        start = shared[:40] + [1] + _prompt(6, 70)  # the first page's first 40 tokens, then a rest past a short feed's
+        got, want = _ask(limited, start), _ask(plain, start)
+        assert got.ids == want.ids and got.done.fed_tokens == len(start) - 40  # brought back for its start's copy
+        assert pool.hits == 2 * PAGE + 40 and pool.used_bytes() <= pool.limit
     finally:
         limited.stop()
         plain.stop()
