@@ -72,7 +72,8 @@ def test_a_start_shorter_than_a_page_is_copied_from_the_page_that_has_it(request
     """A system prompt shorter than a page (SmolLM2's default is 26 tokens of its chat template): a prompt that shares
     only the first 40 tokens of another's first page takes a copy of those 40 positions and feeds the rest; its tokens
     are an engine's without the cache, its K/V there the bits the first request made, and the first page, still the
-    first request's and the cache's, is left as it was. A start shorter than pages.PART is fed again."""
+    first request's and the cache's, is left as it was. A start shorter than pages.PART is fed again, and so is one
+    whose rest would be a short feed."""
     path = request.getfixturevalue(model)
     cached, plain = _engine(path), _engine(path, prefix_cache=False)
     system = SHARED[:40]
@@ -96,7 +97,14 @@ def test_a_start_shorter_than_a_page_is_copied_from_the_page_that_has_it(request
                     assert torch.equal(x, y), layer
         short = _ask(cached, SHARED[:12] + [2] + _question(3) * 8, cached.new_session())
         assert short.done.fed_tokens == 12 + 1 + 72
-        assert cached.loaded.kv_pages().hit_tokens == 2 * 40
+        # a short prompt (its rest a short feed's, which a quantized model runs as decode rows) is fed whole, so a
+        # repeat in a fresh session makes its tokens as its first run did; a float model has no short feeds
+        feed = cached.loaded.runner.short_feed
+        prompt = system + [3] + _question(4)
+        again = [_ask(cached, prompt, cached.new_session()) for _ in range(2)]
+        assert again[0].ids == again[1].ids
+        assert again[1].done.fed_tokens == (len(prompt) if feed >= len(prompt) - 40 else len(prompt) - 40)
+        assert cached.loaded.kv_pages().hit_tokens == 2 * 40 + (0 if feed >= len(prompt) - 40 else 2 * 40)
     finally:
         cached.stop()
         plain.stop()

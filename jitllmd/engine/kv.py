@@ -366,11 +366,14 @@ class SessionKV:
             entry = pool.enter(parent, tuple(token_ids[i * PAGE : (i + 1) * PAGE]), [pages[i] for pages in self.pages])
             self.prefix.append(entry)
 
-    def adopt(self, prompt_ids: list[int], own: int) -> int:
+    def adopt(self, prompt_ids: list[int], own: int, short_feed: int = 0) -> int:
         """Take the longest cached prefix of `prompt_ids` (but its last token) where it is longer than `own` (what this
         session already holds of it): its full pages, shared, and where the prompt goes on from the first tokens of a
         cached page but not its whole (at least pages.PART of them: a system prompt shorter than a page, the start
-        of a page two prompts share), a copy of those positions. -> the positions held of the prompt now."""
+        of a page two prompts share), a copy of those positions, as many as leave more than `short_feed` tokens to
+        feed: the rest is then a prompt chunk, fed as the whole prompt would be (a short feed's products are decode
+        rows': a short prompt repeated in a fresh session keeps its first run's tokens, near ties included). -> the
+        positions held of the prompt now."""
         pool = self.pool
         entries: list[Prefix] = []
         parent = None
@@ -383,7 +386,7 @@ class SessionKV:
             entries.append(entry)
             parent = entry
         length = len(entries) * PAGE
-        start = pool.lookup_start(parent, tuple(prompt_ids[length : len(prompt_ids) - 1]))
+        start = pool.lookup_start(parent, tuple(prompt_ids[length : max(length, len(prompt_ids) - 1 - short_feed)]))
         if start is not None and self._sees_all(entries + [start[0]], length + start[1]):
             entries.append(start[0])
             length += start[1]

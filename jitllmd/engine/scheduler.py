@@ -81,7 +81,7 @@ class Scheduler:
                 req.session.kv.fill()  # its pages, where an idle spell sent them out of the pool (kv_spill.py)
                 req.session.kv.used = now
                 scored = req.prompt_logprobs is not None  # every prompt token is fed, to score the next one
-                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids, self.prefix_cache)
+                req.cached = req.session.reuse_prefix(req.prompt_ids[:1] if scored else req.prompt_ids, self.prefix_cache, short_feed)
                 req.fed = req.cached
                 n = min(n, req.prompt_left)
             prompt = req.state is not RequestState.DECODE

@@ -64,15 +64,16 @@ class Session:
     def position(self) -> int:
         return self.kv.length
 
-    def reuse_prefix(self, prompt_ids: list[int], cache: bool = False) -> int:
+    def reuse_prefix(self, prompt_ids: list[int], cache: bool = False, short_feed: int = 0) -> int:
         """Keep the longest prefix of `prompt_ids` this session holds, or with `cache` the longer one the model's prefix
-        cache holds (leaving at least one token to feed); return its length."""
+        cache holds (leaving at least one token to feed; a page's start only where more than `short_feed` are left:
+        SessionKV.adopt); return its length."""
         if len(prompt_ids) > self.kv.capacity:
             raise RoomError(f"prompt has {len(prompt_ids)} tokens; the session has room for {self.kv.capacity}")
         n = self.kv.reusable(common_prefix(self.token_ids, prompt_ids[:-1]))
         self.kv.truncate(n)
         del self.token_ids[n:]
-        if cache and (found := self.kv.adopt(prompt_ids, n)) > n:
+        if cache and (found := self.kv.adopt(prompt_ids, n, short_feed)) > n:
             self.token_ids[:] = prompt_ids[:found]
             n = found
         return n
