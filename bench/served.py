@@ -236,7 +236,8 @@ def why(exc: BaseException) -> str:
 
 
 def serve_round(server: Server, clients: tuple[int, ...], num_tokens: int) -> dict[str, float | str]:
-    """Healthy, one warm-up request, each client count in turn; then the peak RSS. The server is stopped by the caller."""
+    """Healthy, one warm-up request, each client count in turn (tokens/s, TTFT p50, and the median cached prompt tokens
+    where the server reports them); then the peak RSS. The server is stopped by the caller."""
     out: dict[str, float | str] = {"healthy_s": server.wait_healthy()}
     prompts: list[int] = []
     try:
@@ -254,6 +255,8 @@ def serve_round(server: Server, clients: tuple[int, ...], num_tokens: int) -> di
             wall = max(s.end for s in streams) - min(s.sent for s in streams)
             out[f"tps_{n}"] = sum(s.num_tokens for s in streams) / wall
             out[f"ttft_ms_{n}"] = statistics.median(1000 * (s.first - s.sent) for s in streams)
+            if all(s.num_cached_tokens >= 0 for s in streams):  # where the server says (usage's cached_tokens)
+                out[f"cached_{n}"] = statistics.median(s.num_cached_tokens for s in streams)
             prompts += [s.num_prompt_tokens for s in streams if s.num_prompt_tokens >= 0]
     except (ServerFailed, httpx.HTTPError) as exc:
         for key in keys(clients):

@@ -60,6 +60,11 @@ class PoolFull(RuntimeError):
     """No page to be had under the pool's byte limit: every page is held (admission keeps rows from getting here)."""
 
 
+def _start_keys(key: tuple[int, tuple[int, ...]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where a cache entry (its key: parent id, page tokens) is found by its page's start: its first PART, 2 PART, ..."""
+    return [(key[0], key[1][:n]) for n in range(PART, PAGE, PART)]
+
+
 @dataclass(frozen=True)
 class KVPages:
     """A model's pages now (every group's): held by sessions' tables (a shared page once), those held by more than one,
@@ -278,8 +283,8 @@ class PagePool:
             entry = Prefix(key, list(pages), parent)
             self.prefixes[key] = entry
             self._lru[entry.id] = entry
-            for n in range(PART, PAGE, PART):
-                self._starts.setdefault((key[0], tokens[:n]), {})[entry.id] = entry
+            for start in _start_keys(key):
+                self._starts.setdefault(start, {})[entry.id] = entry
             if parent is not None:
                 parent.children += 1
             for g, page in enumerate(pages):
@@ -356,8 +361,7 @@ class PagePool:
     def _drop(self, entry: Prefix) -> None:
         del self.prefixes[entry.key]
         del self._lru[entry.id]
-        for n in range(PART, PAGE, PART):
-            start = (entry.key[0], entry.key[1][:n])
+        for start in _start_keys(entry.key):
             found = self._starts[start]
             del found[entry.id]
             if not found:
