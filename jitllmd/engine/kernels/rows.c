@@ -94,11 +94,15 @@ typedef struct {
     _Atomic int failed; /* set by an item that found no memory for its scores */
 } attend_job;
 
-/* n f16 values widened to f32 (exactly). */
+/* n f16 values widened to f32 (exactly). Four vectors a step: one vector a step with indexed addresses measured
+ * 1.2-1.3x the time of a decode row's whole attention over an f16 cache (SmolLM2's heads, 512 positions, avx2+fma on
+ * Sapphire Rapids: the widening was ~40% of it). */
 static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
+    const uint16_t *end = src + n;
+    for (; end - src >= 32; src += 32, dst += 32)
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(dst + 8 * k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 8 * k))));
+    for (; end - src >= 8; src += 8, dst += 8) _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));
+    for (; src < end; src++, dst++) *dst = _cvtsh_ss(*src);
 }
 
 /* n rows of a q8_0 cache (simd.h: D int8, then D / 32 f16 scales) widened to f32 rows of D: each value its block's
@@ -121,6 +125,8 @@ static inline void widen_q8(float *dst, const uint8_t *src, int64_t n, int64_t D
 /* n bf16 values widened to f32 (exactly: a bf16 value is an f32's top half). */
 static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
     int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 32; k += 8) _mm256_storeu_ps(dst + i + k, load_bf16(src + i + k));
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(src + i));
     for (; i < n; i++) {
         const uint32_t bits = (uint32_t)src[i] << 16;
