@@ -94,10 +94,8 @@ typedef struct {
     _Atomic int failed; /* set by an item that found no memory for its scores */
 } attend_job;
 
-/* n f16 values widened to f32 (exactly). Four vectors a step, by pointer steps: one vector a step at indexed
- * addresses was ~40% of a decode row's attention (perf), and this takes a D = 64 model's attend_rows to 0.79-0.87x
- * the time with the cache in the CPU's caches, 0.91-0.96x from memory (bench/attend_kernel.py, avx2+fma, Sapphire
- * Rapids; D = 128 and 256 0.96-1.0x). */
+/* n f16 values widened to f32 (exactly), four vectors a step by pointer steps: one a step at indexed addresses was
+ * ~40% of a decode row's attention (bench/attend_kernel.py: D = 64 heads 0.79-0.87x the time, 0.91-0.96x from memory). */
 static inline void widen_f16(float *dst, const uint16_t *src, int64_t n) {
     const uint16_t *end = src + n;
     for (; end - src >= 32; src += 32, dst += 32)
