@@ -6,8 +6,8 @@ order flipping each pair) in one process, their outputs compared bit for bit.
     python bench/attend_kernel.py --before /tmp/rows.c --variants avx2+fma --threads 1
     python bench/attend_kernel.py --layers 30 --kv f16,bf16              # each call a different layer's cache: from memory
 
-Each build is every kernel source as the tree has it, with rows.c swapped for the version named, compiled with the
-variant's flags as kernels/build.py compiles them. The table gives each build's median microseconds a call and the
+Each build is every kernel source as the tree has it, with rows.c swapped for the version named (bench/rows_kernel.py's
+build). The table gives each build's median microseconds a call and the
 median of the pairs' after / before (with its quartiles): a shared machine's speed drifts within a run, and a pair
 sees the same drift. With --layers N each call reads the next of N caches, as a step's layers do (N caches larger
 than the caches of the CPU come from memory).
@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import jitllmd  # noqa: E402,F401,I001  (first: it sets torch's OpenMP spin before torch loads, as the CLI does)
 import torch  # noqa: E402
 
+from bench.rows_kernel import build, per_call  # noqa: E402
 from jitllmd.engine import kernels  # noqa: E402
-from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
 from jitllmd.engine.kernels.ops import _RowMeta  # noqa: E402
 from jitllmd.engine.pages import PAGE  # noqa: E402
 
@@ -41,20 +40,6 @@ from jitllmd.engine.pages import PAGE  # noqa: E402
 SHAPES = (("SmolLM2", 1, 9, 3, 64, 2048), ("SmolLM2", 16, 9, 3, 64, 200), ("Qwen2.5-0.5B", 1, 14, 2, 64, 2048),
           ("Qwen2.5-1.5B", 1, 12, 2, 128, 2048), ("Qwen2.5-1.5B", 8, 12, 2, 128, 300), ("Gemma 3 270M", 1, 4, 1, 256, 2048))
 KV = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-
-
-def build(rows_c: str, variant: str, out: Path) -> ctypes.CDLL:
-    """The kernels with rows.c's text `rows_c`, built as `variant` into out/."""
-    src = out / variant.replace("+", "-")
-    src.mkdir(parents=True)
-    for path in [*kernel_build._SOURCES, *kernel_build._HEADERS]:
-        (src / path.name).write_text(rows_c if path.name == "rows.c" else path.read_text())
-    so = src / "kernels.so"
-    flags = [*kernel_build._FLAGS, *kernel_build._VARIANTS[variant][0]]
-    subprocess.run(["cc", *flags, *(str(src / p.name) for p in kernel_build._SOURCES), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
-    kernel_build._declare(lib)
-    return lib
 
 
 class Case:
@@ -80,16 +65,6 @@ class Case:
         assert rc == 0
 
 
-def per_call(fn, budget: float) -> float:
-    """Seconds per call of fn, over as many calls as fit `budget` seconds (at least 3)."""
-    fn()
-    t0, n = time.perf_counter(), 0
-    while n < 3 or time.perf_counter() - t0 < budget:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", help="rows.c to compare against (default: HEAD's)")
@@ -107,7 +82,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            libs = (build(before, variant, Path(tmp) / "before"), build(after, variant, Path(tmp) / "after"))
+            libs = (build(before, variant, Path(tmp) / "before", "rows.c"), build(after, variant, Path(tmp) / "after", "rows.c"))
             print(f"\n## attend_rows, {variant}, {args.threads} threads, {args.layers} cache(s) a shape, {args.pairs} interleaved pairs\n")
             print("| model | rows | heads / kv heads | head size | positions | kv | before us | after us | after / before (quartiles) |")
             print("|---|---:|---:|---:|---:|---|---:|---:|---:|")

@@ -38,12 +38,12 @@ TOKENS = (1, 2, 4, 8, 12, 16)
 SHAPES = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 576, 576), ("Q8_0", 3072, 576), ("Q8_0", 576, 1536), ("Q8_0", 2048, 640), ("Q5_0", 9728, 896), ("Q4_K", 896, 4864), ("Q6_K", 896, 4864))
 
 
-def build(quant_c: str, variant: str, out: Path) -> ctypes.CDLL:
-    """The kernels with quant.c's text `quant_c`, built as `variant` into out/."""
+def build(text: str, variant: str, out: Path, name: str = "quant.c") -> ctypes.CDLL:
+    """The kernels with source `name`'s text `text` (the tree's others), built as `variant` into out/."""
     src = out / variant.replace("+", "-")
     src.mkdir(parents=True)
     for path in [*kernel_build._SOURCES, *kernel_build._HEADERS]:
-        (src / path.name).write_text(quant_c if path.name == "quant.c" else path.read_text())
+        (src / path.name).write_text(text if path.name == name else path.read_text())
     so = src / "kernels.so"
     flags = [*kernel_build._FLAGS, *kernel_build._VARIANTS[variant][0]]
     subprocess.run(["cc", *flags, *(str(src / p.name) for p in kernel_build._SOURCES), "-o", str(so)], check=True)

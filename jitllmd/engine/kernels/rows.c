@@ -122,14 +122,14 @@ static inline void widen_q8(float *dst, const uint8_t *src, int64_t n, int64_t D
 }
 
 /* n bf16 values widened to f32 (exactly: a bf16 value is an f32's top half). */
-static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 32; k += 8) _mm256_storeu_ps(dst + i + k, load_bf16(src + i + k));
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(src + i));
-    for (; i < n; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, 4);
+static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) { /* as widen_f16 */
+    const uint16_t *end = src + n;
+    for (; end - src >= 32; src += 32, dst += 32)
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(dst + 8 * k, load_bf16(src + 8 * k));
+    for (; end - src >= 8; src += 8, dst += 8) _mm256_storeu_ps(dst, load_bf16(src));
+    for (; src < end; src++, dst++) {
+        const uint32_t bits = (uint32_t)*src << 16;
+        memcpy(dst, &bits, 4);
     }
 }
 
