@@ -84,7 +84,15 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of: {', '.join(FORMATS)}")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=5, help="calls a round times, each side")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="comma-separated N x K weights (outputs x inputs, K a multiple of 256), e.g. 1024x1536,128x8960: a few hundred KB stay in L2")
     a = ap.parse_args()
+    try:
+        shapes = [(int(n), int(k)) for n, k in (s.lower().split("x") for s in a.shapes.split(","))]
+    except ValueError:
+        ap.error(f"--shapes: N x K pairs, e.g. 1024x1536, not {a.shapes!r}")
+    if any(n < 1 or k < 256 or k % 256 for n, k in shapes):
+        ap.error("--shapes: N >= 1 and K a multiple of 256")
     formats = a.formats.split(",")
     for f in formats:
         if f not in FORMATS:
@@ -113,7 +121,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for fmt in formats:
-        for n, k in SHAPES:
+        for n, k in shapes:
             t, o, diff = compare(fmt, n, k, cpu, loop, ops.quant_rows, rng, a.rounds, a.calls)
             blocks = n * k // FORMATS[fmt][2]
             print(f"| {fmt.upper()} | {n} x {k} | {t / blocks * 1e9:.2f} | {o / blocks * 1e9:.2f} | {t / o:.2f}x | {diff:.1e} |", flush=True)

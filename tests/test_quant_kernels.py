@@ -144,6 +144,38 @@ def test_a_short_last_group_of_any_length(variant: str, qtype: int) -> None:
         assert torch.equal(quant_rows(x[16:], w, qtype, N)[0], y[16]), blocks
 
 
+CODES_AT = {2: 2, 3: 4, 6: 2, 7: 4, 8: 2, 12: 4, 13: 4, 14: 0}  # where a block's bytes after its f16 scales start (Q6_K: d is last)
+
+
+def extreme(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """quantized()'s blocks with every byte after the f16 scales (Q6_K: before d) one of 0x00, 0xff, 0x80, 0x7f, one
+    value a whole block: the codes at the ends of their range (Q8_0's -128 and 127, Q6_K's q - 32 all -32 or 31, the
+    K-formats' 6-bit scales at 63) and runs of them as long as a block, for the integer sums' largest magnitudes."""
+    elems, nbytes = BLOCKS[qtype]
+    raw = quantized(qtype, n, k, seed).reshape(n, k // elems, nbytes)
+    fill = np.random.default_rng(seed).choice(np.array([0x00, 0xFF, 0x80, 0x7F], np.uint8), (n, k // elems, 1))
+    end = 208 if qtype == 14 else nbytes
+    raw[..., CODES_AT[qtype] : end] = fill
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", BY_GGML)
+def test_the_integer_sums_hold_at_the_codes_extremes(variant: str, qtype: int) -> None:
+    """Weights at their codes' extremes against x of +-1 (codes +-127), a sign a 32-block, so that each lane's products
+    all add one way: quant_rows (one row and row groups) and the GEMM still give the exact sums of the codes within
+    f32 steps (an int16 sum that saturated or wrapped would be off by thousands of steps)."""
+    k = 1024
+    wb = extreme(qtype, N, k, 800 + qtype)
+    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    g = torch.Generator().manual_seed(900 + qtype)
+    for rows in (1, 3, 16):
+        x = (torch.randint(0, 2, (rows, k // 32, 1), generator=g) * 2.0 - 1).expand(rows, k // 32, 32).reshape(rows, k).contiguous()
+        x[-1] = 1.0  # one row of a single sign throughout
+        exact = on_int8_grid(x) @ ref.double().T
+        for y in (quant_rows(x, w, qtype, N), ops.gemm_runs(x, [(w, qtype, N)], N)):
+            assert ((y - exact).abs() <= f32_sums(x, ref)).all(), (rows, (y - exact).abs().max())
+
+
 @pytest.mark.parametrize("qtype", [8, 12, 6, 14])  # Q8_0, Q4_K, Q5_0, Q6_K
 def test_quant_rows_folds_norm_and_gate_bit_for_bit(variant: str, qtype: int) -> None:
     """With `norm` the rows quantized are rms_norm_rows's, with `gated` gated_rows's (silu, gelu), to the bit: the fused call

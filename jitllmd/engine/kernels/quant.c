@@ -181,7 +181,7 @@ static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
  *
  * x's rows are stored in pairs (rows 2p, 2p + 1), side by side: in a pair's group, vector v of row 2p then of 2p + 1
  * (32 bytes each, so a row's vectors are XV apart); in xd, per accumulator, row 2p's 8 lanes then 2p + 1's; in xs,
- * 8 floats each. With AVX-512 one 512-bit load is then the same vector of both rows (pair_dot). */
+ * 8 floats each, then 8 more each (Q6_K's second vector of corrections, q6k_sums). With AVX-512 one 512-bit load is then the same vector of both rows (pair_dot). */
 #define NV 8
 #define GB 256 /* x codes per group and row */
 #define XV 64  /* bytes from a row's x vector to its next: the pair's other row sits between */
@@ -261,17 +261,16 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
     return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Q6_K without VNNI takes its codes unsigned (0..63) and subtracts 32 * sc * the x codes' sum from each lane (group_dot):
- * the lanes' sums over a group's codes xg, accumulator 0's in the low int16 of each int32 lane of xc, 1's in the high
- * (|sum| <= 16 * 127). Q6_K has no offset term, so xc takes the row's xs slot (8 floats: one vector). */
+/* Q6_K without VNNI takes its codes unsigned (0..63) and subtracts 32 * the x codes' sums at each int16 of the maddubs
+ * products' sum (group_dot): accumulator a's four vectors' pairs summed, 32 * (x_2j + x_2j+1), in xc's vector a (xc:
+ * the row's xs slot, its second vector 16 floats on). Each int16 of q's products then minus its correction is
+ * sum((q - 32) x) over 8 products, within 8 * 32 * 127 < 2^15: exact, however the int16 additions on the way wrap. */
 static inline void q6k_sums(const int8_t *xg, float *xc) {
-    __m256i sum[2];
     for (int a = 0; a < 2; a++) {
         __m256i s16 = _mm256_setzero_si256();
-        for (int k = a; k < NV; k += 2) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
-        sum[a] = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+        for (int k = a; k < NV; k += 2) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
+        _mm256_storeu_si256((__m256i *)(xc + 16 * a), s16);
     }
-    _mm256_storeu_si256((__m256i *)xc, _mm256_or_si256(_mm256_and_si256(sum[0], _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sum[1], 16)));
 }
 
 /* int8 codes as int16 pairs: a dword's bytes 0 and 2 (even) and 1 and 3 (odd), sign-extended */
@@ -292,7 +291,7 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
- * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats). Missing blocks are 0. */
+ * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0. */
 static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np, int8_t *xq,
                          float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
@@ -317,12 +316,12 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
             input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
             _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
             for (int c = 0; c < 8; c++) memcpy(xg + (nv < NV ? XV * (c % nv) + 4 * (c / nv * nv + j) : at[j][c]), codes + 4 * c, 4);
-            xs[g * np * 16 + j] = d[j] * (float)sum;
+            xs[g * np * 32 + j] = d[j] * (float)sum;
         }
-        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 16 + j] = 0.0f;
+        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 32 + j] = 0.0f;
         for (int a = 0; a < 2; a++)
             for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
-        if (type == Q6_K && !x_biased(type)) q6k_sums(xg, xs + g * np * 16);
+        if (type == Q6_K && !x_biased(type)) q6k_sums(xg, xs + g * np * 32);
         if (x16) x16_group(xg, x16 + 2 * g * np * 2 * GB);
     }
 }
@@ -333,7 +332,6 @@ typedef struct {
     __m256i w[NV];   /* codes: unsigned (the 4- and 5-bit formats, Q6_K's q without VNNI) or signed (Q8_0, Q6_K's q - 32) */
     __m256i aw[NV];  /* without VNNI, Q8_0: |w|, against x * sign(w) */
     __m256i sc[2];   /* Q6_K: each lane's 16-element scale, per accumulator (int16 pairs; int32 with VNNI) */
-    __m256i sc32[2]; /* without VNNI, Q6_K: 32 * sc in accumulator a's int16 of each lane (q6k_sums' order), 0 in the other */
     __m256 dw[2];    /* d_w (Q4_K, Q5_K: d * sc) per accumulator lane */
     __m256 off;      /* offset coefficient per x-block, in block order: -8 d, m, -16 d, -dmin * m */
     __m256i corr[2]; /* with VNNI, signed formats: 128 * each lane's sum of weights, per accumulator */
@@ -392,13 +390,10 @@ static inline __attribute__((always_inline)) void q6k_codes(__m256i v, __m256i u
 
 #ifndef HAVE_VNNI
 /* Q6_K's 16-element scales (q: the superblock's 16 bytes of them) for accumulator a's lanes (lane L: sub-block
- * 2 * block + L / 4) as int16 pairs, and 32 * sc in accumulator a's int16 of each lane (q6k_sums' order), 0 in the
- * other */
-static inline __attribute__((always_inline)) void q6k_scales(__m128i q, const int a, __m256i *sc, __m256i *sc32) {
-    *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(q, a == 0 ? _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)
-                                                          : _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
-    *sc32 = a == 0 ? _mm256_and_si256(_mm256_slli_epi16(*sc, 5), _mm256_set1_epi32(0xffff))
-                   : _mm256_andnot_si256(_mm256_set1_epi32(0xffff), _mm256_slli_epi16(*sc, 5));
+ * 2 * block + L / 4) as int16 pairs */
+static inline __attribute__((always_inline)) __m256i q6k_scales(__m128i q, const int a) {
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(q, a == 0 ? _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 1, 1, 3, 3, 9, 9, 11, 11)
+                                                           : _mm_setr_epi8(4, 4, 6, 6, 12, 12, 14, 14, 5, 5, 7, 7, 13, 13, 15, 15)));
 }
 #endif
 
@@ -491,7 +486,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         g->sc[0] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 8, 10, 1, 3, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
         g->sc[1] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(4, 6, 12, 14, 5, 7, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
 #else
-        for (int a = 0; a < 2; a++) q6k_scales(_mm_loadu_si128((const __m128i *)(b + 192)), a, &g->sc[a], &g->sc32[a]);
+        for (int a = 0; a < 2; a++) g->sc[a] = q6k_scales(_mm_loadu_si128((const __m128i *)(b + 192)), a);
 #endif
     } else {
         /* eight blocks: their d (and m) lane by lane (eight 2-byte stores read back as a vector would stall store
@@ -541,8 +536,8 @@ static inline __m256i fold(__m256i s, const int nv) {
 
 /* A row's products with the group: per accumulator, each lane's int32 sum -> f32 (exact: under 2^24) * d_w * d_x;
  * the first accumulator's start from the offset term; the two added. xg: the row's codes for the group, d: its
- * d per accumulator lane, os: offset * its d * sum(q), xc: Q6_K's x sums without VNNI (q6k_sums). Without VNNI the maddubs pairs add up in int16 as far as they
- * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q6_K's q <= 63 2, Q8_0's 1).
+ * d per accumulator lane, os: offset * its d * sum(q), xc: Q6_K's corrections without VNNI (q6k_sums). Without VNNI the maddubs pairs add up in int16 as far as they
+ * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q8_0's 1; Q6_K's q - 32 all 4, q6k_sums).
  * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
@@ -567,11 +562,10 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(g->aw[k], _mm256_sign_epi8(X(k), g->w[k])), ones));
                 __asm__("" : "+x"(s));
             }
-        } else if (type == Q6_K) { /* q (0..63) times x: two vectors' pairs an int16 sum (2 * 2 * 63 * 127 < 2^15) */
+        } else if (type == Q6_K) { /* q (0..63) times x, the four vectors' int16 sums less 32 sum(x) (q6k_sums), times sc */
             const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a], X(a)), _mm256_maddubs_epi16(g->w[a + 2], X(a + 2)));
             const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a + 4], X(a + 4)), _mm256_maddubs_epi16(g->w[a + 6], X(a + 6)));
-            s = _mm256_add_epi32(_mm256_madd_epi16(lo, g->sc[a]), _mm256_madd_epi16(hi, g->sc[a]));
-            s = _mm256_sub_epi32(s, _mm256_madd_epi16(g->sc32[a], _mm256_loadu_si256((const __m256i *)xc))); /* - 32 sc sum(x) */
+            s = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_add_epi16(lo, hi), _mm256_loadu_si256((const __m256i *)(xc + 16 * a))), g->sc[a]);
         } else {
             const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
             for (int k0 = a; k0 < nv; k0 += run * na) {
@@ -593,31 +587,28 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
 
 #ifndef HAVE_VNNI
 /* Q6_K at one x row without VNNI: unpack_group's codes and group_dot's sums a vector pair at a time, each pair's
- * products taken as it is made (the same integers added in the same groups, then the same f32 steps: the same bits).
- * Made whole first, the group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
+ * products taken as it is made (the same integers, then the same f32 steps: the same bits). Made whole first, the
+ * group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
     __m256i y[4], v[4];
     for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
     transpose4(y, v);
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
     const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
-    __m256i sum[2][2]; /* accumulator a's int16 sums: [a][0] of vectors a and a + 2, [a][1] of a + 4 and a + 6 */
+    __m256i sum[2]; /* accumulator a's int16 sums less its corrections (q6k_sums) */
     for (int i = 0; i < 4; i++) {
         __m256i lo, hi;
         q6k_codes(v[i], ulo, uhi, i, &lo, &hi);
         const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
         const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
-        if (i % 2 == 0) sum[0][i / 2] = p0, sum[1][i / 2] = p1;
-        else sum[0][i / 2] = _mm256_add_epi16(sum[0][i / 2], p0), sum[1][i / 2] = _mm256_add_epi16(sum[1][i / 2], p1);
+        if (i == 0) sum[0] = _mm256_sub_epi16(p0, _mm256_loadu_si256((const __m256i *)xc)), sum[1] = _mm256_sub_epi16(p1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
+        else sum[0] = _mm256_add_epi16(sum[0], p0), sum[1] = _mm256_add_epi16(sum[1], p1);
     }
     const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m256 dw = _mm256_set1_ps(f16(b + 208));
     __m256 part[2];
     for (int a = 0; a < 2; a++) {
-        __m256i sc, sc32;
-        q6k_scales(scales, a, &sc, &sc32);
-        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sum[a][0], sc), _mm256_madd_epi16(sum[a][1], sc));
-        s = _mm256_sub_epi32(s, _mm256_madd_epi16(sc32, _mm256_loadu_si256((const __m256i *)xc)));
+        const __m256i s = _mm256_madd_epi16(sum[a], q6k_scales(scales, a));
         part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
@@ -812,7 +803,7 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
         widen_group(type, nv, grp, &z);
 #pragma GCC unroll 16
         for (; t + 1 < n; t += 2)
-            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, nv, &z, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), xs + x_slot(t, 8, 8)));
+            acc2[t / 2] = _mm512_add_ps(acc2[t / 2], pair_dot(type, nv, &z, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), xs + x_slot(t, 16, 8)));
     }
 #else
     (void)acc2;
@@ -828,8 +819,8 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #endif
 #pragma GCC unroll 16
     for (; t < n; t++) {
-        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 8, 8))) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 8, 8)));
+        const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 16, 8))) : _mm256_setzero_ps();
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 16, 8)));
     }
 }
 
@@ -853,7 +844,7 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
         if (n == 1 && (is_k(type) || (type == Q8_0 && !x_biased(type)))) { /* one x row: the group's products as its codes are made */
             const uint8_t *b = w + (is_k(type) ? g : 8 * g) * bytes;
             const int8_t *q = xq + g * np * 2 * GB;
-            const float *d = xd + g * np * 32, *s = xs + g * np * 16;
+            const float *d = xd + g * np * 32, *s = xs + g * np * 32;
 #ifdef HAVE_VNNI
             acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s) : k45_one(type, b, q, d, s));
 #else
@@ -863,12 +854,12 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
         }
 #endif
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, NV, &grp);
-        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 16, x16 ? x16 + 2 * g * np * 2 * GB : NULL, acc, acc2);
+        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 32, x16 ? x16 + 2 * g * np * 2 * GB : NULL, acc, acc2);
     }
     if (full < ng) { /* a 32-format row's short last group, packed where it fits fewer vectors */
         const int m = (int)(nb - 8 * full), nv = tail_vectors(m);
         const int8_t *q = xq + full * np * 2 * GB;
-        const float *d = xd + full * np * 32, *s = xs + full * np * 16;
+        const float *d = xd + full * np * 32, *s = xs + full * np * 32;
         const int8_t *q16 = x16 ? x16 + 2 * full * np * 2 * GB : NULL;
         const uint8_t *b = w + 8 * full * bytes;
         if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, q16, acc, acc2);
@@ -901,7 +892,7 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const 
         const int64_t np = (T + 1) / 2;                                                                                    \
         for (int64_t t0 = 0, n; t0 < T; t0 += n) {                                                                         \
             const int8_t *q = xq + x_slot(t0, GB, 32); /* t0 even: a pair's first row */                                  \
-            const float *d = xd + x_slot(t0, 16, 8), *s = xs + x_slot(t0, 8, 8);                                           \
+            const float *d = xd + x_slot(t0, 16, 8), *s = xs + x_slot(t0, 16, 8);                                           \
             const int8_t *q16 = x16 ? x16 + 2 * x_slot(t0, GB, 32) : NULL;                                                \
             float *yt = y + t0 * ldy;                                                                                      \
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
@@ -1011,7 +1002,7 @@ typedef struct {
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
     quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
-                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 8, 8), j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
+                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8), j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
 
 static void rows_item(void *arg, int64_t i) {
@@ -1043,13 +1034,13 @@ int quant_rows(const float *x, const uint8_t *W, float *y, int64_t T, int64_t K,
     const int wide = type == Q8_0 && T >= Q80_WIDE_MIN;
 #endif
     /* 64-byte aligned: x's 32-byte vectors never straddle two cache lines (slots * GB, xd's and xs's sizes are multiples of 32) */
-    char *buf = aligned_alloc(64, ((size_t)slots * (GB + 24 * sizeof(float) + (wide ? 2 * GB : 0)) + 63) / 64 * 64);
+    char *buf = aligned_alloc(64, ((size_t)slots * (GB + 32 * sizeof(float) + (wide ? 2 * GB : 0)) + 63) / 64 * 64);
     if (!buf) return -1;
     rows_job job = {.fn = kern.rows, .one = kern.one, .x = x, .norm_w = norm_w, .r = r, .W = W, .y = y, .xq = (int8_t *)buf, .eps = eps,
                     .T = T, .K = K, .N = N, .ldy = ldy, .ldr = ldr, .nb = nb, .ng = ng, .row_bytes = row_bytes, .type = type, .input = input};
     job.xd = (float *)(buf + slots * GB);
     job.xs = job.xd + slots * 16;
-    job.x16 = wide ? (int8_t *)(job.xs + slots * 8) : NULL;
+    job.x16 = wide ? (int8_t *)(job.xs + slots * 16) : NULL;
     /* up to 31 rows quantized by the caller alone: a hand-off and its barrier cost more than the rows (a step of 8 or 16
      * decode rows +7%, SmolLM2 Q8_0 avx2+fma, 2 threads; was 8) */
     pool_for(T, T >= 32 ? threads : 1, quantize_item, &job);
