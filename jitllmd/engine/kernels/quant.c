@@ -166,8 +166,9 @@ static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
     /* the j >= 4 values' top two bits: q[0..3]'s and q[4..7]'s bits 6, 7 moved to 4, 5 */
     const __m128i h = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
     const __m128i v = _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
-    *dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(b))); /* d, dmin */
+    *dsc = _mm256_mul_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+    *dmin_m = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
 }
 
 /* ---- the layout the dot products run in ----
@@ -645,10 +646,10 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
 #ifndef HAVE_VNNI
     for (int a = 0; a < 2; a++) sum[a] = _mm256_madd_epi16(sum[a], _mm256_set1_epi16(1));
 #endif
-    const __m256 os = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin_m), _mm256_loadu_ps(xs));
     __m256 dw[2];
     k_dw(dsc, dw);
-    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), os);
+    /* group_dot's fma(.., .., -dmin_m * xs): the negation exact, so this fmsub's bits */
+    const __m256 part0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), _mm256_mul_ps(dmin_m, _mm256_loadu_ps(xs)));
     const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
     return _mm256_add_ps(part0, part1);
 }
