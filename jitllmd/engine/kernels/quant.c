@@ -225,6 +225,17 @@ static inline int x_biased(int type) {
 #endif
 }
 
+/* AVX-VNNI at one x row (q6k_one) takes Q6_K's codes unsigned (0..63) against x as it is, less 32 * each lane's
+ * sum of x (q6k_sums): two dpbusd a vector pair, where x biased needs two more for the codes' sums. */
+#if defined(HAVE_VNNI) && !defined(HAVE_VNNI512)
+#define Q6K_ONE_PLAIN 1
+#else
+#define Q6K_ONE_PLAIN 0
+#endif
+
+/* whether quant_rows' T rows of x go in biased (x_biased), T known */
+static inline int x_biased_at(int type, int64_t T) { return x_biased(type) && !(Q6K_ONE_PLAIN && type == Q6_K && T == 1); }
+
 /* ---- x: quantized per 32 inputs ---- */
 
 /* What x's rows are, made as they are quantized (simd.h's inputs: the pass a separate kernel would make, saved). */
@@ -268,9 +279,13 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
  * sum((q - 32) x) over 8 products, within 8 * 32 * 127 < 2^15: exact, however the int16 additions on the way wrap. */
 static inline void q6k_sums(const int8_t *xg, float *xc) {
     for (int a = 0; a < 2; a++) {
-        __m256i s16 = _mm256_setzero_si256();
-        for (int k = a; k < NV; k += 2) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
-        _mm256_storeu_si256((__m256i *)(xc + 16 * a), s16);
+        __m256i s = _mm256_setzero_si256();
+#ifdef HAVE_VNNI /* q6k_one's at one row (Q6K_ONE_PLAIN): each int32 lane's 32 * sum(x) */
+        for (int k = a; k < NV; k += 2) s = dpbusd256(s, _mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k)));
+#else
+        for (int k = a; k < NV; k += 2) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
+#endif
+        _mm256_storeu_si256((__m256i *)(xc + 16 * a), s);
     }
 }
 
@@ -293,8 +308,8 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
  * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0. */
-static void quantize_row(int type, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np, int8_t *xq,
-                         float *xd, float *xs, int8_t *x16) {
+static void quantize_row(int type, int biased, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np,
+                         int8_t *xq, float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
@@ -304,12 +319,12 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
             x_lane(type, v, L, &block, &elem);
             at[block][elem / 4] = XV * v + 4 * L;
         }
-    const __m256i bias = _mm256_set1_epi8(x_biased(type) ? (char)0x80 : 0);
+    const __m256i bias = _mm256_set1_epi8(biased ? (char)0x80 : 0);
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
         int8_t *xg = xq + g * np * 2 * GB;
         const int nv = is_k(type) ? NV : tail_vectors(nb - 8 * g);
-        for (int v = 0; v < NV; v++) memset(xg + XV * v, x_biased(type) ? 0x80 : 0, 32);
+        for (int v = 0; v < NV; v++) memset(xg + XV * v, biased ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
             int8_t codes[QB];
@@ -322,7 +337,7 @@ static void quantize_row(int type, int input, const float *x, const float *norm_
         for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 32 + j] = 0.0f;
         for (int a = 0; a < 2; a++)
             for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
-        if (type == Q6_K && !x_biased(type)) q6k_sums(xg, xs + g * np * 32);
+        if (type == Q6_K && !biased) q6k_sums(xg, xs + g * np * 32);
         if (x16) x16_group(xg, x16 + 2 * g * np * 2 * GB);
     }
 }
@@ -681,27 +696,22 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
 #if defined(HAVE_VNNI) && !defined(HAVE_VNNI512)
 /* AVX-VNNI (16 vector registers) at one x row, the K-formats: as the functions above, each vector's codes made and
  * its dpbusd taken at once, where unpack_group's whole group spilled; the same integer sums and group_dot's f32 steps
- * (the same bits). Q6_K takes x biased (x_biased) against its signed codes, less 128 * each lane's sum of codes,
- * summed by dpbusd against ones alongside. Cache-resident, one thread (bench/kernels_vs_llamacpp.py --kernel
- * avx2+vnni, Sapphire Rapids): Q6_K 0.75-0.80x llama.cpp's AVX-VNNI build -> 0.86-0.89x, Q5_K 1.02-1.08x -> 1.12-1.17x;
+ * (the same bits). Q6_K takes its codes unsigned against x as it is, less 32 * each lane's sum of x (Q6K_ONE_PLAIN).
+ * Cache-resident, one thread (bench/kernels_vs_llamacpp.py --kernel avx2+vnni, Sapphire Rapids): Q6_K 0.75-0.80x
+ * llama.cpp's AVX-VNNI build -> 0.86-0.89x (x biased, the codes' sums by dpbusd alongside), Q5_K 1.02-1.08x -> 1.12-1.17x;
  * Q8_0's likewise measured slower than the group's path, so it keeps that. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
-    (void)xc;
     __m256i y[4], v[4];
     for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
     transpose4(y, v);
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
     const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
-    const __m256i ones = _mm256_set1_epi8(1), k32 = _mm256_set1_epi8(32);
-    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, cnt[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int i = 0; i < 4; i++) {
         __m256i lo, hi;
         q6k_codes(v[i], ulo, uhi, i, &lo, &hi);
-        lo = _mm256_sub_epi8(lo, k32), hi = _mm256_sub_epi8(hi, k32);
-        sum[0] = dpbusd256(sum[0], _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))), lo);
-        sum[1] = dpbusd256(sum[1], _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))), hi);
-        cnt[0] = dpbusd256(cnt[0], ones, lo);
-        cnt[1] = dpbusd256(cnt[1], ones, hi);
+        sum[0] = dpbusd256(sum[0], lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
+        sum[1] = dpbusd256(sum[1], hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
     }
     const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 8, 10, 1, 3, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
@@ -709,7 +719,7 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     const __m256 dw = _mm256_set1_ps(f16(b + 208));
     __m256 part[2];
     for (int a = 0; a < 2; a++) {
-        const __m256i s = _mm256_mullo_epi32(_mm256_sub_epi32(sum[a], _mm256_slli_epi32(cnt[a], 7)), a ? sc1 : sc0);
+        const __m256i s = _mm256_mullo_epi32(_mm256_sub_epi32(sum[a], _mm256_loadu_si256((const __m256i *)(xc + 16 * a))), a ? sc1 : sc0);
         part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
@@ -842,7 +852,8 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
     for (int64_t g = 0; g < full; g++) {
         for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)w + g * gbytes + PF_DIST + l, _MM_HINT_T0);
 #ifndef HAVE_VNNI512
-        if (n == 1 && (is_k(type) || (type == Q8_0 && !x_biased(type)))) { /* one x row: the group's products as its codes are made */
+        /* one x row: the group's products as its codes are made (Q6_K with AVX-VNNI where x is plain: T = 1, np = 1) */
+        if (n == 1 && ((is_k(type) && !(Q6K_ONE_PLAIN && type == Q6_K && np != 1)) || (type == Q8_0 && !x_biased(type)))) {
             const uint8_t *b = w + (is_k(type) ? g : 8 * g) * bytes;
             const int8_t *q = xq + g * np * 2 * GB;
             const float *d = xd + g * np * 32, *s = xs + g * np * 32;
@@ -1002,7 +1013,7 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
+    quantize_row(j->type, x_biased_at(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
                  j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8), j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
 
