@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--after", default=str(ROOT / "jitllmd/engine/kernels/quant.c"))
     p.add_argument("--variants", default=",".join(kernels.variants()))
     p.add_argument("--shapes", default="", help="comma-separated formats to keep (default: all)")
+    p.add_argument("--dims", default="", help="comma-separated N x K (K a multiple of 256) each kept format runs at instead of its shapes, "
+                   "e.g. 1024x1536,128x8960: weights that stay in L2")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--budget", type=float, default=0.02, help="seconds of calls per timing")
@@ -89,6 +91,15 @@ def main() -> None:
         ["git", "show", "HEAD:jitllmd/engine/kernels/quant.c"], cwd=ROOT, text=True)
     after = Path(args.after).read_text()
     keep = set(filter(None, args.shapes.split(",")))
+    shapes = list(SHAPES)
+    if args.dims:
+        try:
+            dims = [(int(n), int(k)) for n, k in (d.lower().split("x") for d in args.dims.split(","))]
+        except ValueError:
+            p.error(f"--dims: N x K pairs, e.g. 1024x1536, not {args.dims!r}")
+        if any(n < 1 or k < 256 or k % 256 for n, k in dims):
+            p.error("--dims: N >= 1 and K a multiple of 256")
+        shapes = [(fmt, n, k) for fmt in dict.fromkeys(f for f, _, _ in SHAPES) for n, k in dims]
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
@@ -98,7 +109,7 @@ def main() -> None:
             print(f"\n## {kind}, {variant}, {args.threads} threads, {stat.__name__} of {args.rounds} interleaved rounds\n")
             print("| format | N x K | T | before us | after us | after / before | after / its first T |")
             print("|---|---|---:|---:|---:|---:|---:|")
-            for fmt, n, k in SHAPES:
+            for fmt, n, k in shapes:
                 if keep and fmt not in keep:
                     continue
                 qtype, w = FORMATS[fmt].ggml, weight(fmt, n, k, gen)

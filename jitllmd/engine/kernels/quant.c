@@ -10,8 +10,8 @@
  * up in int32 lanes that each belong to one x-block, then one conversion per group to f32, times each block's
  * d_w * d_x, into a vector accumulator. A format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...)
  * comes in as offset * (d_x * sum(q)).
- * Signed weights (Q8_0, Q6_K's q - 32): AVX2 takes |w| against x * sign(w); VNNI x + 128 against w, less
- * 128 * sum(w). Every (t, o) sums in one order whatever T is and however many threads run: a row's result does not
+ * Signed weights (Q8_0, Q6_K's q - 32): AVX2 takes |w| against x * sign(w) (Q6_K: q against x, less 32 * sum(x));
+ * VNNI x + 128 against w, less 128 * sum(w) (Q6_K at one x row on AVX-VNNI: q against x, less 32 * sum(x)). Every (t, o) sums in one order whatever T is and however many threads run: a row's result does not
  * depend on the rows beside it (nor on the build: the integer sums are exact, the f32 steps the same).
  *
  * The error bound against x @ dequant(W).T in exact arithmetic: rounding x to its int8 grid is the only rounding
@@ -182,7 +182,8 @@ static inline void k_scales(const uint8_t *b, __m256 *dsc, __m256 *dmin_m) {
  *
  * x's rows are stored in pairs (rows 2p, 2p + 1), side by side: in a pair's group, vector v of row 2p then of 2p + 1
  * (32 bytes each, so a row's vectors are XV apart); in xd, per accumulator, row 2p's 8 lanes then 2p + 1's; in xs,
- * 8 floats each, then 8 more each (Q6_K's second vector of corrections, q6k_sums). With AVX-512 one 512-bit load is then the same vector of both rows (pair_dot). */
+ * 8 floats each, then 8 more each (Q6_K's second vector of corrections, q6k_sums). With AVX-512 one 512-bit load is
+ * then the same vector of both rows (pair_dot). */
 #define NV 8
 #define GB 256 /* x codes per group and row */
 #define XV 64  /* bytes from a row's x vector to its next: the pair's other row sits between */
