@@ -11,8 +11,9 @@
  * d_w * d_x, into a vector accumulator. A format's offset or min (Q4_0's -8 d, Q4_1's m, Q4_K's -dmin * m, ...)
  * comes in as offset * (d_x * sum(q)).
  * Signed weights (Q8_0, Q6_K's q - 32): AVX2 takes |w| against x * sign(w) (Q6_K: q against x, less 32 * sum(x));
- * VNNI x + 128 against w, less 128 * sum(w) (Q6_K at one x row on AVX-VNNI: q against x, less 32 * sum(x)). Every (t, o) sums in one order whatever T is and however many threads run: a row's result does not
- * depend on the rows beside it (nor on the build: the integer sums are exact, the f32 steps the same).
+ * VNNI x + 128 against w, less 128 * sum(w) (Q6_K at one x row on AVX-VNNI: q against x, less 32 * sum(x)). Every
+ * (t, o) sums in one order whatever T is and however many threads run: a row's result does not depend on the rows
+ * beside it (nor on the build: the integer sums are exact, the f32 steps the same).
  *
  * The error bound against x @ dequant(W).T in exact arithmetic: rounding x to its int8 grid is the only rounding
  * besides f32 sums, and |x_k - d_b q_k| <= d_b / 2, so
@@ -553,8 +554,9 @@ static inline __m256i fold(__m256i s, const int nv) {
 
 /* A row's products with the group: per accumulator, each lane's int32 sum -> f32 (exact: under 2^24) * d_w * d_x;
  * the first accumulator's start from the offset term; the two added. xg: the row's codes for the group, d: its
- * d per accumulator lane, os: offset * its d * sum(q), xc: Q6_K's corrections without VNNI (q6k_sums). Without VNNI the maddubs pairs add up in int16 as far as they
- * cannot overflow (x codes are within +-127: 4-bit codes 8 vectors, 5-bit 4, Q8_0's 1; Q6_K's q - 32 all 4, q6k_sums).
+ * d per accumulator lane, os: offset * its d * sum(q), xc: Q6_K's corrections without VNNI (q6k_sums). Without VNNI
+ * the maddubs pairs add up in int16 as far as they cannot overflow (x codes are within +-127: 4-bit codes 8 vectors,
+ * 5-bit 4, Q8_0's 1; Q6_K's q - 32 all 4, q6k_sums).
  * The integer sums are exact and the f32 steps the same in both builds: they give the same bits. (512-bit dpbusd,
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
@@ -699,8 +701,9 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
  * its dpbusd taken at once, where unpack_group's whole group spilled; the same integer sums and group_dot's f32 steps
  * (the same bits). Q6_K takes its codes unsigned against x as it is, less 32 * each lane's sum of x (Q6K_ONE_PLAIN).
  * Cache-resident, one thread (bench/kernels_vs_llamacpp.py --kernel avx2+vnni, Sapphire Rapids): Q6_K 0.75-0.80x
- * llama.cpp's AVX-VNNI build -> 0.86-0.89x (x biased, the codes' sums by dpbusd alongside), Q5_K 1.02-1.08x -> 1.12-1.17x;
- * Q8_0's likewise measured slower than the group's path, so it keeps that. */
+ * llama.cpp's AVX-VNNI build -> 0.86-0.89x (x biased, the codes' sums by dpbusd alongside; plain x then took 0.84-0.86x
+ * that time, bench/rows_kernel.py --dims), Q5_K 1.02-1.08x -> 1.12-1.17x; Q8_0's likewise measured slower than the
+ * group's path, so it keeps that. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
     __m256i y[4], v[4];
     for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
@@ -1014,8 +1017,9 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, x_biased_at(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps, j->nb, j->ng, (j->T + 1) / 2,
-                 j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8), j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
+    quantize_row(j->type, x_biased_at(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
+                 j->nb, j->ng, (j->T + 1) / 2, j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8),
+                 j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
 
 static void rows_item(void *arg, int64_t i) {
