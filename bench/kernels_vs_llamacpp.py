@@ -66,6 +66,17 @@ def shim(bin_dir: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
+def weight_shapes(text: str) -> list[tuple[int, int]]:
+    """An argparse type: comma-separated N x K weights (outputs x inputs, K a multiple of 256), e.g. 1024x1536,128x8960."""
+    try:
+        shapes = [(int(n), int(k)) for n, k in (s.lower().split("x") for s in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"N x K pairs, e.g. 1024x1536, not {text!r}") from None
+    if any(n < 1 or k < 256 or k % 256 for n, k in shapes):
+        raise argparse.ArgumentTypeError("N >= 1 and K a multiple of 256")
+    return shapes
+
+
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """n rows of k values as random blocks of `fmt` whose f16 scales are 0.01 (Q6_K's int8 scales within +-63)."""
     _, size, per, _, _, _, scales = FORMATS[fmt]
@@ -84,15 +95,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of: {', '.join(FORMATS)}")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=5, help="calls a round times, each side")
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
-                    help="comma-separated N x K weights (outputs x inputs, K a multiple of 256), e.g. 1024x1536,128x8960: a few hundred KB stay in L2")
+    ap.add_argument("--shapes", type=weight_shapes, default=list(SHAPES),
+                    help="comma-separated N x K weights (outputs x inputs, K a multiple of 256), e.g. 1024x1536,128x8960: a few hundred KB "
+                         f"stay in L2 (default: {','.join(f'{n}x{k}' for n, k in SHAPES)})")
     a = ap.parse_args()
-    try:
-        shapes = [(int(n), int(k)) for n, k in (s.lower().split("x") for s in a.shapes.split(","))]
-    except ValueError:
-        ap.error(f"--shapes: N x K pairs, e.g. 1024x1536, not {a.shapes!r}")
-    if any(n < 1 or k < 256 or k % 256 for n, k in shapes):
-        ap.error("--shapes: N >= 1 and K a multiple of 256")
     formats = a.formats.split(",")
     for f in formats:
         if f not in FORMATS:
@@ -121,7 +127,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for fmt in formats:
-        for n, k in shapes:
+        for n, k in a.shapes:
             t, o, diff = compare(fmt, n, k, cpu, loop, ops.quant_rows, rng, a.rounds, a.calls)
             blocks = n * k // FORMATS[fmt][2]
             print(f"| {fmt.upper()} | {n} x {k} | {t / blocks * 1e9:.2f} | {o / blocks * 1e9:.2f} | {t / o:.2f}x | {diff:.1e} |", flush=True)

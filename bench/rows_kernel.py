@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import jitllmd  # noqa: E402,F401  (first: it sets torch's OpenMP spin before torch loads, as the CLI does)
 import torch  # noqa: E402
 
+from bench.kernels_vs_llamacpp import weight_shapes  # noqa: E402
 from bench.short_prompt import weight  # noqa: E402
 from jitllmd.engine import kernels  # noqa: E402
 from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
@@ -77,7 +78,7 @@ def main() -> None:
     p.add_argument("--after", default=str(ROOT / "jitllmd/engine/kernels/quant.c"))
     p.add_argument("--variants", default=",".join(kernels.variants()))
     p.add_argument("--shapes", default="", help="comma-separated formats to keep (default: all)")
-    p.add_argument("--dims", default="", help="comma-separated N x K (K a multiple of 256) each kept format runs at instead of its shapes, "
+    p.add_argument("--dims", type=weight_shapes, default=None, help="comma-separated N x K (K a multiple of 256) each kept format runs at instead of its shapes, "
                    "e.g. 1024x1536,128x8960: weights that stay in L2")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -93,13 +94,7 @@ def main() -> None:
     keep = set(filter(None, args.shapes.split(",")))
     shapes = list(SHAPES)
     if args.dims:
-        try:
-            dims = [(int(n), int(k)) for n, k in (d.lower().split("x") for d in args.dims.split(","))]
-        except ValueError:
-            p.error(f"--dims: N x K pairs, e.g. 1024x1536, not {args.dims!r}")
-        if any(n < 1 or k < 256 or k % 256 for n, k in dims):
-            p.error("--dims: N >= 1 and K a multiple of 256")
-        shapes = [(fmt, n, k) for fmt in dict.fromkeys(f for f, _, _ in SHAPES) for n, k in dims]
+        shapes = [(fmt, n, k) for fmt in dict.fromkeys(f for f, _, _ in SHAPES) for n, k in args.dims]
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
