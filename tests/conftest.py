@@ -303,7 +303,7 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
     """Write `hf_model` as llama.cpp's convert_hf_to_gguf.py would: llama.* hyperparameters, q/k permuted,
     tensors in the checkpoint's (alphabetical) order, a gpt2 tokenizer from hf_dir's tokenizer.json, the chat template.
     q8_0: the 2-D weights as Q8_0 (norms stay F32, as llama.cpp keeps 1-D tensors). quant: a type per tensor kind
-    (`attn_q`, `ffn_down`, `token_embd`, `output`...: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), as llama.cpp's mixes are."""
+    (`attn_q`, `ffn_down`, `token_embd`, `output`...: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K), as llama.cpp's mixes are."""
     import gguf
     import numpy as np
 
@@ -392,7 +392,12 @@ def write_tiny_gguf(path: Path, hf_dir: Path, hf_model, *, q8_0: bool = False, a
         kind = (quant or {}).get(name.split(".")[-2] if name.startswith("blk.") else name.removesuffix(".weight"), "Q8_0" if q8_0 else None)
         if kind is not None and w.ndim == 2:
             qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            if kind == "Q4_K":  # gguf-py reads K-quants but writes none: this project's quantizer, in ggml's order
+                from jitllmd.engine.layers.formats import quantize
+
+                writer.add_tensor(name, quantize(torch.from_numpy(w), kind).numpy(), raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,13 @@ import torch
 from jitllmd.engine.convert.gguf_reader import GGUFFile, open_gguf
 from jitllmd.engine.convert.gguf_tokenizer import _derive_merges
 from jitllmd.engine.jlm import JLMError, JLMFile, TensorSpec, write_jlm
+from jitllmd.engine.layers.formats import FORMATS, lanes_
 
 from .conftest import write_tiny_gguf
 
-# sha256 of each model's `convert x.gguf -o x.jlm` (dtype auto) as the converter wrote it before it copied file to file;
-# the .jlm names its GGUF, so these are of the files as the fixtures name them
+# sha256 of each model's `convert x.gguf -o x.jlm` (dtype auto) as the converter wrote it before it copied file to file
+# (format version 1, K-format codes in ggml's order: `_sha256_as_version_1` takes a version 2 file back there); the
+# .jlm names its GGUF, so these are of the files as the fixtures name them
 SHA256 = {
     "smollm2_gguf": "284de4ddd8d0b7ace8f23e7c2b8fb696febb621fb4acfe90d74f9ff63e3d20d0",  # SmolLM2-135M-Instruct Q4_1
     "gemma3_gguf": "7cb16461bf8be78355bccbff0ba502754d4477808b1456405673f98f26d83f3c",  # Gemma 3 270M Q4_K_M
@@ -44,12 +47,21 @@ print(json.dumps({"base": base, "peak": hwm()}))
 """
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _sha256_as_version_1(path: Path) -> str:
+    """sha256 of the .jlm at `path` as format version 1 wrote it: its K-format tensors' codes back in ggml's order
+    (formats.lanes_, its own inverse) and its version 1 (the same length in the header: no offset moves)."""
+    jlm = JLMFile(path)
+    data = bytearray(path.read_bytes())
+    for name, entry in jlm.meta["quantization"].items():
+        fmt = FORMATS[entry["type"]]
+        _, _, offset, nbytes = jlm.locate(name)
+        lanes_(torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset).view(-1, fmt.nbytes), fmt)
+    jlm.close()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = bytes(data[8 : 8 + n])
+    assert header.count(b'\\"format_version\\": 2,') == 1
+    data[8 : 8 + n] = header.replace(b'\\"format_version\\": 2,', b'\\"format_version\\": 1,')
+    return hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.slow
@@ -62,7 +74,7 @@ def test_real_gguf_converts_to_the_same_bytes_in_bounded_memory(model: str, requ
     run = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     rss = json.loads(run.stdout.splitlines()[-1])
-    assert _sha256(out) == SHA256[model]
+    assert _sha256_as_version_1(out) == SHA256[model]
     jlm = JLMFile(out)
     largest = max(jlm.locate(name)[3] for name in jlm.names)
     vocab = int(jlm.config["vocab_size"])

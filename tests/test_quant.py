@@ -10,7 +10,7 @@ import torch
 
 from jitllmd.engine import kernels
 from jitllmd.engine.convert import ConvertError, convert
-from jitllmd.engine.jlm import JLMFile, TensorSpec, write_jlm
+from jitllmd.engine.jlm import JLMError, JLMFile, TensorSpec, write_jlm
 from jitllmd.engine.kernels import ops
 from jitllmd.engine.kv import RowSpan
 from jitllmd.engine.layers import formats
@@ -42,7 +42,9 @@ def _blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
 def test_reference_dequantize_matches_gguf(name: str) -> None:
     b = _blocks(name, 6, 512)
     want = gguf.quants.dequantize(b, T[name]).reshape(6, 512)
-    got = formats.dequantize(torch.from_numpy(b), formats.FORMATS[name], 6, 512)
+    fmt = formats.FORMATS[name]
+    held = formats.to_lanes(torch.from_numpy(b).reshape(-1, fmt.nbytes), fmt)  # the engine's order (K-formats' codes in lanes)
+    got = formats.dequantize(held, fmt, 6, 512)
     assert torch.equal(got, torch.from_numpy(want))
 
 
@@ -59,7 +61,8 @@ def test_q4_k_quantizer_writes_blocks_gguf_reads() -> None:
     b = formats.quantize(w, "Q4_K")
     assert b.shape == (64, 2 * 144)
     back = torch.from_numpy(gguf.quants.dequantize(b.numpy(), T.Q4_K)).reshape(64, 512)
-    assert torch.equal(back, formats.dequantize(b, formats.FORMATS["Q4_K"], 64, 512))
+    q4_k = formats.FORMATS["Q4_K"]
+    assert torch.equal(back, formats.dequantize(formats.to_lanes(b.reshape(-1, q4_k.nbytes), q4_k), q4_k, 64, 512))
     assert torch.equal(back[5], torch.zeros(512))
     err = ((back - w).pow(2).mean() / w.pow(2).mean()).sqrt()
     q4_0 = formats.dequantize(formats.quantize(w, "Q4_0"), formats.FORMATS["Q4_0"], 64, 512)
@@ -111,8 +114,8 @@ WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, 
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("quant")
     narrow_dir, narrow = write_tiny_llama(d / "narrow")
-    wide_dir, _ = write_tiny_llama(d / "wide", tie_word_embeddings=True, **WIDE)
-    return {"narrow": (narrow_dir, narrow), "wide_dir": wide_dir, "d": d}
+    wide_dir, wide = write_tiny_llama(d / "wide", tie_word_embeddings=True, **WIDE)
+    return {"narrow": (narrow_dir, narrow), "wide": (wide_dir, wide), "wide_dir": wide_dir, "d": d}
 
 
 CASES = ["gguf-mix", "q8_0", "q4_0", "q4_k"]
@@ -178,6 +181,36 @@ def test_kept_blocks_are_the_gguf_s_own_bytes(tiny) -> None:
             assert np.array_equal(jlm.tensor(name).numpy().reshape(-1), np.asarray(t.data).reshape(-1))
     weights = sum(int(t.n_bytes) for t in reader.tensors)
     assert sum(jlm.locate(n)[3] for n in jlm.names) == weights  # not a byte more than the GGUF's tensors
+
+
+def test_k_format_blocks_are_held_in_lane_order(tiny) -> None:
+    """A GGUF's Q4_K rows are a .jlm's (format version 2) with each superblock's 128 code bytes in lane order (the
+    kernels' order, formats.lanes_: its own inverse), the rest of the block as it was; the model runs on them as on the
+    GGUF's weights dequantized. A version 1 file (ggml's order) of K-format blocks is refused with what to do; one of
+    none opens, its bytes being the same."""
+    wide_dir, wide = tiny["wide"]
+    src = write_tiny_gguf(tiny["d"] / "k.gguf", wide_dir, wide, quant={"ffn_down": "Q4_K", "attn_q": "Q8_0"})
+    result = convert(src, tiny["d"] / "k.jlm")
+    jlm, reader, fmt = JLMFile(result.path), gguf.GGUFReader(src), formats.FORMATS["Q4_K"]
+    assert jlm.meta["format_version"] == 2 and result.types["Q4_K"] == 2
+    theirs = torch.from_numpy(np.asarray(next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight").data).reshape(-1, fmt.nbytes).copy())
+    ours = jlm.tensor("blocks.1.mlp.down_proj.weight").reshape(-1, fmt.nbytes)
+    assert torch.equal(ours, formats.to_lanes(theirs, fmt)) and not torch.equal(ours, theirs)
+    assert torch.equal(ours[:, :16], theirs[:, :16]) and torch.equal(formats.to_lanes(ours, fmt), theirs)
+    want = torch.from_numpy(gguf.quants.dequantize(theirs.numpy(), T.Q4_K)).reshape(256, 512)
+    assert torch.equal(formats.dequantize(ours, fmt, 256, 512), want)
+    if kernels.rows_kernel() is not None:
+        assert torch.equal(ops.dequant_rows(ours.reshape(256, -1).contiguous(), fmt.ggml, 256, 512), want)
+    for kind, ok in (("Q4_K", False), ("Q8_0", True)):
+        k_fmt = formats.FORMATS[kind]
+        old = tiny["d"] / f"v1-{kind}.jlm"
+        spec = TensorSpec("head.lm_head.weight", torch.uint8, (2, k_fmt.row_bytes(256)), lambda k_fmt=k_fmt: torch.zeros(2, k_fmt.row_bytes(256), dtype=torch.uint8))
+        write_jlm(old, [spec], {"format_version": 1, "quantization": {spec.name: {"type": kind, "shape": [2, 256]}}})
+        if ok:
+            assert JLMFile(old).meta["format_version"] == 1
+        else:
+            with pytest.raises(JLMError, match=r"older jitllmd \(.jlm format version 1\), whose Q4_K blocks .* convert its source again"):
+                JLMFile(old)
 
 
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:

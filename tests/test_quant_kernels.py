@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 
 from jitllmd.engine.kernels import build, describe, ops, rows_kernel, use_variant, variants
 from jitllmd.engine.kernels.ops import dequant_rows, quant_rows
-from jitllmd.engine.layers.formats import BY_GGML
+from jitllmd.engine.layers.formats import BY_GGML, to_lanes
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler or no AVX2/FMA/F16C here: the engine runs torch's ops")
 
@@ -57,10 +57,16 @@ def reference(wb: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(wb, GGMLQuantizationType(qtype)))
 
 
+def held(wb: np.ndarray, qtype: int) -> torch.Tensor:
+    """Ggml's blocks wb as the engine holds them (a .jlm's order: K-formats' codes in lane order)."""
+    fmt = BY_GGML[qtype]
+    return to_lanes(torch.from_numpy(wb).reshape(-1, fmt.nbytes), fmt).reshape(wb.shape)
+
+
 @pytest.mark.parametrize("qtype", BY_GGML)
 def test_dequant_rows_is_gguf_bit_for_bit(variant: str, qtype: int) -> None:
     wb = quantized(qtype, N, width(qtype), qtype)
-    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    ref, w = reference(wb, qtype), held(wb, qtype)
     got = dequant_rows(w, qtype, N, width(qtype))
     assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), ref.view(torch.int32))
     bf = dequant_rows(w.reshape(-1), qtype, N, width(qtype), out=torch.empty(N, width(qtype), dtype=torch.bfloat16))
@@ -99,7 +105,7 @@ def test_quant_rows_within_its_bound_and_row_independent(variant: str, qtype: in
     result the same alone, among others, and on one thread."""
     k = width(qtype)
     wb = quantized(qtype, N, k, 100 + qtype)
-    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    ref, w = reference(wb, qtype), held(wb, qtype)
     g = torch.Generator().manual_seed(qtype)
     for rows in (1, 3, 8, 9, 16, 17):
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
@@ -134,7 +140,7 @@ def test_a_short_last_group_of_any_length(variant: str, qtype: int) -> None:
     for blocks in TAIL_BLOCKS:
         k = 32 * blocks
         wb = quantized(qtype, N, k, 7 * blocks + qtype)
-        ref, w = reference(wb, qtype), torch.from_numpy(wb)
+        ref, w = reference(wb, qtype), held(wb, qtype)
         x = torch.randn(17, k, generator=g) * torch.rand(17, 1, generator=g) * 3
         y = quant_rows(x, w, qtype, N)
         exact = on_int8_grid(x) @ ref.double().T
@@ -166,7 +172,7 @@ def test_the_integer_sums_hold_at_the_codes_extremes(variant: str, qtype: int) -
     f32 steps (an int16 sum that saturated or wrapped would be off by thousands of steps)."""
     k = 1024
     wb = extreme(qtype, N, k, 800 + qtype)
-    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    ref, w = reference(wb, qtype), held(wb, qtype)
     g = torch.Generator().manual_seed(900 + qtype)
     for rows in (1, 3, 16):
         x = (torch.randint(0, 2, (rows, k // 32, 1), generator=g) * 2.0 - 1).expand(rows, k // 32, 32).reshape(rows, k).contiguous()
@@ -264,7 +270,7 @@ def test_gemm_rows_within_the_decode_bound_and_row_independent(variant: str, qty
     with the norm or gate folded in, with a residual or bias added, across runs of rows."""
     k = width(qtype)
     wb = quantized(qtype, N, k, 600 + qtype)
-    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    ref, w = reference(wb, qtype), held(wb, qtype)
     g = torch.Generator().manual_seed(700 + qtype)
     for rows in (1, 2, 3, 4, 5, 13):
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
@@ -316,7 +322,7 @@ def test_bf16_rows_round_x_and_w_to_bf16_only(variant: str, qtype: int) -> None:
     assert ops.bf16_units() == units
     k = width(qtype)
     wb = quantized(qtype, N, k, 600 + qtype)
-    ref, w = reference(wb, qtype), torch.from_numpy(wb)
+    ref, w = reference(wb, qtype), held(wb, qtype)
     runs = [(w, qtype, N)]
     g = torch.Generator().manual_seed(700 + qtype)
     x = torch.randn(70, k, generator=g) * torch.rand(70, 1, generator=g) * 3

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .layers.formats import FORMATS, QFormat, lanes_
+
 __all__ = [
     "FORMAT_VERSION",
     "JLMError",
@@ -28,7 +30,10 @@ __all__ = [
     "write_jlm",
 ]
 
-FORMAT_VERSION = 1
+# 2: a K-format's code bytes are in lane order (layers/formats.py's `lanes_`: as the kernels read them, so neither the
+# load nor a step reorders them). 1 held them in ggml's order: such a file still opens where it has no K-format tensor
+# (its bytes are the same), and is refused with what to do where it has one.
+FORMAT_VERSION = 2
 
 # safetensors dtype names <-> torch dtypes
 _DTYPES: dict[str, torch.dtype] = {
@@ -132,15 +137,26 @@ def write_jlm(
             _write_all(fd, struct.pack("<Q", len(raw)) + raw)
             opened: dict[Path, int] = {}
             for spec in specs:
+                fmt = _lane_format(meta, spec)  # K-format blocks: written with their codes in lane order
                 if spec.stored_at is not None:
                     file, at = spec.stored_at
                     if file not in opened:
                         opened[file] = files.enter_context(open(file, "rb")).fileno()
-                    _copy_range(opened[file], fd, at, spec.nbytes, spec.name)
+                    if fmt is None:
+                        _copy_range(opened[file], fd, at, spec.nbytes, spec.name)
+                    else:
+                        t = torch.empty(spec.nbytes, dtype=torch.uint8)
+                        _read_range(opened[file], t, at, spec.name)
+                        lanes_(t.view(-1, fmt.nbytes), fmt)
+                        _write_all(fd, t.numpy().data)
+                        del t
                 else:
                     t = spec.produce()
                     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                         raise JLMError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, declared {spec.dtype} {spec.shape}")
+                    if fmt is not None:  # reordered in a copy: a produced tensor may be its source's own bytes
+                        t = t.reshape(-1).clone()
+                        lanes_(t.view(-1, fmt.nbytes), fmt)
                     if t.numel():
                         _write_all(fd, t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
                     del t  # one produced tensor in memory at a time
@@ -152,6 +168,27 @@ def write_jlm(
         Path(tmp).unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+def _lane_format(meta: dict[str, Any], spec: TensorSpec) -> QFormat | None:
+    """The format of a tensor `meta` says is stored quantized in one whose code bytes a .jlm holds in lane order."""
+    entry = (meta.get("quantization") or {}).get(spec.name)
+    fmt = FORMATS.get(str(entry.get("type"))) if isinstance(entry, dict) else None
+    if fmt is None or fmt.lanes < 0:
+        return None
+    if spec.dtype != torch.uint8 or spec.nbytes % fmt.nbytes:
+        raise JLMError(f"{spec.name}: {spec.dtype} {list(spec.shape)} is no run of {fmt.name} blocks")
+    return fmt
+
+
+def _read_range(src: int, into: torch.Tensor, offset: int, name: str) -> None:
+    """Fill the uint8 tensor `into` from `src` at `offset`."""
+    view, done = into.numpy().data.cast("B"), 0
+    while done < len(view):
+        n = os.preadv(src, [view[done:]], offset + done)
+        if n == 0:
+            raise JLMError(f"{name}: its source file ends {len(view) - done} bytes short of its data")
+        done += n
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -260,7 +297,7 @@ class JLMFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._data_start = 8 + n
         self.meta: dict[str, Any] = meta
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in (1, FORMAT_VERSION):
             raise JLMError(f"{self.path}: .jlm format version {meta.get('format_version')} is not {FORMAT_VERSION}")
         self._index: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
@@ -295,6 +332,11 @@ class JLMFile:
         quant = self.meta.get("quantization") or {}
         if (bad := next((n for n, e in quant.items() if not isinstance(e, dict)), None)) is not None:
             raise JLMError(f"{self.path}: jlm metadata quantization[{bad!r}] is not an object")
+        if self.meta.get("format_version") == 1:
+            old = sorted({str(e.get("type")) for e in quant.values() if (f := FORMATS.get(str(e.get("type")))) is not None and f.lanes >= 0})
+            if old:
+                raise JLMError(f"{self.path}: converted by an older jitllmd (.jlm format version 1), whose {', '.join(old)} blocks this one "
+                               f"reads in another order: convert its source again (jitllmd convert SOURCE {self.path.name})")
         config = self.meta.get("config") or {}
         if (layers := config.get("num_layers")) is not None:
             held = sorted({int(m.group(1)) for n in self._index if (m := _BLOCK.match(n))})

@@ -18,7 +18,7 @@ from . import kernels
 from .chat import ChatTemplate
 from .figures import Where
 from .grammar import Grammars
-from .jlm import JLMFile
+from .jlm import FORMAT_VERSION, JLMFile
 from .kv import META, PAGE, SessionKV
 from .layers.quant import short_feed
 from .memory.devices import compute_dtype, device_info, is_remote, own_memory, spendable_bytes, trim_heap
@@ -140,12 +140,12 @@ def cached_conversion(gguf_path: Path, cache_dir: Path, on_progress: Callable[[i
     """A .gguf's .jlm in `cache_dir`, converted once: named by the file's path, then its size and mtime (and how it
     converts: a quantized file keeps its quantization). A new conversion removes the ones made from the same path
     before the file changed (a reinstalled package's model, say), so they do not pile up; a process still using one
-    keeps its open file."""
+    keeps its open file. (The .jlm format's version is in the name too: a new one converts again.)"""
     from .convert import convert
 
     st = gguf_path.stat()
     source = hashlib.sha256(f"{gguf_path.resolve()}".encode()).hexdigest()[:8]
-    version = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:auto".encode()).hexdigest()[:8]
+    version = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:auto:{FORMAT_VERSION}".encode()).hexdigest()[:8]
     out = cache_dir / f"{gguf_path.stem}-{source}-{version}.jlm"
     if not out.exists():
         on_own_thread(lambda: convert(gguf_path, out, "auto", on_progress=on_progress))

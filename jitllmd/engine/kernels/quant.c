@@ -134,11 +134,21 @@ static inline __m256i bits_to_4(__m256i v, int shift, char mask) {
     return _mm256_and_si256(shift <= 4 ? _mm256_slli_epi16(v, 4 - shift) : _mm256_srli_epi16(v, shift - 4), _mm256_set1_epi8(mask));
 }
 
-/* Q4_K / Q5_K sub-block j (0..7) of a superblock b: 2c's codes are the low nibbles of qs[32c..], 2c+1's the high;
+/* The K-formats' 128 code bytes (Q4_K / Q5_K's qs, Q6_K's ql) are held in lane order (formats.py's lanes_): vector i
+ * holds, in 32-bit lane k of each 128-bit half, ggml's vector k's dword i of that half, so the dot products load their
+ * vectors as they are. Ggml's vector c (its 32 bytes in element order) from them: the one row of their transpose. */
+static inline __m256i ggml_vector(const uint8_t *codes, const int c) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)codes), v1 = _mm256_loadu_si256((const __m256i *)(codes + 32));
+    const __m256i v2 = _mm256_loadu_si256((const __m256i *)(codes + 64)), v3 = _mm256_loadu_si256((const __m256i *)(codes + 96));
+    const __m256i a = c & 2 ? _mm256_unpackhi_epi32(v0, v1) : _mm256_unpacklo_epi32(v0, v1);
+    const __m256i b = c & 2 ? _mm256_unpackhi_epi32(v2, v3) : _mm256_unpacklo_epi32(v2, v3);
+    return c & 1 ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b);
+}
+
+/* Q4_K / Q5_K sub-block j (0..7) of a superblock b: 2c's codes are the low nibbles of ggml's qs[32c..], 2c+1's the high;
  * Q5_K's fifth bit of element l is bit j of qh[l]. Unsigned, 0..31. */
 static inline __m256i codes_k(int type, const uint8_t *b, int j) {
-    const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+    const __m256i v = ggml_vector(b + (type == Q5_K ? 48 : 16), j / 2);
     const __m256i lo = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
     if (type == Q4_K) return lo;
     return _mm256_or_si256(lo, bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 16)), j, 0x10));
@@ -148,7 +158,7 @@ static inline __m256i codes_k(int type, const uint8_t *b, int j) {
  * its quarter i = j % 4 takes ql[64h + 32 (i & 1) + l]'s low (i < 2) or high nibble and bits 2i, 2i + 1 of qh[32h + l]. */
 static inline __m256i codes_q6k(const uint8_t *b, int j) {
     const int h = j / 4, i = j % 4;
-    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (i & 1)));
+    const __m256i l = ggml_vector(b, 2 * h + (i & 1));
     const __m256i lo = _mm256_and_si256(i < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
     const __m256i hi = bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * i, 0x30);
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
@@ -476,8 +486,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         g->off = _mm256_sub_ps(_mm256_setzero_ps(), dmin_m);
         k_dw(dsc, g->dw);
         const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
-        for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        transpose4(y, v);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(qs + 32 * i)); /* lane order */
         for (int i = 0; i < 4; i++) {
             g->w[2 * i] = _mm256_and_si256(v[i], low4);
             g->w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
@@ -488,8 +497,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         }
     } else if (type == Q6_K) {
         g->dw[0] = g->dw[1] = _mm256_set1_ps(f16(b + 208));
-        for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
-        transpose4(y, v);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
         const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
         const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
         for (int i = 0; i < 4; i++) {
@@ -609,9 +617,8 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
  * products taken as it is made (the same integers, then the same f32 steps: the same bits). Made whole first, the
  * group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
-    __m256i y[4], v[4];
-    for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
-    transpose4(y, v);
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
     const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
     __m256i sum[2]; /* accumulator a's int16 sums less its corrections (q6k_sums) */
@@ -644,9 +651,8 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     __m256 dsc, dmin_m;
     k_scales(b, &dsc, &dmin_m);
     const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
-    __m256i y[4], v[4], sum[2];
-    for (int c = 0; c < 4; c++) y[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-    transpose4(y, v);
+    __m256i v[4], sum[2];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(qs + 32 * i)); /* lane order */
     const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
         __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
@@ -705,9 +711,8 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
  * that time, bench/rows_kernel.py --dims), Q5_K 1.02-1.08x -> 1.12-1.17x; Q8_0's likewise measured slower than the
  * group's path, so it keeps that. */
 static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
-    __m256i y[4], v[4];
-    for (int r = 0; r < 4; r++) y[r] = _mm256_loadu_si256((const __m256i *)(b + 32 * r));
-    transpose4(y, v);
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
     const __m256i ulo = _mm256_unpacklo_epi32(h0, h1), uhi = _mm256_unpackhi_epi32(h0, h1);
     __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};

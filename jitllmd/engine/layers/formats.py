@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BY_GGML", "FORMATS", "QFormat", "dequantize", "quantizable", "quantize"]
+__all__ = ["BY_GGML", "FORMATS", "QFormat", "dequantize", "quantizable", "lanes_", "quantize", "to_lanes"]
 
 Blocks = Callable[[torch.Tensor], torch.Tensor]  # [n, nbytes] uint8 -> [n, block] f32, or [n, block] f32 -> [n, nbytes] uint8
 
@@ -25,7 +25,8 @@ class QFormat:
     per kernel variant, the most tokens of a short prompt feed whose product the decode rows' few-row kernel still
     runs no slower than the int8 GEMM (bench/short_prompt.py measures them; see layers/quant.py's short_feed).
     `dequant`: blocks [n, nbytes] uint8 -> [n, block] f32, the reference; `quant`: [n, block] f32 -> blocks, rounding
-    to nearest, or None where the project writes no such blocks."""
+    to nearest, or None where the project writes no such blocks. `lanes`: where a K-format block's 128 code bytes
+    start, the bytes a .jlm and the engine hold in lane order (`to_lanes`), or -1 (ggml's order throughout)."""
 
     name: str
     ggml: int
@@ -34,9 +35,37 @@ class QFormat:
     short: dict[str, int] = field(compare=False, hash=False)
     dequant: Blocks = field(compare=False, hash=False, repr=False)
     quant: Blocks | None = field(default=None, compare=False, hash=False, repr=False)
+    lanes: int = -1
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.nbytes
+
+
+# -- lane order: a K-format's code bytes as the kernels read them ----------------------------------------------------
+
+# The 128 code bytes of a Q4_K / Q5_K superblock (its qs) or a Q6_K's (its ql) are four 32-byte vectors y0..y3 in
+# ggml's order; the kernels want vector i to hold, in 32-bit lane k of each 128-bit half, y_k's dword i of that half
+# (so that lane k only ever holds one pair of sub-blocks, whose scales apply per lane). A .jlm (format version 2)
+# stores them so and the engine holds them so: byte 32 i + 16 h + 4 k + e is ggml's 32 k + 16 h + 4 i + e. Swapping
+# i and k is its own inverse, so the one map goes both ways.
+
+
+def lanes_(blocks: torch.Tensor, fmt: QFormat) -> None:
+    """blocks [n, nbytes] of `fmt` (a view of its rows) with their code bytes swapped, in place, between ggml's order
+    and lane order (either way: the map is its own inverse); nothing where `fmt` keeps ggml's order."""
+    if fmt.lanes < 0 or not blocks.numel():
+        return
+    n, codes = blocks.shape[0], blocks[:, fmt.lanes : fmt.lanes + 128]
+    codes.copy_(codes.reshape(n, 4, 2, 4, 4).transpose(1, 3).reshape(n, 128))  # reshaped strided: a copy, then written back
+
+
+def to_lanes(blocks: torch.Tensor, fmt: QFormat) -> torch.Tensor:
+    """`lanes_` on a copy (the blocks themselves where `fmt` keeps ggml's order)."""
+    if fmt.lanes < 0:
+        return blocks
+    out = blocks.clone()
+    lanes_(out, fmt)
+    return out
 
 
 # -- the torch reference: blocks -> f32, in the order of operations gguf's reference uses ----------------------------
@@ -247,18 +276,19 @@ _RECORDS = (
     QFormat("Q5_0", 6, 32, 22, _short(16, 8, 12, 24, 8), _dequant_q5_0, _quant_q5_0),
     QFormat("Q5_1", 7, 32, 24, _short(8, 8, 0, 16, 8), _dequant_q5_1),
     QFormat("Q8_0", 8, 32, 34, _short(8, 16, 32, 32, 8), _dequant_q8_0, _quant_q8_0),
-    QFormat("Q4_K", 12, 256, 144, _short(8, 16, 8, 32, 8), _dequant_q4_k, _quant_q4_k),
-    QFormat("Q5_K", 13, 256, 176, _short(8, 8, 12, 32, 8), _dequant_q5_k),
-    QFormat("Q6_K", 14, 256, 210, _short(16, 48, 64, 32, 8), _dequant_q6_k),
+    QFormat("Q4_K", 12, 256, 144, _short(8, 16, 8, 32, 8), _dequant_q4_k, _quant_q4_k, lanes=16),
+    QFormat("Q5_K", 13, 256, 176, _short(8, 8, 12, 32, 8), _dequant_q5_k, lanes=48),
+    QFormat("Q6_K", 14, 256, 210, _short(16, 48, 64, 32, 8), _dequant_q6_k, lanes=0),
 )
 FORMATS: dict[str, QFormat] = {f.name: f for f in _RECORDS}
 BY_GGML: dict[int, QFormat] = {f.ggml: f for f in _RECORDS}
 
 
 def dequantize(w: torch.Tensor, fmt: QFormat, n: int, k: int) -> torch.Tensor:
-    """n rows of `fmt` blocks (w's bytes, any shape) -> [n, k] f32, on w's device."""
+    """n rows of `fmt` blocks as the engine holds them (w's bytes, any shape; K-formats' codes in lane order) -> [n, k]
+    f32, on w's device."""
     blocks = w.reshape(-1)[: n * fmt.row_bytes(k)].view(-1, fmt.nbytes)
-    return fmt.dequant(blocks).reshape(n, k)
+    return fmt.dequant(to_lanes(blocks, fmt)).reshape(n, k)
 
 
 def quantizable(name: str, k: int) -> bool:
@@ -269,7 +299,7 @@ def quantizable(name: str, k: int) -> bool:
 
 def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
     """w [N, K] (any float dtype) -> [N, row bytes] uint8 in format `name`: one with a quantizer (Q8_0, Q4_0, Q5_0,
-    Q4_K)."""
+    Q4_K), in ggml's order (a GGUF's; `to_lanes` gives the engine's)."""
     fmt = FORMATS[name]
     n, k = w.shape
     if fmt.quant is None:
