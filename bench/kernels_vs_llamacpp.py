@@ -138,11 +138,14 @@ def compare(fmt: str, n: int, k: int, cpu: ctypes.CDLL, loop: ctypes.CDLL, quant
     """-> (llama.cpp's seconds a call, jitllmd's, the outputs' largest difference over their largest value)"""
     import torch
 
+    from jitllmd.engine.layers.formats import BY_GGML, to_lanes
+
     qtype, _, per, dot_name, quant_name, xbytes, _ = FORMATS[fmt]
     dot = ctypes.cast(getattr(cpu, dot_name), ctypes.c_void_p)
     quantize = getattr(cpu, quant_name)
-    w = random_blocks(fmt, n, k, rng)
-    wt = torch.from_numpy(w)
+    w = random_blocks(fmt, n, k, rng)  # ggml's order, as llama.cpp reads them
+    held = BY_GGML[qtype]
+    wt = to_lanes(torch.from_numpy(w).reshape(-1, held.nbytes), held).reshape(w.shape)  # the engine's (lane order for K-formats)
     x = torch.randn(1, k)
     xq = (ctypes.c_uint8 * (k // per * xbytes + 64))()
     y = np.zeros(n, np.float32)

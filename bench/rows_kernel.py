@@ -5,6 +5,7 @@ by round in one process (medians), their results compared bit for bit.
     python bench/rows_kernel.py                                  # HEAD's quant.c against the working tree's
     python bench/rows_kernel.py --before /tmp/quant.c --variants avx512+vnni --rounds 9 --threads 1
     python bench/rows_kernel.py --gemm --variants avx2+fma,avx2+vnni --shapes Q8_0,Q6_K
+    python bench/rows_kernel.py --before /tmp/quant-1.c --before-ggml   # a quant.c of .jlm format 1 (ggml's K order)
 
 Each build is every kernel source as the tree has it, with quant.c swapped for the version named, compiled with the
 variant's flags as kernels/build.py compiles them.
@@ -31,7 +32,7 @@ from bench.kernels_vs_llamacpp import weight_shapes  # noqa: E402
 from bench.short_prompt import weight  # noqa: E402
 from jitllmd.engine import kernels  # noqa: E402
 from jitllmd.engine.kernels import build as kernel_build  # noqa: E402
-from jitllmd.engine.layers.formats import FORMATS  # noqa: E402
+from jitllmd.engine.layers.formats import FORMATS, to_lanes  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 12, 16)
 # (format, N, K): SmolLM2-135M Q4_1's gate_up and down, a Q8_0 square and SmolLM2 Q8_0's gate_up and down, Gemma 3's Q8_0 head's K (640: a
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--tokens", default=None, help=f"x rows per call (default {','.join(map(str, TOKENS))}; --gemm: 64,512)")
     p.add_argument("--gemm", action="store_true", help="time gemm_rows, a prompt chunk's int8 GEMM, instead of quant_rows")
     p.add_argument("--least", action="store_true", help="each build's least time of its rounds, not the median (a busy machine's noise only adds)")
+    p.add_argument("--before-ggml", action="store_true", help="the before build reads K-format blocks in ggml's order (a quant.c from before "
+                   "479e064, .jlm format version 1): it gets them so, the after build the same blocks in lane order")
     args = p.parse_args()
     tokens = args.tokens or ("64,512" if args.gemm else ",".join(map(str, TOKENS)))
     before = Path(args.before).read_text() if args.before else subprocess.check_output(
@@ -107,7 +110,8 @@ def main() -> None:
             for fmt, n, k in shapes:
                 if keep and fmt not in keep:
                     continue
-                qtype, w = FORMATS[fmt].ggml, weight(fmt, n, k, gen)
+                qtype, w = FORMATS[fmt].ggml, weight(fmt, n, k, gen)  # the engine's order (lane order for K-formats)
+                ws = (to_lanes(w.view(-1, FORMATS[fmt].nbytes), FORMATS[fmt]).view(w.shape) if args.before_ggml else w, w)
                 one = None
                 for T in map(int, tokens.split(",")):
                     x = torch.randn(T, k, generator=gen)
@@ -115,7 +119,7 @@ def main() -> None:
                     times: list[list[float]] = [[], []]
                     for r in range(args.rounds):
                         for i in (0, 1) if r % 2 == 0 else (1, 0):
-                            times[i].append(per_call(lambda: call(libs[i], x, w, ys[i], qtype, args.threads, args.gemm), args.budget))
+                            times[i].append(per_call(lambda: call(libs[i], x, ws[i], ys[i], qtype, args.threads, args.gemm), args.budget))
                     assert torch.equal(ys[0], ys[1]), f"{variant} {fmt} T={T}: the builds' results differ"
                     b, a = (1e6 * stat(t) for t in times)
                     one = a if one is None else one

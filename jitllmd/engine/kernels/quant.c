@@ -145,24 +145,27 @@ static inline __m256i ggml_vector(const uint8_t *codes, const int c) {
     return c & 1 ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b);
 }
 
-/* Q4_K / Q5_K sub-block j (0..7) of a superblock b: 2c's codes are the low nibbles of ggml's qs[32c..], 2c+1's the high;
- * Q5_K's fifth bit of element l is bit j of qh[l]. Unsigned, 0..31. */
-static inline __m256i codes_k(int type, const uint8_t *b, int j) {
-    const __m256i v = ggml_vector(b + (type == Q5_K ? 48 : 16), j / 2);
+/* Q4_K / Q5_K sub-block j (0..7) of a superblock b, given ggml's qs vector j / 2 (v: 2c's codes are the low nibbles
+ * of qs[32c..], 2c+1's the high); Q5_K's fifth bit of element l is bit j of qh[l]. Unsigned, 0..31. */
+static inline __m256i codes_k(int type, __m256i v, const uint8_t *b, int j) {
     const __m256i lo = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
     if (type == Q4_K) return lo;
     return _mm256_or_si256(lo, bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 16)), j, 0x10));
 }
 
-/* Q6_K's elements 32j .. 32j + 31 as q - 32 (signed): half h = j / 4 of the superblock holds ql[64h ..], qh[32h ..];
- * its quarter i = j % 4 takes ql[64h + 32 (i & 1) + l]'s low (i < 2) or high nibble and bits 2i, 2i + 1 of qh[32h + l]. */
-static inline __m256i codes_q6k(const uint8_t *b, int j) {
+/* Q6_K's elements 32j .. 32j + 31 as q - 32 (signed), given ggml's ql vector 2h + (i & 1) (l): half h = j / 4 of the
+ * superblock holds ql[64h ..], qh[32h ..]; its quarter i = j % 4 takes ql[64h + 32 (i & 1) + l]'s low (i < 2) or high
+ * nibble and bits 2i, 2i + 1 of qh[32h + l]. */
+static inline __m256i codes_q6k(__m256i l, const uint8_t *b, int j) {
     const int h = j / 4, i = j % 4;
-    const __m256i l = ggml_vector(b, 2 * h + (i & 1));
     const __m256i lo = _mm256_and_si256(i < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
     const __m256i hi = bits_to_4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * i, 0x30);
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
+
+/* ggml's vector of a K-format superblock b's codes that sub-block j reads */
+static inline int k_vector(int type, int j) { return type == Q6_K ? 2 * (j / 4) + (j & 1) : j / 2; }
+static inline const uint8_t *k_codes(int type, const uint8_t *b) { return b + (type == Q6_K ? 0 : type == Q5_K ? 48 : 16); }
 
 /* Q4_K / Q5_K's eight 6-bit scales and mins (llama.cpp's get_scale_min_k4: sc j < 4 is q[j] & 63, m j < 4 q[j + 4] & 63;
  * j >= 4 take their low four bits from q[j + 4]'s nibbles and their top two from q[j - 4]'s, q[j]'s top bits), all
@@ -371,6 +374,12 @@ static inline void transpose4(const __m256i *y, __m256i *v) {
     const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
     v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
     v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+/* All four of ggml's vectors of a K-format's codes held in lane order (ggml_vector's, at one transpose) */
+static inline void ggml_vectors(const uint8_t *codes, __m256i *y) {
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(codes + 32 * i));
+    transpose4(v, y);
 }
 
 static inline __m256i load_pair(const uint8_t *lo, const uint8_t *hi) {
@@ -1214,6 +1223,7 @@ static inline __attribute__((always_inline)) void gemm_unpack(const int type, co
     const uint8_t *row[GM_NR];
     for (int r = 0; r < GM_NR; r++) row[r] = o0 + r < j->N ? j->W + (o0 + r) * j->row_bytes : NULL;
     float ksc[GM_NR][8], kmin[GM_NR][8];
+    __m256i kv[GM_NR][4]; /* a K-format superblock's codes per row, ggml's vectors (made at its first sub-block) */
     const int64_t ahead = GM_PF_ROWS * j->row_bytes; /* the same bytes of the rows GM_PF_ROWS on: a later panel's */
     for (int64_t b = 0; b < j->nb; b++) {
         __m256i c[GM_NR];
@@ -1233,8 +1243,9 @@ static inline __attribute__((always_inline)) void gemm_unpack(const int type, co
             } else {
                 const uint8_t *p = row[r] + b / 8 * bytes;
                 const int sub = (int)(b % 8);
+                if (sub == 0) ggml_vectors(k_codes(type, p), kv[r]);
                 if (type == Q6_K) {
-                    c[r] = codes_q6k(p, sub);
+                    c[r] = codes_q6k(kv[r][k_vector(type, sub)], p, sub);
                     if (gm_biased(type)) c[r] = _mm256_add_epi8(c[r], _mm256_set1_epi8(32));
                     const float d = f16(p + 208);
                     s0 = d * (float)(int8_t)p[192 + 2 * sub];
@@ -1246,7 +1257,7 @@ static inline __attribute__((always_inline)) void gemm_unpack(const int type, co
                         _mm256_storeu_ps(ksc[r], dsc);
                         _mm256_storeu_ps(kmin[r], dmin_m);
                     }
-                    c[r] = codes_k(type, p, sub);
+                    c[r] = codes_k(type, kv[r][k_vector(type, sub)], p, sub);
                     s0 = ksc[r][sub];
                     m = -kmin[r][sub];
                 }
@@ -1606,11 +1617,13 @@ static inline __attribute__((always_inline)) void dequant_row(const int type, co
         for (int64_t s = 0; s < K / 256; s++, at += 256) {
             const uint8_t *b = w + s * bytes;
             float dsc[8], dmin_m[8];
+            __m256i y[4];
+            ggml_vectors(k_codes(type, b), y);
             if (type == Q6_K) {
                 const float d = f16(b + 208);
                 for (int j = 0; j < 8; j++) {
                     const __m256 lo = _mm256_set1_ps(d * (float)(int8_t)b[192 + 2 * j]), hi = _mm256_set1_ps(d * (float)(int8_t)b[193 + 2 * j]);
-                    emit32(codes_q6k(b, j), lo, hi, lo, 0, out, at + 32 * j, bf16);
+                    emit32(codes_q6k(y[k_vector(type, j)], b, j), lo, hi, lo, 0, out, at + 32 * j, bf16);
                 }
                 continue;
             }
@@ -1620,7 +1633,7 @@ static inline __attribute__((always_inline)) void dequant_row(const int type, co
             _mm256_storeu_ps(dmin_m, _mm256_sub_ps(_mm256_setzero_ps(), m)); /* d q - dmin m = d q + (-(dmin m)) exactly */
             for (int j = 0; j < 8; j++) {
                 const __m256 aj = _mm256_set1_ps(dsc[j]);
-                emit32(codes_k(type, b, j), aj, aj, _mm256_set1_ps(dmin_m[j]), 1, out, at + 32 * j, bf16);
+                emit32(codes_k(type, y[k_vector(type, j)], b, j), aj, aj, _mm256_set1_ps(dmin_m[j]), 1, out, at + 32 * j, bf16);
             }
         }
         return;
@@ -1847,7 +1860,7 @@ static inline __attribute__((always_inline)) __m512i block_bf16(const int type, 
         const int j = (int)(s % 8);
         if (type == Q6_K) {
             const float d = f16(sb + 208);
-            q = codes_q6k(sb, j);
+            q = codes_q6k(ggml_vector(k_codes(type, sb), k_vector(type, j)), sb, j);
             a_lo = d * (float)(int8_t)sb[192 + 2 * j], a_hi = d * (float)(int8_t)sb[193 + 2 * j];
         } else {
             __m256 dsc, dmin_m;
@@ -1855,7 +1868,7 @@ static inline __attribute__((always_inline)) __m512i block_bf16(const int type, 
             k_scales(sb, &dsc, &dmin_m);
             _mm256_storeu_ps(sc, dsc);
             _mm256_storeu_ps(mn, _mm256_sub_ps(_mm256_setzero_ps(), dmin_m));
-            q = codes_k(type, sb, j);
+            q = codes_k(type, ggml_vector(k_codes(type, sb), k_vector(type, j)), sb, j);
             a_lo = a_hi = sc[j], b = mn[j], with_b = 1;
         }
     } else {
