@@ -4,12 +4,12 @@
     python bench/ab.py HEAD --model ~/.cache/jitllmd/bench/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --kernel avx2+fma
 
 For refactors that must not slow the engine: a worktree of REV is made under a temp dir, SmolLM2-135M-Instruct is
-converted once per dtype, and each round runs one process per tree (the order flipping every round, so neither
-tree always runs first): a 256-token prompt (median of 5) and 64 decode steps of one row. Prints medians per tree
+converted once per dtype and tree (each by its own converter), and each round runs one process per tree (the order
+flipping every round, so neither tree always runs first): a 256-token prompt (median of 5) and 64 decode steps of one row. Prints medians per tree
 and the ratio this / REV. `--dtypes auto` keeps the GGUF's quantized weights (Q4_1 and Q8_0); `--kernel` forces one
 of the C kernels' variants in both trees (one this CPU can run: `jitllmd.engine.kernels.variants()`). `--model` takes
-another model instead (a .jlm, or a .gguf converted once with its own weights' dtypes), e.g. a larger one whose decode
-a kernel change shows in.
+another model instead (a .jlm, or a .gguf converted once per tree, by its own converter, with its own weights' dtypes),
+e.g. a larger one whose decode a kernel change shows in.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ print(256 / sorted(times)[2], 64 / (time.perf_counter() - t0))
 '''
 
 
+def convert_in(tree: Path, src: Path, out: Path, dtype: str) -> Path:
+    """`src` converted to `out` by the tree's own converter (a tree of another .jlm format version reads only its own)."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from jitllmd.engine.convert import convert; convert(sys.argv[2], sys.argv[3], sys.argv[4])"
+    subprocess.run([sys.executable, "-c", code, str(tree), str(src), str(out), dtype], check=True, capture_output=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev")
@@ -64,7 +71,6 @@ def main() -> None:
         ap.error(f"--model: no file {model}")
     sys.path.insert(0, str(ROOT))
     from jitllmd.embedded import default_gguf
-    from jitllmd.engine.convert import convert
 
     gguf = model or default_gguf()
     if gguf is None:
@@ -78,10 +84,11 @@ def main() -> None:
             trees = {a.rev: base, "this": ROOT}
             got: dict[tuple[str, str], list[tuple[float, float]]] = {}
             for dtype in dtypes:
-                jlm = gguf if gguf.suffix == ".jlm" else convert(gguf, d / f"model-{dtype}.jlm", dtype).path
+                jlms = {name: gguf if gguf.suffix == ".jlm" else convert_in(tree, gguf, d / f"model-{dtype}-{i}.jlm", dtype)
+                        for i, (name, tree) in enumerate(trees.items())}  # each tree's own converter: its own .jlm format
                 for r in range(a.rounds):
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                        cmd = [sys.executable, "-c", WORKER, str(trees[name]), str(jlm), a.kernel]
+                        cmd = [sys.executable, "-c", WORKER, str(trees[name]), str(jlms[name]), a.kernel]
                         out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
                         if out.returncode:
                             sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")

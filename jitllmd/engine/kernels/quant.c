@@ -1218,52 +1218,91 @@ static void gemm_quantize_item(void *arg, int64_t t) {
 /* The panel of weight rows o0 .. o0 + 7 (those past N zero), unpacked: codes [nb][8 steps][32 bytes], scales
  * [nb][gm_scales][8], offsets [nb][8]. Without prefetching, a few x rows' GEMM waited on memory: the hardware
  * follows 8-16 interleaved row streams poorly. */
+static const uint8_t zero_super[256]; /* a panel's missing rows' superblocks: zero scales, so nothing they sum counts */
+
+/* gemm_unpack of a K-format panel, a superblock at a time: each lane-order vector i (formats.py's lanes_) of the 8
+ * rows transposed as dwords gives, in its dword d = 4 h + k, codes 4 (i + 4 h) .. of the sub-blocks in lane k (two: a
+ * nibble each) for every row, which is the layout's step i + 4 h of those blocks; the fifth (Q5_K) and top two (Q6_K)
+ * bits likewise from the rows' qh transposed. Four transposes a superblock, where codes in ggml's order took eight. */
+static inline __attribute__((always_inline)) void gemm_unpack_k(const int type, const gemm_job *j, int64_t o0, uint8_t *codes, float *sc, float *off) {
+    const int64_t bytes = block_bytes(type);
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const int64_t ahead = GM_PF_ROWS * j->row_bytes; /* the same bytes of the rows GM_PF_ROWS on: a later panel's */
+    for (int64_t q = 0; q < j->nb / 8; q++) {
+        const uint8_t *p[GM_NR];
+        for (int r = 0; r < GM_NR; r++) {
+            p[r] = o0 + r < j->N ? j->W + (o0 + r) * j->row_bytes + q * bytes : zero_super;
+            if (o0 + r < j->N)
+                for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p[r] + l + ahead, _MM_HINT_T0);
+            if (type == Q6_K) {
+                const float d = f16(p[r] + 208);
+                for (int s = 0; s < 16; s++) sc[(q * 16 + s) * GM_NR + r] = d * (float)(int8_t)p[r][192 + s];
+                for (int s = 0; s < 8; s++) off[(q * 8 + s) * GM_NR + r] = 0.0f;
+            } else {
+                __m256 dsc, dmin_m;
+                float ksc[8], kmin[8];
+                k_scales(p[r], &dsc, &dmin_m);
+                _mm256_storeu_ps(ksc, dsc);
+                _mm256_storeu_ps(kmin, dmin_m);
+                for (int s = 0; s < 8; s++) sc[(q * 8 + s) * GM_NR + r] = ksc[s], off[(q * 8 + s) * GM_NR + r] = -kmin[s];
+            }
+        }
+        __m256i hb[2][GM_NR]; /* the rows' qh transposed: Q5_K's 32 bytes, Q6_K's two halves */
+        for (int h = 0; h < (type == Q6_K ? 2 : type == Q5_K ? 1 : 0); h++) {
+            for (int r = 0; r < GM_NR; r++) hb[h][r] = _mm256_loadu_si256((const __m256i *)(p[r] + (type == Q6_K ? 128 + 32 * h : 16)));
+            transpose8_epi32(hb[h]);
+        }
+        uint8_t *out = codes + q * 8 * 8 * 32; /* block 8q + jb, step s at ((8q + jb) * 8 + s) * 32 */
+        for (int i = 0; i < 4; i++) {
+            __m256i t[GM_NR];
+            for (int r = 0; r < GM_NR; r++) t[r] = _mm256_loadu_si256((const __m256i *)(k_codes(type, p[r]) + 32 * i));
+            transpose8_epi32(t);
+            for (int dw = 0; dw < 8; dw++) {
+                const int k = dw % 4, step = i + 4 * (dw / 4);
+                /* the lane's sub-blocks: Q4_K / Q5_K's 2k (low nibbles) and 2k + 1; Q6_K's ggml vector k is half k / 2's
+                 * ql[32 (k & 1) ..], its low nibbles sub-block 4 (k / 2) + (k & 1), its high that + 2 */
+                const int jl = type == Q6_K ? 4 * (k / 2) + (k & 1) : 2 * k, jh = type == Q6_K ? jl + 2 : jl + 1;
+                __m256i lo = _mm256_and_si256(t[dw], low4), hi = _mm256_and_si256(_mm256_srli_epi16(t[dw], 4), low4);
+                if (type == Q5_K) {
+                    lo = _mm256_or_si256(lo, bits_to_4(hb[0][step], jl, 0x10));
+                    hi = _mm256_or_si256(hi, bits_to_4(hb[0][step], jh, 0x10));
+                } else if (type == Q6_K) {
+                    lo = _mm256_or_si256(lo, bits_to_4(hb[jl / 4][step], 2 * (jl % 4), 0x30));
+                    hi = _mm256_or_si256(hi, bits_to_4(hb[jh / 4][step], 2 * (jh % 4), 0x30));
+                    if (!gm_biased(type)) lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(32)), hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));
+                }
+                _mm256_storeu_si256((__m256i *)(out + (jl * 8 + step) * 32), lo);
+                _mm256_storeu_si256((__m256i *)(out + (jh * 8 + step) * 32), hi);
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm_unpack(const int type, const gemm_job *j, int64_t o0, uint8_t *codes, float *sc, float *off) {
+    if (is_k(type)) {
+        gemm_unpack_k(type, j, o0, codes, sc, off);
+        return;
+    }
     const int64_t bytes = block_bytes(type);
     const uint8_t *row[GM_NR];
     for (int r = 0; r < GM_NR; r++) row[r] = o0 + r < j->N ? j->W + (o0 + r) * j->row_bytes : NULL;
-    float ksc[GM_NR][8], kmin[GM_NR][8];
-    __m256i kv[GM_NR][4]; /* a K-format superblock's codes per row, ggml's vectors (made at its first sub-block) */
     const int64_t ahead = GM_PF_ROWS * j->row_bytes; /* the same bytes of the rows GM_PF_ROWS on: a later panel's */
     for (int64_t b = 0; b < j->nb; b++) {
         __m256i c[GM_NR];
         for (int r = 0; r < GM_NR; r++) {
-            float s0 = 0.0f, s1 = 0.0f, m = 0.0f;
-            if (row[r] && (is_k(type) ? b % 8 == 0 : (b * bytes) % 64 < bytes)) /* each 64-byte line once (prefetches never fault) */
-                for (int64_t l = 0; l < (is_k(type) ? bytes : 1); l += 64)
-                    _mm_prefetch((const char *)row[r] + (is_k(type) ? b / 8 * bytes + l : b * bytes) + ahead, _MM_HINT_T0);
+            float s0 = 0.0f, m = 0.0f;
+            if (row[r] && (b * bytes) % 64 < bytes) /* each 64-byte line once (prefetches never fault) */
+                _mm_prefetch((const char *)row[r] + b * bytes + ahead, _MM_HINT_T0);
             if (!row[r]) {
                 c[r] = _mm256_setzero_si256();
-            } else if (!is_k(type)) {
+            } else {
                 const uint8_t *p = row[r] + b * bytes;
                 c[r] = codes32(type, p);
                 if (gm_biased(type)) c[r] = _mm256_xor_si256(c[r], _mm256_set1_epi8((char)0x80));
                 s0 = f16(p);
                 m = type == Q4_0 ? -8.0f * s0 : type == Q5_0 ? -16.0f * s0 : (type == Q4_1 || type == Q5_1) ? f16(p + 2) : 0.0f;
-            } else {
-                const uint8_t *p = row[r] + b / 8 * bytes;
-                const int sub = (int)(b % 8);
-                if (sub == 0) ggml_vectors(k_codes(type, p), kv[r]);
-                if (type == Q6_K) {
-                    c[r] = codes_q6k(kv[r][k_vector(type, sub)], p, sub);
-                    if (gm_biased(type)) c[r] = _mm256_add_epi8(c[r], _mm256_set1_epi8(32));
-                    const float d = f16(p + 208);
-                    s0 = d * (float)(int8_t)p[192 + 2 * sub];
-                    s1 = d * (float)(int8_t)p[192 + 2 * sub + 1];
-                } else {
-                    if (sub == 0) {
-                        __m256 dsc, dmin_m;
-                        k_scales(p, &dsc, &dmin_m);
-                        _mm256_storeu_ps(ksc[r], dsc);
-                        _mm256_storeu_ps(kmin[r], dmin_m);
-                    }
-                    c[r] = codes_k(type, kv[r][k_vector(type, sub)], p, sub);
-                    s0 = ksc[r][sub];
-                    m = -kmin[r][sub];
-                }
             }
-            sc[(b * gm_scales(type)) * GM_NR + r] = s0;
-            if (gm_scales(type) == 2) sc[(b * 2 + 1) * GM_NR + r] = s1;
+            sc[b * GM_NR + r] = s0;
             off[b * GM_NR + r] = m;
         }
         transpose8_epi32(c);
