@@ -134,17 +134,6 @@ static inline __m256i bits_to_4(__m256i v, int shift, char mask) {
     return _mm256_and_si256(shift <= 4 ? _mm256_slli_epi16(v, 4 - shift) : _mm256_srli_epi16(v, shift - 4), _mm256_set1_epi8(mask));
 }
 
-/* The K-formats' 128 code bytes (Q4_K / Q5_K's qs, Q6_K's ql) are held in lane order (formats.py's lanes_): vector i
- * holds, in 32-bit lane k of each 128-bit half, ggml's vector k's dword i of that half, so the dot products load their
- * vectors as they are. Ggml's vector c (its 32 bytes in element order) from them: the one row of their transpose. */
-static inline __m256i ggml_vector(const uint8_t *codes, const int c) {
-    const __m256i v0 = _mm256_loadu_si256((const __m256i *)codes), v1 = _mm256_loadu_si256((const __m256i *)(codes + 32));
-    const __m256i v2 = _mm256_loadu_si256((const __m256i *)(codes + 64)), v3 = _mm256_loadu_si256((const __m256i *)(codes + 96));
-    const __m256i a = c & 2 ? _mm256_unpackhi_epi32(v0, v1) : _mm256_unpacklo_epi32(v0, v1);
-    const __m256i b = c & 2 ? _mm256_unpackhi_epi32(v2, v3) : _mm256_unpacklo_epi32(v2, v3);
-    return c & 1 ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b);
-}
-
 /* Q4_K / Q5_K sub-block j (0..7) of a superblock b, given ggml's qs vector j / 2 (v: 2c's codes are the low nibbles
  * of qs[32c..], 2c+1's the high); Q5_K's fifth bit of element l is bit j of qh[l]. Unsigned, 0..31. */
 static inline __m256i codes_k(int type, __m256i v, const uint8_t *b, int j) {
@@ -375,7 +364,9 @@ static inline void transpose4(const __m256i *y, __m256i *v) {
     v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
     v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
 }
-/* All four of ggml's vectors of a K-format's codes held in lane order (ggml_vector's, at one transpose) */
+/* The K-formats' 128 code bytes (Q4_K / Q5_K's qs, Q6_K's ql) are held in lane order (formats.py's lanes_): vector i
+ * holds, in 32-bit lane k of each 128-bit half, ggml's vector k's dword i of that half, so the dot products load their
+ * vectors as they are. Ggml's four vectors (each 32 bytes in element order) from them: their transpose, its own inverse. */
 static inline void ggml_vectors(const uint8_t *codes, __m256i *y) {
     __m256i v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(codes + 32 * i));
@@ -1888,49 +1879,66 @@ static inline __m512 settled512(__m512 v) {
     return v;
 }
 
-/* Inputs 32 s .. 32 s + 31 of the row at w as 32 bf16 in order: the f32 values dequant_rows makes (the same
- * operations: a * q, then + b, never fused), rounded to nearest even. */
-static inline __attribute__((always_inline)) __m512i block_bf16(const int type, const uint8_t *w, int64_t s) {
-    __m256i q;
-    float a_lo, a_hi, b = 0.0f;
-    int with_b = 0;
-    if (is_k(type)) {
-        const uint8_t *sb = w + (s / 8) * block_bytes(type);
-        const int j = (int)(s % 8);
-        if (type == Q6_K) {
-            const float d = f16(sb + 208);
-            q = codes_q6k(ggml_vector(k_codes(type, sb), k_vector(type, j)), sb, j);
-            a_lo = d * (float)(int8_t)sb[192 + 2 * j], a_hi = d * (float)(int8_t)sb[193 + 2 * j];
-        } else {
-            __m256 dsc, dmin_m;
-            float sc[8], mn[8];
-            k_scales(sb, &dsc, &dmin_m);
-            _mm256_storeu_ps(sc, dsc);
-            _mm256_storeu_ps(mn, _mm256_sub_ps(_mm256_setzero_ps(), dmin_m));
-            q = codes_k(type, ggml_vector(k_codes(type, sb), k_vector(type, j)), sb, j);
-            a_lo = a_hi = sc[j], b = mn[j], with_b = 1;
-        }
-    } else {
-        const uint8_t *blk = w + s * block_bytes(type);
-        q = codes32(type, blk);
-        if (type == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-        if (type == Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-        a_lo = a_hi = f16(blk);
-        if (type == Q4_1 || type == Q5_1) b = f16(blk + 2), with_b = 1;
-    }
+/* 32 codes q (signed bytes) as bf16 in order: the f32 values dequant_rows makes (the same operations: a * q, then + b,
+ * never fused; a_lo for the first 16, a_hi the rest), rounded to nearest even. */
+static inline __attribute__((always_inline)) __m512i codes_bf16(__m256i q, float a_lo, float a_hi, float b, const int with_b) {
     __m512 lo = settled512(_mm512_mul_ps(_mm512_set1_ps(a_lo), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
     __m512 hi = settled512(_mm512_mul_ps(_mm512_set1_ps(a_hi), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
     if (with_b) lo = _mm512_add_ps(lo, _mm512_set1_ps(b)), hi = _mm512_add_ps(hi, _mm512_set1_ps(b));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* A 32-format's block at blk as 32 bf16 (codes_bf16) */
+static inline __attribute__((always_inline)) __m512i block_bf16(const int type, const uint8_t *blk) {
+    __m256i q = codes32(type, blk);
+    if (type == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    if (type == Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    const float d = f16(blk);
+    const int with_m = type == Q4_1 || type == Q5_1;
+    return codes_bf16(q, d, d, with_m ? f16(blk + 2) : 0.0f, with_m);
+}
+
+/* A K-format superblock at sb as its 8 sub-blocks' 32 bf16 each (codes_bf16): its codes back in ggml's order and its
+ * scales made once */
+static inline __attribute__((always_inline)) void super_bf16(const int type, const uint8_t *sb, __m512i *out) {
+    __m256i y[4];
+    ggml_vectors(k_codes(type, sb), y);
+    if (type == Q6_K) {
+        const float d = f16(sb + 208);
+        for (int j = 0; j < 8; j++)
+            out[j] = codes_bf16(codes_q6k(y[k_vector(type, j)], sb, j), d * (float)(int8_t)sb[192 + 2 * j], d * (float)(int8_t)sb[193 + 2 * j], 0.0f, 0);
+        return;
+    }
+    __m256 dsc, dmin_m;
+    float sc[8], mn[8];
+    k_scales(sb, &dsc, &dmin_m);
+    _mm256_storeu_ps(sc, dsc);
+    _mm256_storeu_ps(mn, _mm256_sub_ps(_mm256_setzero_ps(), dmin_m));
+    for (int j = 0; j < 8; j++) out[j] = codes_bf16(codes_k(type, y[k_vector(type, j)], sb, j), sc[j], sc[j], mn[j], 1);
+}
+
 /* The panel of W's rows w (n of them, the rest zero) in the pairs layout, 32 inputs at a time: 16 rows' blocks,
- * transposed as dwords (input pairs) */
+ * transposed as dwords (input pairs). A K-format's a superblock at a time, 8 blocks of the 16 rows. */
 static inline __attribute__((always_inline)) void pack_panel(const int type, const uint8_t *w, int64_t row_bytes, int n, int64_t K, uint8_t *panel) {
+    if (is_k(type)) {
+        for (int64_t q = 0; q < K / 256; q++)
+            for (int h = 0; h < 2; h++) {
+                __m512i in[8][16], col[8], out[16];
+                for (int r = 0; r < 16; r++) {
+                    if (16 * h + r < n) super_bf16(type, w + (16 * h + r) * row_bytes + q * block_bytes(type), col);
+                    for (int j = 0; j < 8; j++) in[j][r] = 16 * h + r < n ? col[j] : _mm512_setzero_si512();
+                }
+                for (int j = 0; j < 8; j++) {
+                    transpose16(in[j], out);
+                    for (int r = 0; r < 16; r++) _mm512_storeu_si512(panel + (8 * q + j) * 2048 + h * 1024 + r * 64, out[r]);
+                }
+            }
+        return;
+    }
     for (int64_t s = 0; s < K / 32; s++)
         for (int h = 0; h < 2; h++) {
             __m512i in[16], out[16];
-            for (int r = 0; r < 16; r++) in[r] = 16 * h + r < n ? block_bf16(type, w + (16 * h + r) * row_bytes, s) : _mm512_setzero_si512();
+            for (int r = 0; r < 16; r++) in[r] = 16 * h + r < n ? block_bf16(type, w + (16 * h + r) * row_bytes + s * block_bytes(type)) : _mm512_setzero_si512();
             transpose16(in, out);
             for (int r = 0; r < 16; r++) _mm512_storeu_si512(panel + s * 2048 + h * 1024 + r * 64, out[r]);
         }
