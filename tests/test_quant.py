@@ -205,11 +205,11 @@ def test_k_format_blocks_are_held_in_lane_order(tiny) -> None:
         k_fmt = formats.FORMATS[kind]
         old = tiny["d"] / f"v1-{kind}.jlm"
         spec = TensorSpec("head.lm_head.weight", torch.uint8, (2, k_fmt.row_bytes(256)), lambda k_fmt=k_fmt: torch.zeros(2, k_fmt.row_bytes(256), dtype=torch.uint8))
-        write_jlm(old, [spec], {"format_version": 1, "quantization": {spec.name: {"type": kind, "shape": [2, 256]}}})
+        write_jlm(old, [spec], {"format_version": 1, "source": {"kind": "gguf", "file": "tiny.gguf"}, "quantization": {spec.name: {"type": kind, "shape": [2, 256]}}})
         if ok:
             assert JLMFile(old).meta["format_version"] == 1
         else:
-            with pytest.raises(JLMError, match=r"older jitllmd \(.jlm format version 1\), whose Q4_K blocks .* convert its source again"):
+            with pytest.raises(JLMError, match=r"older jitllmd \(.jlm format version 1\), whose Q4_K blocks .* again \(jitllmd convert tiny.gguf -o v1-Q4_K.jlm\)"):
                 JLMFile(old)
 
 

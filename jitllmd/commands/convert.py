@@ -16,7 +16,7 @@ __all__ = ["convert"]
 def convert(
     source: Annotated[Path, typer.Argument(help="A .gguf file, a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or the embedded default's name (smollm2-135m-instruct or smol) for its packaged GGUF.", show_default=False)],
     output: Annotated[Path | None, typer.Option("-o", "-output", "--output", help="The .jlm to write. Default: the source's name with .jlm, in the current directory.", show_default=False)] = None,
-    dtype: Annotated[str, typer.Option("-dtype", "--dtype", help="Stored weight type. auto: a quantized GGUF keeps its own quantization (each tensor's blocks as they are), anything else bf16. f32, bf16, f16 (f16 computes in bf16 on the CPU). q8_0, q4_0, q4_k: quantized at convert, round to nearest per block (the head in Q8_0; a weight whose rows the block does not divide falls back to Q5_0, Q8_0, then f32).")] = "auto",
+    dtype: Annotated[str, typer.Option("-dtype", "--dtype", help="Stored weight type. auto: a quantized GGUF keeps its own quantization (each tensor's blocks as they are, a K-format's codes in the kernels' order), anything else bf16. f32, bf16, f16 (f16 computes in bf16 on the CPU). q8_0, q4_0, q4_k: quantized at convert, round to nearest per block (the head in Q8_0; a weight whose rows the block does not divide falls back to Q5_0, Q8_0, then f32).")] = "auto",
     force: Annotated[bool, typer.Option("-force", "--force", help="Replace the output if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("-json", "--json", help="Print the summary as one JSON object.")] = False,
 ) -> None:

@@ -335,8 +335,10 @@ class JLMFile:
         if self.meta.get("format_version") == 1:
             old = sorted({str(e.get("type")) for e in quant.values() if (f := FORMATS.get(str(e.get("type")))) is not None and f.lanes >= 0})
             if old:
+                source = self.meta.get("source")
+                src = (source.get("file") or source.get("dir") if isinstance(source, dict) else None) or "SOURCE"  # what it was made from
                 raise JLMError(f"{self.path}: converted by an older jitllmd (.jlm format version 1), whose {', '.join(old)} blocks this one "
-                               f"reads in another order: convert its source again (jitllmd convert SOURCE {self.path.name})")
+                               f"reads in another order: convert its source again (jitllmd convert {src} -o {self.path.name})")
         config = self.meta.get("config") or {}
         if (layers := config.get("num_layers")) is not None:
             held = sorted({int(m.group(1)) for n in self._index if (m := _BLOCK.match(n))})
