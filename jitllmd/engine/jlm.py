@@ -144,12 +144,14 @@ def write_jlm(
                         opened[file] = files.enter_context(open(file, "rb")).fileno()
                     if fmt is None:
                         _copy_range(opened[file], fd, at, spec.nbytes, spec.name)
-                    else:
-                        t = torch.empty(spec.nbytes, dtype=torch.uint8)
-                        _read_range(opened[file], t, at, spec.name)
-                        lanes_(t.view(-1, fmt.nbytes), fmt)
-                        _write_all(fd, t.numpy().data)
-                        del t
+                    else:  # read, reordered and written a run of whole blocks at a time
+                        step = _CHUNK // fmt.nbytes * fmt.nbytes
+                        buf = torch.empty(min(step, spec.nbytes), dtype=torch.uint8)
+                        for pos in range(0, spec.nbytes, step):
+                            part = buf[: min(step, spec.nbytes - pos)]
+                            _read_range(opened[file], part, at + pos, spec.name)
+                            lanes_(part.view(-1, fmt.nbytes), fmt)
+                            _write_all(fd, part.numpy().data)
                 else:
                     t = spec.produce()
                     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:

@@ -53,10 +53,11 @@ class QFormat:
 def lanes_(blocks: torch.Tensor, fmt: QFormat) -> None:
     """blocks [n, nbytes] of `fmt` (a view of its rows) with their code bytes swapped, in place, between ggml's order
     and lane order (either way: the map is its own inverse); nothing where `fmt` keeps ggml's order."""
-    if fmt.lanes < 0 or not blocks.numel():
+    if fmt.lanes < 0:
         return
-    n, codes = blocks.shape[0], blocks[:, fmt.lanes : fmt.lanes + 128]
-    codes.copy_(codes.reshape(n, 4, 2, 4, 4).transpose(1, 3).reshape(n, 128))  # reshaped strided: a copy, then written back
+    for at in range(0, blocks.shape[0], 1 << 14):  # 2-3 MB at a time: the copy below stays in cache, not a tensor's size
+        codes = blocks[at : at + (1 << 14), fmt.lanes : fmt.lanes + 128]
+        codes.copy_(codes.reshape(-1, 4, 2, 4, 4).transpose(1, 3).reshape(-1, 128))  # reshaped strided: a copy, then written back
 
 
 def to_lanes(blocks: torch.Tensor, fmt: QFormat) -> torch.Tensor:
