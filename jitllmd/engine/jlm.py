@@ -26,6 +26,7 @@ __all__ = [
     "JLMError",
     "JLMFile",
     "TensorSpec",
+    "pread_into",
     "remove_stale_parts",
     "write_jlm",
 ]
@@ -149,7 +150,7 @@ def write_jlm(
                         buf = torch.empty(min(step, spec.nbytes), dtype=torch.uint8)
                         for pos in range(0, spec.nbytes, step):
                             part = buf[: min(step, spec.nbytes - pos)]
-                            _read_range(opened[file], part, at + pos, spec.name)
+                            pread_into(opened[file], part.numpy().data.cast("B"), at + pos, f"{spec.name}: its source file ends short of its data")
                             lanes_(part.view(-1, fmt.nbytes), fmt)
                             _write_all(fd, part.numpy().data)
                 else:
@@ -183,13 +184,13 @@ def _lane_format(meta: dict[str, Any], spec: TensorSpec) -> QFormat | None:
     return fmt
 
 
-def _read_range(src: int, into: torch.Tensor, offset: int, name: str) -> None:
-    """Fill the uint8 tensor `into` from `src` at `offset`."""
-    view, done = into.numpy().data.cast("B"), 0
-    while done < len(view):
-        n = os.preadv(src, [view[done:]], offset + done)
+def pread_into(fd: int, buf: memoryview, offset: int, ended: str) -> None:
+    """Fill `buf` from `fd` at `offset` (preads may come back short); JLMError(`ended`) where the file ends first."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
-            raise JLMError(f"{name}: its source file ends {len(view) - done} bytes short of its data")
+            raise JLMError(ended)
         done += n
 
 

@@ -485,8 +485,7 @@ static inline __attribute__((always_inline)) void unpack_group(const int type, c
         k_scales(b, &dsc, &dmin_m);
         g->off = _mm256_sub_ps(_mm256_setzero_ps(), dmin_m);
         k_dw(dsc, g->dw);
-        const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(qs + 32 * i)); /* lane order */
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(k_codes(type, b) + 32 * i)); /* lane order */
         for (int i = 0; i < 4; i++) {
             g->w[2 * i] = _mm256_and_si256(v[i], low4);
             g->w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
@@ -650,9 +649,8 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256 dsc, dmin_m;
     k_scales(b, &dsc, &dmin_m);
-    const uint8_t *qs = b + (type == Q5_K ? 48 : 16);
     __m256i v[4], sum[2];
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(qs + 32 * i)); /* lane order */
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(k_codes(type, b) + 32 * i)); /* lane order */
     const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
         __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
@@ -1206,9 +1204,6 @@ static void gemm_quantize_item(void *arg, int64_t t) {
 #define GM_PF_ROWS 16 /* rows ahead a panel's unpacking prefetches: a pool item's runs are consecutive, the next rows its own */
 #endif
 
-/* The panel of weight rows o0 .. o0 + 7 (those past N zero), unpacked: codes [nb][8 steps][32 bytes], scales
- * [nb][gm_scales][8], offsets [nb][8]. Without prefetching, a few x rows' GEMM waited on memory: the hardware
- * follows 8-16 interleaved row streams poorly. */
 static const uint8_t zero_super[256]; /* a panel's missing rows' superblocks: zero scales, so nothing they sum counts */
 
 /* gemm_unpack of a K-format panel, a superblock at a time: each lane-order vector i (formats.py's lanes_) of the 8
@@ -1269,6 +1264,9 @@ static inline __attribute__((always_inline)) void gemm_unpack_k(const int type, 
     }
 }
 
+/* The panel of weight rows o0 .. o0 + 7 (those past N zero), unpacked: codes [nb][8 steps][32 bytes], scales
+ * [nb][gm_scales][8], offsets [nb][8]. Without prefetching, a few x rows' GEMM waited on memory: the hardware
+ * follows 8-16 interleaved row streams poorly. */
 static inline __attribute__((always_inline)) void gemm_unpack(const int type, const gemm_job *j, int64_t o0, uint8_t *codes, float *sc, float *off) {
     if (is_k(type)) {
         gemm_unpack_k(type, j, o0, codes, sc, off);
@@ -1641,30 +1639,37 @@ static inline void emit32(__m256i q, __m256 a_lo, __m256 a_hi, __m256 b, int wit
 }
 
 /* One row (type a constant at each call site) to out at element `at`. */
+/* A K-format superblock sb's 8 sub-blocks: codes q[j] (signed, element order) and their weights a * q + b (a_lo for
+ * elements 0-15, a_hi for 16-31; b, the mins' -(dmin * m), only where the format has them: returns whether) */
+static inline __attribute__((always_inline)) int k_super(const int type, const uint8_t *sb, __m256i *q, float *a_lo, float *a_hi, float *b) {
+    __m256i y[4];
+    ggml_vectors(k_codes(type, sb), y);
+    if (type == Q6_K) {
+        const float d = f16(sb + 208);
+        for (int j = 0; j < 8; j++) {
+            q[j] = codes_q6k(y[k_vector(type, j)], sb, j);
+            a_lo[j] = d * (float)(int8_t)sb[192 + 2 * j], a_hi[j] = d * (float)(int8_t)sb[193 + 2 * j], b[j] = 0.0f;
+        }
+        return 0;
+    }
+    __m256 dsc, dmin_m;
+    k_scales(sb, &dsc, &dmin_m);
+    _mm256_storeu_ps(a_lo, dsc);
+    _mm256_storeu_ps(a_hi, dsc);
+    _mm256_storeu_ps(b, _mm256_sub_ps(_mm256_setzero_ps(), dmin_m)); /* d q - dmin m = d q + (-(dmin m)) exactly */
+    for (int j = 0; j < 8; j++) q[j] = codes_k(type, y[k_vector(type, j)], sb, j);
+    return 1;
+}
+
 static inline __attribute__((always_inline)) void dequant_row(const int type, const uint8_t *w, int64_t K, void *out, int64_t at, int bf16) {
     const int64_t bytes = block_bytes(type);
-    if (type == Q4_K || type == Q5_K || type == Q6_K) {
+    if (is_k(type)) {
         for (int64_t s = 0; s < K / 256; s++, at += 256) {
-            const uint8_t *b = w + s * bytes;
-            float dsc[8], dmin_m[8];
-            __m256i y[4];
-            ggml_vectors(k_codes(type, b), y);
-            if (type == Q6_K) {
-                const float d = f16(b + 208);
-                for (int j = 0; j < 8; j++) {
-                    const __m256 lo = _mm256_set1_ps(d * (float)(int8_t)b[192 + 2 * j]), hi = _mm256_set1_ps(d * (float)(int8_t)b[193 + 2 * j]);
-                    emit32(codes_q6k(y[k_vector(type, j)], b, j), lo, hi, lo, 0, out, at + 32 * j, bf16);
-                }
-                continue;
-            }
-            __m256 a, m;
-            k_scales(b, &a, &m);
-            _mm256_storeu_ps(dsc, a);
-            _mm256_storeu_ps(dmin_m, _mm256_sub_ps(_mm256_setzero_ps(), m)); /* d q - dmin m = d q + (-(dmin m)) exactly */
-            for (int j = 0; j < 8; j++) {
-                const __m256 aj = _mm256_set1_ps(dsc[j]);
-                emit32(codes_k(type, y[k_vector(type, j)], b, j), aj, aj, _mm256_set1_ps(dmin_m[j]), 1, out, at + 32 * j, bf16);
-            }
+            __m256i q[8];
+            float a_lo[8], a_hi[8], b[8];
+            const int with_b = k_super(type, w + s * bytes, q, a_lo, a_hi, b);
+            for (int j = 0; j < 8; j++)
+                emit32(q[j], _mm256_set1_ps(a_lo[j]), _mm256_set1_ps(a_hi[j]), _mm256_set1_ps(b[j]), with_b, out, at + 32 * j, bf16);
         }
         return;
     }
@@ -1898,35 +1903,18 @@ static inline __attribute__((always_inline)) __m512i block_bf16(const int type, 
     return codes_bf16(q, d, d, with_m ? f16(blk + 2) : 0.0f, with_m);
 }
 
-/* A K-format superblock at sb as its 8 sub-blocks' 32 bf16 each (codes_bf16): its codes back in ggml's order and its
- * scales made once */
-static inline __attribute__((always_inline)) void super_bf16(const int type, const uint8_t *sb, __m512i *out) {
-    __m256i y[4];
-    ggml_vectors(k_codes(type, sb), y);
-    if (type == Q6_K) {
-        const float d = f16(sb + 208);
-        for (int j = 0; j < 8; j++)
-            out[j] = codes_bf16(codes_q6k(y[k_vector(type, j)], sb, j), d * (float)(int8_t)sb[192 + 2 * j], d * (float)(int8_t)sb[193 + 2 * j], 0.0f, 0);
-        return;
-    }
-    __m256 dsc, dmin_m;
-    float sc[8], mn[8];
-    k_scales(sb, &dsc, &dmin_m);
-    _mm256_storeu_ps(sc, dsc);
-    _mm256_storeu_ps(mn, _mm256_sub_ps(_mm256_setzero_ps(), dmin_m));
-    for (int j = 0; j < 8; j++) out[j] = codes_bf16(codes_k(type, y[k_vector(type, j)], sb, j), sc[j], sc[j], mn[j], 1);
-}
-
 /* The panel of W's rows w (n of them, the rest zero) in the pairs layout, 32 inputs at a time: 16 rows' blocks,
- * transposed as dwords (input pairs). A K-format's a superblock at a time, 8 blocks of the 16 rows. */
+ * transposed as dwords (input pairs). A K-format's a superblock at a time (k_super), 8 blocks of the 16 rows. */
 static inline __attribute__((always_inline)) void pack_panel(const int type, const uint8_t *w, int64_t row_bytes, int n, int64_t K, uint8_t *panel) {
     if (is_k(type)) {
         for (int64_t q = 0; q < K / 256; q++)
             for (int h = 0; h < 2; h++) {
-                __m512i in[8][16], col[8], out[16];
+                __m512i in[8][16], out[16];
                 for (int r = 0; r < 16; r++) {
-                    if (16 * h + r < n) super_bf16(type, w + (16 * h + r) * row_bytes + q * block_bytes(type), col);
-                    for (int j = 0; j < 8; j++) in[j][r] = 16 * h + r < n ? col[j] : _mm512_setzero_si512();
+                    __m256i c[8];
+                    float a_lo[8], a_hi[8], b[8];
+                    const int with_b = 16 * h + r < n ? k_super(type, w + (16 * h + r) * row_bytes + q * block_bytes(type), c, a_lo, a_hi, b) : 0;
+                    for (int j = 0; j < 8; j++) in[j][r] = 16 * h + r < n ? codes_bf16(c[j], a_lo[j], a_hi[j], b[j], with_b) : _mm512_setzero_si512();
                 }
                 for (int j = 0; j < 8; j++) {
                     transpose16(in[j], out);

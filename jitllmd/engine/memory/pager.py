@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..jlm import JLMError, JLMFile
+from ..jlm import JLMError, JLMFile, pread_into
 
 __all__ = ["ROW_BLOCKS", "BlockReader", "Layout", "PagedRows", "Pager", "ReadStats"]
 
@@ -143,12 +143,7 @@ class BlockReader:
             s.seconds += seconds
 
     def _pread(self, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
-            if n == 0:
-                raise JLMError(f"{self.jlm.path}: the file ended while reading it (truncated since it was opened?)")
-            done += n
+        pread_into(self._fd, buf, offset, f"{self.jlm.path}: the file ended while reading it (truncated since it was opened?)")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
