@@ -33,6 +33,23 @@ def test_every_chunk_runs_once(n: int, threads: int) -> None:
     assert (run(n, threads) == 1).all()
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8, 63])
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 96, 384, 1120, 37_984, 100_003, 10_000_000])
+def test_runs_shrink_to_a_short_tail(n: int, threads: int) -> None:
+    """A job's runs cover [0, n) once, in order, never grow, start at half of each thread's share (one long stream over
+    the weights) and end no longer than n / 128 (or one chunk): the wait at a job's end on another thread's last run
+    is that short, where equal runs of n / (8 threads) made it up to an eighth of a thread's share."""
+    bound = np.zeros(257, dtype=np.int64)
+    runs = rows_kernel().pool_test_runs(n, threads, bound.ctypes.data)
+    assert 1 <= runs <= 256
+    sizes = np.diff(bound[: runs + 1])
+    assert bound[0] == 0 and bound[runs] == n and (sizes > 0).all()
+    least = -(-n // 128)
+    assert sizes[0] == max(-(-n // (2 * threads)), least)
+    assert (np.diff(sizes) <= 0).all() and sizes[-1] <= least
+    assert runs <= 2 * threads * (1 + max(np.log(128 / (2 * threads)), 0)) + 2 * threads + 1  # a few claims a thread, not one a chunk
+
+
 def test_back_to_back_calls() -> None:
     """Thousands of short jobs: a worker late for one must not run (or miss) chunks of the next."""
     rng = np.random.default_rng(0)

@@ -207,6 +207,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pool_test_sum.restype = ctypes.c_int64
     lib.pool_test_nested.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.pool_test_nested.restype = ctypes.c_int64
+    lib.pool_test_runs.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.pool_test_runs.restype = ctypes.c_int64
     lib.pool_test_workers.argtypes = []
     lib.pool_test_workers.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
