@@ -198,6 +198,16 @@ static inline int64_t x_slot(int64_t t, int64_t per_row, int64_t half) { return 
 
 static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
 
+/* A K-format's one x row without AVX-512 (one_k) takes x compact: its vectors 32 bytes apart, a group's 256 codes
+ * GB apart, xd's and xs's 16 floats a group (an accumulator's 8, then the next's). In the pairs' layout a row's x
+ * takes twice its bytes in cache lines; a 1536 x 8960 projection's x (27 KB there, 13 compact) was pushed out of L1
+ * by each row's weights, and its reloads held up the weights' stream from memory. */
+#ifdef HAVE_VNNI512
+static inline int x_compact(int type, int64_t T) { (void)type, (void)T; return 0; }
+#else
+static inline int x_compact(int type, int64_t T) { return T == 1 && is_k(type); }
+#endif
+
 /* vectors a 32-format row's short last group of m blocks packs into (pack_tail) */
 static inline int tail_vectors(int64_t m) { return m <= 2 ? 2 : m <= 4 ? 4 : NV; }
 
@@ -281,15 +291,15 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
  * products' sum (group_dot): accumulator a's four vectors' pairs summed, 32 * (x_2j + x_2j+1), in xc's vector a (xc:
  * the row's xs slot, its second vector 16 floats on). Each int16 of q's products then minus its correction is
  * sum((q - 32) x) over 8 products, within 8 * 32 * 127 < 2^15: exact, however the int16 additions on the way wrap. */
-static inline void q6k_sums(const int8_t *xg, float *xc) {
+static inline void q6k_sums(const int8_t *xg, float *xc, const int xv, const int fa) {
     for (int a = 0; a < 2; a++) {
         __m256i s = _mm256_setzero_si256();
 #ifdef HAVE_VNNI /* q6k_one's at one row (Q6K_ONE_PLAIN): each int32 lane's 32 * sum(x) */
-        for (int k = a; k < NV; k += 2) s = dpbusd256(s, _mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k)));
+        for (int k = a; k < NV; k += 2) s = dpbusd256(s, _mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + xv * k)));
 #else
-        for (int k = a; k < NV; k += 2) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + XV * k))));
+        for (int k = a; k < NV; k += 2) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + xv * k))));
 #endif
-        _mm256_storeu_si256((__m256i *)(xc + 16 * a), s);
+        _mm256_storeu_si256((__m256i *)(xc + fa * a), s);
     }
 }
 
@@ -312,36 +322,38 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
  * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0. */
-static void quantize_row(int type, int biased, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng, int64_t np,
-                         int8_t *xq, float *xd, float *xs, int8_t *x16) {
+static void quantize_row(int type, int biased, int compact, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng,
+                         int64_t np, int8_t *xq, float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
+    const int xv = compact ? 32 : XV, fa = compact ? 8 : 16;         /* x_compact's layout, or the pairs' */
+    const int64_t gq = compact ? GB : np * 2 * GB, gf = compact ? 16 : np * 32;
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
     for (int v = 0; v < NV; v++)
         for (int L = 0; L < 8; L++) {
             int block, elem;
             x_lane(type, v, L, &block, &elem);
-            at[block][elem / 4] = XV * v + 4 * L;
+            at[block][elem / 4] = xv * v + 4 * L;
         }
     const __m256i bias = _mm256_set1_epi8(biased ? (char)0x80 : 0);
     for (int64_t g = 0; g < ng; g++) {
         float d[8] = {0};
-        int8_t *xg = xq + g * np * 2 * GB;
+        int8_t *xg = xq + g * gq;
         const int nv = is_k(type) ? NV : tail_vectors(nb - 8 * g);
-        for (int v = 0; v < NV; v++) memset(xg + XV * v, biased ? 0x80 : 0, 32);
+        for (int v = 0; v < NV; v++) memset(xg + xv * v, biased ? 0x80 : 0, 32);
         for (int j = 0; j < 8 && 8 * g + j < nb; j++) {
             int sum;
             int8_t codes[QB];
             __m256 v[4];
             input_block(input, x, K, (8 * g + j) * QB, norm_w, scale, v);
             _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(quantize_block(v, &d[j], &sum), bias));
-            for (int c = 0; c < 8; c++) memcpy(xg + (nv < NV ? XV * (c % nv) + 4 * (c / nv * nv + j) : at[j][c]), codes + 4 * c, 4);
-            xs[g * np * 32 + j] = d[j] * (float)sum;
+            for (int c = 0; c < 8; c++) memcpy(xg + (nv < NV ? xv * (c % nv) + 4 * (c / nv * nv + j) : at[j][c]), codes + 4 * c, 4);
+            xs[g * gf + j] = d[j] * (float)sum;
         }
-        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * np * 32 + j] = 0.0f;
+        for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * gf + j] = 0.0f;
         for (int a = 0; a < 2; a++)
-            for (int L = 0; L < 8; L++) xd[g * np * 32 + 16 * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
-        if (type == Q6_K && !biased) q6k_sums(xg, xs + g * np * 32);
+            for (int L = 0; L < 8; L++) xd[g * gf + fa * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
+        if (type == Q6_K && !biased) q6k_sums(xg, xs + g * gf, xv, fa);
         if (x16) x16_group(xg, x16 + 2 * g * np * 2 * GB);
     }
 }
@@ -615,7 +627,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
 /* Q6_K at one x row without VNNI: unpack_group's codes and group_dot's sums a vector pair at a time, each pair's
  * products taken as it is made (the same integers, then the same f32 steps: the same bits). Made whole first, the
  * group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
-static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
+static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv, const int fa) {
     __m256i v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
@@ -624,9 +636,9 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     for (int i = 0; i < 4; i++) {
         __m256i lo, hi;
         q6k_codes(v[i], ulo, uhi, i, &lo, &hi);
-        const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
-        const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
-        if (i == 0) sum[0] = _mm256_sub_epi16(p0, _mm256_loadu_si256((const __m256i *)xc)), sum[1] = _mm256_sub_epi16(p1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
+        const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i))));
+        const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i + 1))));
+        if (i == 0) sum[0] = _mm256_sub_epi16(p0, _mm256_loadu_si256((const __m256i *)xc)), sum[1] = _mm256_sub_epi16(p1, _mm256_loadu_si256((const __m256i *)(xc + fa)));
         else sum[0] = _mm256_add_epi16(sum[0], p0), sum[1] = _mm256_add_epi16(sum[1], p1);
     }
     const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
@@ -634,7 +646,7 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     __m256 part[2];
     for (int a = 0; a < 2; a++) {
         const __m256i s = _mm256_madd_epi16(sum[a], q6k_scales(scales, a));
-        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + fa * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
 }
@@ -645,7 +657,8 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
 /* Q4_K / Q5_K at one x row without AVX-512, likewise: each vector pair's codes (and Q5_K's fifth bits) made and their
  * products added into the accumulator's sum at once (int16 without VNNI, int32 with AVX-VNNI's dpbusd), then
  * group_dot's steps (Q5_K's made whole spilled). */
-static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs) {
+static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs,
+                                                            const int xv, const int fa) {
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256 dsc, dmin_m;
     k_scales(b, &dsc, &dmin_m);
@@ -655,7 +668,7 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     for (int i = 0; i < 4; i++) {
         __m256i w0 = _mm256_and_si256(v[i], low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
         if (type == Q5_K) q5k_bits(qh, i, &w0, &w1);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))), x1 = _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1)));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i))), x1 = _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i + 1)));
 #ifdef HAVE_VNNI
         sum[0] = dpbusd256(i ? sum[0] : _mm256_setzero_si256(), w0, x0);
         sum[1] = dpbusd256(i ? sum[1] : _mm256_setzero_si256(), w1, x1);
@@ -672,7 +685,7 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     k_dw(dsc, dw);
     /* group_dot's fma(.., .., -dmin_m * xs): the negation exact, so this fmsub's bits */
     const __m256 part0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), _mm256_mul_ps(dmin_m, _mm256_loadu_ps(xs)));
-    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + 16)), _mm256_setzero_ps());
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + fa)), _mm256_setzero_ps());
     return _mm256_add_ps(part0, part1);
 }
 #endif
@@ -708,7 +721,7 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
  * llama.cpp's AVX-VNNI build -> 0.86-0.89x (x biased, the codes' sums by dpbusd alongside; plain x then took 0.84-0.86x
  * that time, bench/rows_kernel.py --dims), Q5_K 1.02-1.08x -> 1.12-1.17x; Q8_0's likewise measured slower than the
  * group's path, so it keeps that. */
-static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc) {
+static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv, const int fa) {
     __m256i v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
@@ -717,8 +730,8 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     for (int i = 0; i < 4; i++) {
         __m256i lo, hi;
         q6k_codes(v[i], ulo, uhi, i, &lo, &hi);
-        sum[0] = dpbusd256(sum[0], lo, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i))));
-        sum[1] = dpbusd256(sum[1], hi, _mm256_loadu_si256((const __m256i *)(xg + XV * (2 * i + 1))));
+        sum[0] = dpbusd256(sum[0], lo, _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i))));
+        sum[1] = dpbusd256(sum[1], hi, _mm256_loadu_si256((const __m256i *)(xg + xv * (2 * i + 1))));
     }
     const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 8, 10, 1, 3, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
@@ -726,8 +739,8 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
     const __m256 dw = _mm256_set1_ps(f16(b + 208));
     __m256 part[2];
     for (int a = 0; a < 2; a++) {
-        const __m256i s = _mm256_mullo_epi32(_mm256_sub_epi32(sum[a], _mm256_loadu_si256((const __m256i *)(xc + 16 * a))), a ? sc1 : sc0);
-        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + 16 * a)), _mm256_setzero_ps());
+        const __m256i s = _mm256_mullo_epi32(_mm256_sub_epi32(sum[a], _mm256_loadu_si256((const __m256i *)(xc + fa * a))), a ? sc1 : sc0);
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(d + fa * a)), _mm256_setzero_ps());
     }
     return _mm256_add_ps(part[0], part[1]);
 }
@@ -865,9 +878,9 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
             const int8_t *q = xq + g * np * 2 * GB;
             const float *d = xd + g * np * 32, *s = xs + g * np * 32;
 #ifdef HAVE_VNNI
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s) : k45_one(type, b, q, d, s));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, XV, 16) : k45_one(type, b, q, d, s, XV, 16));
 #else
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s) : type == Q8_0 ? q80_one(b, bytes, q, d) : k45_one(type, b, q, d, s));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, XV, 16) : type == Q8_0 ? q80_one(b, bytes, q, d) : k45_one(type, b, q, d, s, XV, 16));
 #endif
             continue;
         }
@@ -953,6 +966,26 @@ static inline __m128 hsum4(const __m256 *v) {
 typedef void (*one_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *, const float *, float *, const float *,
                        int64_t);
 
+#ifndef HAVE_VNNI512
+/* A K-format weight row's sum against one compact x row (x_compact), superblock by superblock as dot_acc's one-row
+ * path takes them: the same bits. */
+static inline __attribute__((always_inline)) __m256 one_k(const int type, const uint8_t *w, int64_t ng, const int8_t *xq, const float *xd,
+                                                          const float *xs) {
+    const int64_t bytes = block_bytes(type);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *b = w + g * bytes;
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + PF_DIST + l, _MM_HINT_T0);
+        const int8_t *q = xq + g * GB;
+        const float *d = xd + g * 16, *s = xs + g * 16;
+        acc = _mm256_add_ps(acc, type == Q6_K ? q6k_one(b, q, d, s, 32, 8) : k45_one(type, b, q, d, s, 32, 8));
+    }
+    return acc;
+}
+#else
+#define one_k(...) _mm256_setzero_ps() /* x_compact is never true with AVX-512 */
+#endif
+
 /* `count` consecutive weight rows (row_bytes apart) against one x row: y[o] (+ r[o]) for o < count. Each row's lanes
  * as dot_rows takes them, four rows' sums reduced together (hsum4): one call and one reduction's latency per four
  * rows where row_fn paid them per row (SmolLM2's 576-input rows are 18 blocks: its set-up and hsum were a fifth of
@@ -963,11 +996,16 @@ typedef void (*one_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t 
         int64_t o = 0;                                                                                                     \
         for (; o + 4 <= count; o += 4) {                                                                                   \
             __m256 acc[4];                                                                                                 \
-            for (int i = 0; i < 4; i++) dot_acc(TYPE, 1, w + (o + i) * row_bytes, nb, ng, 1, xq, xd, xs, NULL, acc + i);   \
+            for (int i = 0; i < 4; i++)                                                                                    \
+                if (x_compact(TYPE, 1)) acc[i] = one_k(TYPE, w + (o + i) * row_bytes, ng, xq, xd, xs);                     \
+                else dot_acc(TYPE, 1, w + (o + i) * row_bytes, nb, ng, 1, xq, xd, xs, NULL, acc + i);                      \
             const __m128 s = hsum4(acc);                                                                                   \
             _mm_storeu_ps(y + o, r ? _mm_add_ps(_mm_loadu_ps(r + o), s) : s);                                              \
         }                                                                                                                  \
-        for (; o < count; o++) dot_rows(TYPE, 1, w + o * row_bytes, nb, ng, 1, xq, xd, xs, NULL, y + o, 0, r ? r + o : NULL, 0); \
+        for (; o < count; o++)                                                                                             \
+            if (x_compact(TYPE, 1)) y[o] = r ? r[o] + hsum(one_k(TYPE, w + o * row_bytes, ng, xq, xd, xs))                 \
+                                             : hsum(one_k(TYPE, w + o * row_bytes, ng, xq, xd, xs));                       \
+            else dot_rows(TYPE, 1, w + o * row_bytes, nb, ng, 1, xq, xd, xs, NULL, y + o, 0, r ? r + o : NULL, 0);         \
     }
 
 ONE_FN(one_q4_0, Q4_0)
@@ -1020,7 +1058,7 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, x_biased_at(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
+    quantize_row(j->type, x_biased_at(j->type, j->T), x_compact(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
                  j->nb, j->ng, (j->T + 1) / 2, j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8),
                  j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
