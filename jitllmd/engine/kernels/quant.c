@@ -198,15 +198,13 @@ static inline int64_t x_slot(int64_t t, int64_t per_row, int64_t half) { return 
 
 static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
 
-/* A K-format's one x row without AVX-512 (one_k) takes x compact: its vectors 32 bytes apart, a group's 256 codes
- * GB apart, xd's and xs's 16 floats a group (an accumulator's 8, then the next's). In the pairs' layout a row's x
- * takes twice its bytes in cache lines; a 1536 x 8960 projection's x (27 KB there, 13 compact) was pushed out of L1
- * by each row's weights, and its reloads held up the weights' stream from memory. */
-#ifdef HAVE_VNNI512
-static inline int x_compact(int type, int64_t T) { (void)type, (void)T; return 0; }
-#else
-static inline int x_compact(int type, int64_t T) { return T == 1 && is_k(type); }
-#endif
+/* One x row (T = 1: a decode step's) goes compact: its vectors XC bytes apart, a group's 256 codes GB apart, xd's
+ * and xs's 16 floats a group (an accumulator's 8, then the next's). In the pairs' layout a row's x takes twice its
+ * bytes in cache lines: a 1536 x 8960 projection's x (27 KB there, 13 compact) left L1 under each row's weights, and
+ * its reloads held up the weights' stream from memory (bench/rows_kernel.py --dims 9216x8960 --tokens 1: 0.59x the
+ * time for Q4_K, 0.62x Q6_K, avx2+fma, 2 threads). The kernels take x's vector stride xv (XV or XC) and the floats
+ * from one accumulator's d to the next's, fa (16 or 8). */
+#define XC 32
 
 /* vectors a 32-format row's short last group of m blocks packs into (pack_tail) */
 static inline int tail_vectors(int64_t m) { return m <= 2 ? 2 : m <= 4 ? 4 : NV; }
@@ -325,7 +323,7 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
 static void quantize_row(int type, int biased, int compact, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng,
                          int64_t np, int8_t *xq, float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
-    const int xv = compact ? 32 : XV, fa = compact ? 8 : 16;         /* x_compact's layout, or the pairs' */
+    const int xv = compact ? XC : XV, fa = compact ? 8 : 16;         /* one row's compact layout (XC), or the pairs' */
     const int64_t gq = compact ? GB : np * 2 * GB, gf = compact ? 16 : np * 32;
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
@@ -580,9 +578,9 @@ static inline __m256i fold(__m256i s, const int nv) {
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
 static inline __attribute__((always_inline)) __m256 group_dot(const int type, const int nv, const group_t *g, const int8_t *xg, const float *d,
-                                                             __m256 os, const float *xc) {
+                                                             __m256 os, const float *xc, const int xv, const int fa) {
     const int na = num_acc(type);
-#define X(k) _mm256_loadu_si256((const __m256i *)(xg + XV * (k)))
+#define X(k) _mm256_loadu_si256((const __m256i *)(xg + xv * (k)))
     __m256 part[2];
     for (int a = 0; a < na; a++) {
         __m256i s = _mm256_setzero_si256();
@@ -603,7 +601,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
         } else if (type == Q6_K) { /* q (0..63) times x, the four vectors' int16 sums less 32 sum(x) (q6k_sums), times sc */
             const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a], X(a)), _mm256_maddubs_epi16(g->w[a + 2], X(a + 2)));
             const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(g->w[a + 4], X(a + 4)), _mm256_maddubs_epi16(g->w[a + 6], X(a + 6)));
-            s = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_add_epi16(lo, hi), _mm256_loadu_si256((const __m256i *)(xc + 16 * a))), g->sc[a]);
+            s = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_add_epi16(lo, hi), _mm256_loadu_si256((const __m256i *)(xc + fa * a))), g->sc[a]);
         } else {
             const int run = type == Q4_0 || type == Q4_1 || type == Q4_K ? 8 : 4; /* vectors per int16 sum */
             for (int k0 = a; k0 < nv; k0 += run * na) {
@@ -617,7 +615,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
         }
 #endif
         if (nv < NV) s = fold(s, nv);
-        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + 16 * a)), a == 0 ? os : _mm256_setzero_ps());
+        part[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g->dw[a], _mm256_loadu_ps(d + fa * a)), a == 0 ? os : _mm256_setzero_ps());
     }
     return na == 1 ? part[0] : _mm256_add_ps(part[0], part[1]);
 #undef X
@@ -694,7 +692,7 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
 
 /* Q8_0 at one x row without VNNI, likewise: eight blocks' d, then each half of their codes transposed and its products
  * taken (block L's in lane L, summed in int32 in any order: the same integers), then group_dot's f32 steps. */
-static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, int64_t bytes, const int8_t *xg, const float *d) {
+static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, int64_t bytes, const int8_t *xg, const float *d, const int xv) {
     __m128i hd = _mm_setzero_si128();
 #define LANE(j) hd = _mm_insert_epi16(hd, rd16(b + (j) * bytes), j);
     LANE(0) LANE(1) LANE(2) LANE(3) LANE(4) LANE(5) LANE(6) LANE(7)
@@ -705,7 +703,7 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
         for (int p = 0; p < 4; p++) y[p] = load_pair(b + p * bytes + 2 + 16 * h, b + (p + 4) * bytes + 2 + 16 * h);
         transpose4(y, w);
         for (int k = 0; k < 4; k++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xg + XV * (4 * h + k)));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xg + xv * (4 * h + k)));
             s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(x, w[k])), _mm256_set1_epi16(1)));
         }
     }
@@ -826,7 +824,8 @@ static inline __attribute__((always_inline)) void q80_rows(const int n, const in
  * pair at a time into acc2 (row 2p's in the low half of acc2[p]), an odd last row alone into acc[n - 1]; without,
  * each row alone into acc[t]. Row t's x at its x_slot. */
 static inline __attribute__((always_inline)) void group_rows(const int type, const int n, const int nv, const group_t *grp, const int8_t *xq,
-                                                             const float *xd, const float *xs, const int8_t *x16, __m256 *acc, pair_acc *acc2) {
+                                                             const float *xd, const float *xs, const int8_t *x16, __m256 *acc, pair_acc *acc2,
+                                                             const int xv) {
     int t = 0;
 #ifdef HAVE_VNNI512
     if (n >= 2) {
@@ -851,7 +850,8 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #pragma GCC unroll 16
     for (; t < n; t++) {
         const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 16, 8))) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 16, 8)));
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 16, 8), xv,
+                                                 xv == XC ? 8 : 16)); /* xv XC: one row, t = 0 */
     }
 }
 
@@ -860,8 +860,10 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
  * PF_DIST ahead: the hardware's prefetcher alone leaves a row's loads waiting on memory while the integer work waits
  * on them. */
 static inline __attribute__((always_inline)) void dot_acc(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng, int64_t np,
-                                                          const int8_t *xq, const float *xd, const float *xs, const int8_t *x16, __m256 *acc) {
+                                                          const int8_t *xq, const float *xd, const float *xs, const int8_t *x16, __m256 *acc,
+                                                          const int xv) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
+    const int64_t gq = xv == XC ? GB : np * 2 * GB, gf = xv == XC ? 16 : np * 32; /* a group's codes, its floats: x compact or in pairs */
     pair_acc acc2[WIDE_GROUP / 2];
     group_t grp;
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
@@ -875,28 +877,29 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
         /* one x row: the group's products as its codes are made (Q6_K with AVX-VNNI where x is plain: T = 1, np = 1) */
         if (n == 1 && ((is_k(type) && !(Q6K_ONE_PLAIN && type == Q6_K && np != 1)) || (type == Q8_0 && !x_biased(type)))) {
             const uint8_t *b = w + (is_k(type) ? g : 8 * g) * bytes;
-            const int8_t *q = xq + g * np * 2 * GB;
-            const float *d = xd + g * np * 32, *s = xs + g * np * 32;
+            const int8_t *q = xq + g * gq;
+            const float *d = xd + g * gf, *s = xs + g * gf;
+            const int fa = xv == XC ? 8 : 16;
 #ifdef HAVE_VNNI
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, XV, 16) : k45_one(type, b, q, d, s, XV, 16));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv, fa) : k45_one(type, b, q, d, s, xv, fa));
 #else
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, XV, 16) : type == Q8_0 ? q80_one(b, bytes, q, d) : k45_one(type, b, q, d, s, XV, 16));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv, fa) : type == Q8_0 ? q80_one(b, bytes, q, d, xv) : k45_one(type, b, q, d, s, xv, fa));
 #endif
             continue;
         }
 #endif
         unpack_group(type, w + (is_k(type) ? g : 8 * g) * bytes, bytes, 8, NV, &grp);
-        group_rows(type, n, NV, &grp, xq + g * np * 2 * GB, xd + g * np * 32, xs + g * np * 32, x16 ? x16 + 2 * g * np * 2 * GB : NULL, acc, acc2);
+        group_rows(type, n, NV, &grp, xq + g * gq, xd + g * gf, xs + g * gf, x16 ? x16 + 2 * g * np * 2 * GB : NULL, acc, acc2, xv);
     }
     if (full < ng) { /* a 32-format row's short last group, packed where it fits fewer vectors */
         const int m = (int)(nb - 8 * full), nv = tail_vectors(m);
-        const int8_t *q = xq + full * np * 2 * GB;
-        const float *d = xd + full * np * 32, *s = xs + full * np * 32;
+        const int8_t *q = xq + full * gq;
+        const float *d = xd + full * gf, *s = xs + full * gf;
         const int8_t *q16 = x16 ? x16 + 2 * full * np * 2 * GB : NULL;
         const uint8_t *b = w + 8 * full * bytes;
-        if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, q16, acc, acc2);
-        else if (nv == 4) unpack_group(type, b, bytes, m, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, q16, acc, acc2);
-        else unpack_group(type, b, bytes, m, NV, &grp), group_rows(type, n, NV, &grp, q, d, s, q16, acc, acc2);
+        if (nv == 2) unpack_group(type, b, bytes, m, 2, &grp), group_rows(type, n, 2, &grp, q, d, s, q16, acc, acc2, xv);
+        else if (nv == 4) unpack_group(type, b, bytes, m, 4, &grp), group_rows(type, n, 4, &grp, q, d, s, q16, acc, acc2, xv);
+        else unpack_group(type, b, bytes, m, NV, &grp), group_rows(type, n, NV, &grp, q, d, s, q16, acc, acc2, xv);
     }
 #ifdef HAVE_VNNI512
     for (int p = 0; p < n / 2; p++) acc[2 * p] = _mm512_castps512_ps256(acc2[p]), acc[2 * p + 1] = _mm512_extractf32x8_ps(acc2[p], 1);
@@ -905,9 +908,9 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
 
 static inline __attribute__((always_inline)) void dot_rows(const int type, const int n, const uint8_t *w, int64_t nb, int64_t ng, int64_t np,
                                                            const int8_t *xq, const float *xd, const float *xs, const int8_t *x16, float *y,
-                                                           int64_t ldy, const float *r, int64_t ldr) {
+                                                           int64_t ldy, const float *r, int64_t ldr, const int xv) {
     __m256 acc[WIDE_GROUP];
-    dot_acc(type, n, w, nb, ng, np, xq, xd, xs, x16, acc); /* then y[t * ldy] for t < n, plus r[t * ldr] where r is given */
+    dot_acc(type, n, w, nb, ng, np, xq, xd, xs, x16, acc, xv); /* then y[t * ldy] for t < n, plus r[t * ldr] where r is given */
     if (r)
         for (int t = 0; t < n; t++) y[t * ldy] = r[t * ldr] + hsum(acc[t]);
     else
@@ -930,15 +933,15 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const 
             const float *rt = r ? r + t0 * ldr : NULL;                                                                     \
             n = T - t0 >= WIDE_GROUP ? WIDE_GROUP : T - t0 < GROUP ? T - t0 : GROUP;                    \
             switch (n) {                                                                                                   \
-            case 1: dot_rows(TYPE, 1, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 2: dot_rows(TYPE, 2, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 3: dot_rows(TYPE, 3, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 4: dot_rows(TYPE, 4, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 5: dot_rows(TYPE, 5, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 6: dot_rows(TYPE, 6, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 7: dot_rows(TYPE, 7, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            case 8: dot_rows(TYPE, 8, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;                                              \
-            default: dot_rows(TYPE, WIDE_GROUP, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr); break;              \
+            case 1: dot_rows(TYPE, 1, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 2: dot_rows(TYPE, 2, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 3: dot_rows(TYPE, 3, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 4: dot_rows(TYPE, 4, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 5: dot_rows(TYPE, 5, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 6: dot_rows(TYPE, 6, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 7: dot_rows(TYPE, 7, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            case 8: dot_rows(TYPE, 8, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;                                          \
+            default: dot_rows(TYPE, WIDE_GROUP, w, nb, ng, np, q, d, s, q16, yt, ldy, rt, ldr, XV); break;          \
             }                                                                                                              \
         }                                                                                                                  \
     }
@@ -966,26 +969,6 @@ static inline __m128 hsum4(const __m256 *v) {
 typedef void (*one_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *, const float *, float *, const float *,
                        int64_t);
 
-#ifndef HAVE_VNNI512
-/* A K-format weight row's sum against one compact x row (x_compact), superblock by superblock as dot_acc's one-row
- * path takes them: the same bits. */
-static inline __attribute__((always_inline)) __m256 one_k(const int type, const uint8_t *w, int64_t ng, const int8_t *xq, const float *xd,
-                                                          const float *xs) {
-    const int64_t bytes = block_bytes(type);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *b = w + g * bytes;
-        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + PF_DIST + l, _MM_HINT_T0);
-        const int8_t *q = xq + g * GB;
-        const float *d = xd + g * 16, *s = xs + g * 16;
-        acc = _mm256_add_ps(acc, type == Q6_K ? q6k_one(b, q, d, s, 32, 8) : k45_one(type, b, q, d, s, 32, 8));
-    }
-    return acc;
-}
-#else
-#define one_k(...) _mm256_setzero_ps() /* x_compact is never true with AVX-512 */
-#endif
-
 /* `count` consecutive weight rows (row_bytes apart) against one x row: y[o] (+ r[o]) for o < count. Each row's lanes
  * as dot_rows takes them, four rows' sums reduced together (hsum4): one call and one reduction's latency per four
  * rows where row_fn paid them per row (SmolLM2's 576-input rows are 18 blocks: its set-up and hsum were a fifth of
@@ -996,16 +979,11 @@ static inline __attribute__((always_inline)) __m256 one_k(const int type, const 
         int64_t o = 0;                                                                                                     \
         for (; o + 4 <= count; o += 4) {                                                                                   \
             __m256 acc[4];                                                                                                 \
-            for (int i = 0; i < 4; i++)                                                                                    \
-                if (x_compact(TYPE, 1)) acc[i] = one_k(TYPE, w + (o + i) * row_bytes, ng, xq, xd, xs);                     \
-                else dot_acc(TYPE, 1, w + (o + i) * row_bytes, nb, ng, 1, xq, xd, xs, NULL, acc + i);                      \
+            for (int i = 0; i < 4; i++) dot_acc(TYPE, 1, w + (o + i) * row_bytes, nb, ng, 1, xq, xd, xs, NULL, acc + i, XC); \
             const __m128 s = hsum4(acc);                                                                                   \
             _mm_storeu_ps(y + o, r ? _mm_add_ps(_mm_loadu_ps(r + o), s) : s);                                              \
         }                                                                                                                  \
-        for (; o < count; o++)                                                                                             \
-            if (x_compact(TYPE, 1)) y[o] = r ? r[o] + hsum(one_k(TYPE, w + o * row_bytes, ng, xq, xd, xs))                 \
-                                             : hsum(one_k(TYPE, w + o * row_bytes, ng, xq, xd, xs));                       \
-            else dot_rows(TYPE, 1, w + o * row_bytes, nb, ng, 1, xq, xd, xs, NULL, y + o, 0, r ? r + o : NULL, 0);         \
+        for (; o < count; o++) dot_rows(TYPE, 1, w + o * row_bytes, nb, ng, 1, xq, xd, xs, NULL, y + o, 0, r ? r + o : NULL, 0, XC); \
     }
 
 ONE_FN(one_q4_0, Q4_0)
@@ -1058,7 +1036,7 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, x_biased_at(j->type, j->T), x_compact(j->type, j->T), j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
+    quantize_row(j->type, x_biased_at(j->type, j->T), j->T == 1, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
                  j->nb, j->ng, (j->T + 1) / 2, j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8),
                  j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
