@@ -22,7 +22,7 @@ __all__ = ["MIN_GAIN", "PROBE_GAIN", "PROBE_SHARE", "SPEC_MODES", "Adaptive", "N
 DRAFT_MAX = 8  # the most tokens a row guesses a step (-draft-max)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # the lengths of the suffix prompt lookup matches, longest first
 # A step's time as a + b * tokens: b / a before the engine has fitted its own (StepCost). A row of k + 1 tokens reads
-# the weights once, but on a CPU's few cores its products are much of a step: measured 0.21-0.28 a token on 2 Zen 5
+# the weights once, but on a CPU's few cores its products are much of a step: measured 0.21-0.28 a token on 2 Zen 4
 # cores for Qwen2.5-Coder 0.5B and 1.5B Q4_K_M (0.12-0.29 for SmolLM2 Q8_0; the AVX2 kernels the dearer), i.e. b / a
 # about 0.33 (bench/speculative.py prints it)
 PRIOR_PER_TOKEN = 0.33
@@ -50,7 +50,7 @@ PENALTY_UP, PENALTY_DOWN, PENALTY_EASE = 1.15, 0.95, 0.99
 # A row probes only where guesses can pay well: `most` of them, every one taken, would yield at least this many plain
 # steps' tokens in a step's time. Each probe of a draft model costs the row's tokens read through it since the last
 # (the prompt too, at the first), and real rates fall short of every guess taken: where the cost model said 1.2-1.3x
-# at a perfect rate, drafting measured at or below plain decoding (Qwen2.5-Coder-0.5B for the 1.5B, 2 Zen 5 cores).
+# at a perfect rate, drafting measured at or below plain decoding (Qwen2.5-Coder-0.5B for the 1.5B, 2 Zen 4 cores).
 PROBE_GAIN = 1.3
 
 
@@ -74,7 +74,7 @@ class StepCost:
     (the median of its last MEASURED_LAST steps, once it has MEASURED of them), else a + b * tokens fitted by least
     squares (older steps weighing less), else the prior b / a. A step's seconds are not linear in its tokens where the
     kernels take rows in groups: on AVX2 a row of 9 tokens costs a pass of 8 and another of 1 over the weights, and
-    the few-row kernel's rows grow dearer past ~5 (Qwen2.5-Coder-1.5B Q4_K_M, 2 Zen 5 cores, avx2+fma forced: prompt
+    the few-row kernel's rows grow dearer past ~5 (Qwen2.5-Coder-1.5B Q4_K_M, 2 Zen 4 cores, avx2+fma forced: prompt
     lookup on a code edit, medians of 2: at most 5 guesses a step 1.94x plain decoding, at most 8 1.68x); measured
     counts find that."""
 

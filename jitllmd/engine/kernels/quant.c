@@ -767,7 +767,7 @@ static inline __attribute__((always_inline)) void widen_group(const int type, co
 }
 
 /* group_dot for a pair of rows, the first in the low half: the same operations lane for lane, so the same bits, in
- * half the instructions (on Zen 5 a 512-bit dpbusd measured about as quick as a 256-bit one). xg, d, xs: the pair's. */
+ * half the instructions (on Zen 4 a 512-bit dpbusd measured about as quick as a 256-bit one). xg, d, xs: the pair's. */
 static inline __attribute__((always_inline)) __m512 pair_dot(const int type, const int nv, const group2_t *z, const int8_t *xg, const float *d,
                                                             const float *xs) {
     const int na = num_acc(type), sign = type == Q8_0 || type == Q6_K;
@@ -793,7 +793,7 @@ typedef __m256 pair_acc; /* unused: without AVX-512 each row goes alone */
 
 #ifndef HAVE_VNNI
 /* From this many rows a chunk takes q80_rows; fewer keep the sign trick, whose x needs no second copy (rows_kernel.py,
- * Zen 5, avx2+fma: 2 and 4 rows 5-10% slower through q80_rows, 8 and 16 rows 12% faster) */
+ * Zen 4, avx2+fma: 2 and 4 rows 5-10% slower through q80_rows, 8 and 16 rows 12% faster) */
 #define Q80_WIDE_MIN 6
 /* Q8_0 without VNNI, n <= GROUP x rows against a group, from x's int16 pairs (x16_group): vector by vector, each
  * vector's codes made int16 pairs once for all n rows, whose int32 sums stay in registers. Two madds a vector and row
@@ -1515,7 +1515,7 @@ static inline __attribute__((always_inline)) void gemm_tile2w(const int m, const
             __m256i e0 = _mm256_load_si256(c0 + 2 * s), o0v = _mm256_load_si256(c0 + 2 * s + 1);
             __m256i e1 = _mm256_load_si256(c1 + 2 * s), o1v = _mm256_load_si256(c1 + 2 * s + 1);
             /* in registers: else GCC takes them as the madds' memory operands, three loads each a step where the core
-             * loads two 256-bit vectors a cycle (Zen 5), as many as it multiplies (0.91-0.94x the time, T = 128) */
+             * loads two 256-bit vectors a cycle (Zen 4), as many as it multiplies (0.91-0.94x the time, T = 128) */
             __asm__("" : "+x"(e0), "+x"(o0v), "+x"(e1), "+x"(o1v));
             for (int r = 0; r < m; r++) {
                 const int16_t *x = j->x16 + (t0 + r) * K + b * QB + 4 * s;

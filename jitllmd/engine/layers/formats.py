@@ -262,7 +262,7 @@ def _short(avx2: int, avx_vnni: int, vnni: int, bf16: int, amx: int) -> dict[str
     return {"avx2+fma": avx2, "avx2+vnni": avx_vnni, "avx512+vnni": vnni, "avx512+bf16": bf16, "avx512+amx": amx}
 
 
-# `short` from bench/short_prompt.py on 2 Zen 5 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-02:
+# `short` from bench/short_prompt.py on 2 Zen 4 cores (avx2+fma forced, avx512+vnni forced, avx512+bf16), 2026-12-02:
 # a [3072, 1024] projection's crossover, the few-row kernel against a prompt chunk's product (the int8 GEMM; bf16 on
 # the bf16 variant) on weights read from memory (96 MB of copies a pass: warm in the caches the GEMM won from 1
 # token), rounded down to the token counts measured and to where --followup agreed at the model (Qwen 0.5B's Q5_0
