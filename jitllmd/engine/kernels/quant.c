@@ -319,7 +319,8 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
 /* One input row of K = 32 nb values (made from x's row as `input` says), laid out for `type` in ng groups at its
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
- * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0. */
+ * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0.
+ * compact: the row alone (T = 1), in the layout XC's comment gives: vectors XC apart, d's 8 apart, 16 floats a group. */
 static void quantize_row(int type, int biased, int compact, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng,
                          int64_t np, int8_t *xq, float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
