@@ -202,9 +202,12 @@ static inline int num_acc(int type) { return is_k(type) ? 2 : 1; }
  * and xs's 16 floats a group (an accumulator's 8, then the next's). In the pairs' layout a row's x takes twice its
  * bytes in cache lines: a 1536 x 8960 projection's x (27 KB there, 13 compact) left L1 under each row's weights, and
  * its reloads held up the weights' stream from memory (bench/rows_kernel.py --dims 9216x8960 --tokens 1: 0.59x the
- * time for Q4_K, 0.62x Q6_K, avx2+fma, 2 threads). The kernels take x's vector stride xv (XV or XC) and the floats
- * from one accumulator's d to the next's, fa (16 or 8). */
+ * time for Q4_K, 0.62x Q6_K, avx2+fma, 2 threads). The kernels take x's vector stride xv (XV or XC, a constant at
+ * each call site); the rest of the layout follows from it. */
 #define XC 32
+static inline int x_fa(int xv) { return xv == XC ? 8 : 16; } /* floats from one accumulator's d (or sums) to the next's */
+static inline int64_t x_gq(int xv, int64_t np) { return xv == XC ? GB : np * 2 * GB; } /* a group's codes, np pairs' */
+static inline int64_t x_gf(int xv, int64_t np) { return xv == XC ? 16 : np * 32; }     /* a group's floats in xd, xs */
 
 /* vectors a 32-format row's short last group of m blocks packs into (pack_tail) */
 static inline int tail_vectors(int64_t m) { return m <= 2 ? 2 : m <= 4 ? 4 : NV; }
@@ -289,7 +292,7 @@ static inline __m256i quantize_block(const __m256 *v, float *d, int *sum) {
  * products' sum (group_dot): accumulator a's four vectors' pairs summed, 32 * (x_2j + x_2j+1), in xc's vector a (xc:
  * the row's xs slot, its second vector 16 floats on). Each int16 of q's products then minus its correction is
  * sum((q - 32) x) over 8 products, within 8 * 32 * 127 < 2^15: exact, however the int16 additions on the way wrap. */
-static inline void q6k_sums(const int8_t *xg, float *xc, const int xv, const int fa) {
+static inline void q6k_sums(const int8_t *xg, float *xc, const int xv) {
     for (int a = 0; a < 2; a++) {
         __m256i s = _mm256_setzero_si256();
 #ifdef HAVE_VNNI /* q6k_one's at one row (Q6K_ONE_PLAIN): each int32 lane's 32 * sum(x) */
@@ -297,7 +300,7 @@ static inline void q6k_sums(const int8_t *xg, float *xc, const int xv, const int
 #else
         for (int k = a; k < NV; k += 2) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_loadu_si256((const __m256i *)(xg + xv * k))));
 #endif
-        _mm256_storeu_si256((__m256i *)(xc + fa * a), s);
+        _mm256_storeu_si256((__m256i *)(xc + x_fa(xv) * a), s);
     }
 }
 
@@ -320,12 +323,12 @@ static inline void x16_group(const int8_t *xg, int8_t *out) {
  * slots in its pair (x_slot), the groups' slabs np pairs apart: codes xq (vectors XV bytes apart; a 32-format's short
  * last group packed as pack_tail packs the weights), each group's block d in accumulator-lane order (xd: 8 floats an
  * accumulator, 16 apart) and d * sum(q) in block order (xs: 8 floats, or Q6_K's corrections). Missing blocks are 0.
- * compact: the row alone (T = 1), in the layout XC's comment gives: vectors XC apart, d's 8 apart, 16 floats a group. */
-static void quantize_row(int type, int biased, int compact, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng,
+ * xv: XV, or XC for a row alone (T = 1), in the layout XC's comment gives. */
+static void quantize_row(int type, int biased, int xv, int input, const float *x, const float *norm_w, float eps, int64_t nb, int64_t ng,
                          int64_t np, int8_t *xq, float *xd, float *xs, int8_t *x16) {
     const int64_t K = nb * QB;
-    const int xv = compact ? XC : XV, fa = compact ? 8 : 16;         /* one row's compact layout (XC), or the pairs' */
-    const int64_t gq = compact ? GB : np * 2 * GB, gf = compact ? 16 : np * 32;
+    const int fa = x_fa(xv);
+    const int64_t gq = x_gq(xv, np), gf = x_gf(xv, np);
     const __m256 scale = _mm256_set1_ps(input == NORMED ? inv_rms(x, K, eps) : 0.0f);
     int at[8][8]; /* at[block][chunk]: where a block's elements 4 chunk .. 4 chunk + 3 go in its group */
     for (int v = 0; v < NV; v++)
@@ -352,7 +355,7 @@ static void quantize_row(int type, int biased, int compact, int input, const flo
         for (int j = (int)(nb - 8 * g); j < 8; j++) xs[g * gf + j] = 0.0f;
         for (int a = 0; a < 2; a++)
             for (int L = 0; L < 8; L++) xd[g * gf + fa * a + L] = a < num_acc(type) ? d[acc_block(type, a, L)] : 0.0f;
-        if (type == Q6_K && !biased) q6k_sums(xg, xs + g * gf, xv, fa);
+        if (type == Q6_K && !biased) q6k_sums(xg, xs + g * gf, xv);
         if (x16) x16_group(xg, x16 + 2 * g * np * 2 * GB);
     }
 }
@@ -579,8 +582,8 @@ static inline __m256i fold(__m256i s, const int nv) {
  * two vectors of one row at a time, measured no faster on Sapphire Rapids: pairing the vectors costs what it saves;
  * two rows at a time, pair_dot, needs no pairing.) */
 static inline __attribute__((always_inline)) __m256 group_dot(const int type, const int nv, const group_t *g, const int8_t *xg, const float *d,
-                                                             __m256 os, const float *xc, const int xv, const int fa) {
-    const int na = num_acc(type);
+                                                             __m256 os, const float *xc, const int xv) {
+    const int na = num_acc(type), fa = x_fa(xv);
 #define X(k) _mm256_loadu_si256((const __m256i *)(xg + xv * (k)))
     __m256 part[2];
     for (int a = 0; a < na; a++) {
@@ -626,7 +629,8 @@ static inline __attribute__((always_inline)) __m256 group_dot(const int type, co
 /* Q6_K at one x row without VNNI: unpack_group's codes and group_dot's sums a vector pair at a time, each pair's
  * products taken as it is made (the same integers, then the same f32 steps: the same bits). Made whole first, the
  * group's eight vectors, its scales and the accumulator spilled to the stack at one row. */
-static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv, const int fa) {
+static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv) {
+    const int fa = x_fa(xv);
     __m256i v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
@@ -657,7 +661,7 @@ static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, co
  * products added into the accumulator's sum at once (int16 without VNNI, int32 with AVX-VNNI's dpbusd), then
  * group_dot's steps (Q5_K's made whole spilled). */
 static inline __attribute__((always_inline)) __m256 k45_one(const int type, const uint8_t *b, const int8_t *xg, const float *d, const float *xs,
-                                                            const int xv, const int fa) {
+                                                            const int xv) {
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256 dsc, dmin_m;
     k_scales(b, &dsc, &dmin_m);
@@ -684,7 +688,7 @@ static inline __attribute__((always_inline)) __m256 k45_one(const int type, cons
     k_dw(dsc, dw);
     /* group_dot's fma(.., .., -dmin_m * xs): the negation exact, so this fmsub's bits */
     const __m256 part0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw[0], _mm256_loadu_ps(d)), _mm256_mul_ps(dmin_m, _mm256_loadu_ps(xs)));
-    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + fa)), _mm256_setzero_ps());
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(dw[1], _mm256_loadu_ps(d + x_fa(xv))), _mm256_setzero_ps());
     return _mm256_add_ps(part0, part1);
 }
 #endif
@@ -720,7 +724,8 @@ static inline __attribute__((always_inline)) __m256 q80_one(const uint8_t *b, in
  * llama.cpp's AVX-VNNI build -> 0.86-0.89x (x biased, the codes' sums by dpbusd alongside; plain x then took 0.84-0.86x
  * that time, bench/rows_kernel.py --dims), Q5_K 1.02-1.08x -> 1.12-1.17x; Q8_0's likewise measured slower than the
  * group's path, so it keeps that. */
-static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv, const int fa) {
+static inline __attribute__((always_inline)) __m256 q6k_one(const uint8_t *b, const int8_t *xg, const float *d, const float *xc, const int xv) {
+    const int fa = x_fa(xv);
     __m256i v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i)); /* lane order */
     const __m256i h0 = _mm256_loadu_si256((const __m256i *)(b + 128)), h1 = _mm256_loadu_si256((const __m256i *)(b + 160));
@@ -851,8 +856,7 @@ static inline __attribute__((always_inline)) void group_rows(const int type, con
 #pragma GCC unroll 16
     for (; t < n; t++) {
         const __m256 os = has_offset(type) ? _mm256_mul_ps(grp->off, _mm256_loadu_ps(xs + x_slot(t, 16, 8))) : _mm256_setzero_ps();
-        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 16, 8), xv,
-                                                 xv == XC ? 8 : 16)); /* xv XC: one row, t = 0 */
+        acc[t] = _mm256_add_ps(acc[t], group_dot(type, nv, grp, xq + x_slot(t, GB, 32), xd + x_slot(t, 16, 8), os, xs + x_slot(t, 16, 8), xv)); /* xv XC: one row, t = 0 */
     }
 }
 
@@ -864,7 +868,7 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
                                                           const int8_t *xq, const float *xd, const float *xs, const int8_t *x16, __m256 *acc,
                                                           const int xv) {
     const int64_t bytes = block_bytes(type), full = is_k(type) ? ng : nb / 8;
-    const int64_t gq = xv == XC ? GB : np * 2 * GB, gf = xv == XC ? 16 : np * 32; /* a group's codes, its floats: x compact or in pairs */
+    const int64_t gq = x_gq(xv, np), gf = x_gf(xv, np);
     pair_acc acc2[WIDE_GROUP / 2];
     group_t grp;
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
@@ -880,11 +884,10 @@ static inline __attribute__((always_inline)) void dot_acc(const int type, const 
             const uint8_t *b = w + (is_k(type) ? g : 8 * g) * bytes;
             const int8_t *q = xq + g * gq;
             const float *d = xd + g * gf, *s = xs + g * gf;
-            const int fa = xv == XC ? 8 : 16;
 #ifdef HAVE_VNNI
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv, fa) : k45_one(type, b, q, d, s, xv, fa));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv) : k45_one(type, b, q, d, s, xv));
 #else
-            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv, fa) : type == Q8_0 ? q80_one(b, bytes, q, d, xv) : k45_one(type, b, q, d, s, xv, fa));
+            acc[0] = _mm256_add_ps(acc[0], type == Q6_K ? q6k_one(b, q, d, s, xv) : type == Q8_0 ? q80_one(b, bytes, q, d, xv) : k45_one(type, b, q, d, s, xv));
 #endif
             continue;
         }
@@ -1037,7 +1040,7 @@ typedef struct {
 
 static void quantize_item(void *arg, int64_t t) {
     const rows_job *j = arg;
-    quantize_row(j->type, x_biased_at(j->type, j->T), j->T == 1, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
+    quantize_row(j->type, x_biased_at(j->type, j->T), j->T == 1 ? XC : XV, j->input, j->x + t * (IS_GATED(j->input) ? 2 * j->K : j->K), j->norm_w, j->eps,
                  j->nb, j->ng, (j->T + 1) / 2, j->xq + x_slot(t, GB, 32), j->xd + x_slot(t, 16, 8), j->xs + x_slot(t, 16, 8),
                  j->x16 ? j->x16 + 2 * x_slot(t, GB, 32) : NULL);
 }
